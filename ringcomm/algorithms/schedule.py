@@ -1,0 +1,123 @@
+"""Schedules: a collective as plain data, one list of steps per rank.
+
+An algorithm never touches a socket. It returns, for one rank, the ordered steps that rank
+performs: send a region to a peer, receive a region from a peer (copying it in, or reducing
+it into local data), or copy a region locally. Regions name a buffer role (``data`` for
+in-place ops, ``input``/``output`` for out-of-place ones, ``scratch`` for partial results)
+and an element range, so one schedule serves every dtype and every buffer type.
+
+Because it is data, the same schedule is executed for real, run in one process over
+in-memory channels by the tests, priced by a cost model, and printed for teaching
+(``print(schedule)``).
+
+Sends never block (channels queue them), so a schedule only has to put every receive after
+the sends it depends on; segments are ordered so that a rank forwards segment ``k`` as soon
+as it has reduced it, which is what pipelines a ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Kind(Enum):
+    SEND = "send"
+    RECV = "recv"  # receive and copy into dst
+    RECV_REDUCE = "recv+reduce"  # receive, dst = src (op) received
+    COPY = "copy"  # local copy src -> dst
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """``count`` elements of buffer ``buf`` starting at element ``offset``."""
+
+    buf: str
+    offset: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.buf}[{self.offset}:{self.offset + self.count}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One action of one rank. ``final`` marks the receive that completes a reduction.
+
+    ``phase``, ``round``, ``chunk`` and ``segment`` exist for people: they label the step in
+    printouts and traces and play no part in execution.
+    """
+
+    kind: Kind
+    peer: int = -1
+    src: Region | None = None
+    dst: Region | None = None
+    final: bool = False
+    phase: str = ""
+    round: int = 0
+    chunk: int = -1
+    segment: int = 0
+
+    def describe(self) -> str:
+        where = f"{self.phase} round {self.round}"
+        if self.chunk >= 0:
+            where += f", chunk {self.chunk} seg {self.segment}"
+        if self.kind is Kind.SEND:
+            return f"send {self.src} -> rank {self.peer}   ({where})"
+        if self.kind is Kind.RECV:
+            return f"recv {self.dst} <- rank {self.peer}   ({where})"
+        if self.kind is Kind.RECV_REDUCE:
+            fin = ", final" if self.final else ""
+            return f"recv from rank {self.peer}, {self.dst} = {self.src} (op) msg   ({where}{fin})"
+        return f"copy {self.src} -> {self.dst}   ({where})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The steps of one rank for one collective; ``scratch`` is the scratch it needs (elements)."""
+
+    collective: str
+    algorithm: str
+    rank: int
+    world_size: int
+    steps: tuple[Step, ...]
+    scratch: int = 0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.collective} ({self.algorithm}), rank {self.rank} of {self.world_size}, "
+            f"{len(self.steps)} steps"
+        )
+        lines = [head] + [f"  {i:4d}  {s.describe()}" for i, s in enumerate(self.steps)]
+        return "\n".join(lines)
+
+    def messages(self) -> tuple[int, int]:
+        """(messages sent, elements sent): what the cost model and the teaching views count."""
+        sends = [s for s in self.steps if s.kind is Kind.SEND]
+        return len(sends), sum(s.src.count for s in sends if s.src is not None)
+
+
+class StepList:
+    """A small builder that keeps algorithm code short and readable."""
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+
+    def send(self, peer: int, src: Region, **label) -> None:
+        self.steps.append(Step(Kind.SEND, peer, src=src, **label))
+
+    def recv(self, peer: int, dst: Region, **label) -> None:
+        self.steps.append(Step(Kind.RECV, peer, dst=dst, **label))
+
+    def recv_reduce(self, peer: int, dst: Region, src: Region, final: bool, **label) -> None:
+        self.steps.append(Step(Kind.RECV_REDUCE, peer, src=src, dst=dst, final=final, **label))
+
+    def copy(self, src: Region, dst: Region, **label) -> None:
+        if src.count:
+            self.steps.append(Step(Kind.COPY, src=src, dst=dst, **label))
+
+    def build(
+        self, collective: str, algorithm: str, rank: int, world_size: int, scratch: int = 0
+    ) -> Schedule:
+        return Schedule(collective, algorithm, rank, world_size, tuple(self.steps), scratch)

@@ -1,0 +1,130 @@
+"""What every channel provides: ordered, checked point-to-point messages between ranks.
+
+A ``Transport`` is one rank's set of channels to all its peers. ``send`` never blocks (the
+message is queued; a zero-copy send returns a handle that says when the buffer may be
+reused); ``recv``/``recv_into`` block until the next message from that peer arrives, the
+op's deadline passes, the peer is lost, or another rank reports a failure (``abort``).
+
+Collectives and point-to-point messages are two streams on one channel: a message of the
+other stream that arrives first is set aside, so a ``send`` issued before a collective
+does not break the collective on the receiver. Within a stream, the header of every
+message is compared with what the receiver expects (``header.check``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections import deque
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import RemoteError
+from .header import Header, OpKind, check
+
+
+class SendHandle(Protocol):
+    """Returned by a zero-copy send: the payload's memory must not change until ``done``."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float) -> bool: ...
+
+
+class Transport(abc.ABC):
+    """Channels from one rank to every other rank of a group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        # stash[peer][is_p2p]: messages of the other stream that arrived first
+        self._stash: list[tuple[deque, deque]] = [(deque(), deque()) for _ in range(world_size)]
+
+    # ---------------------------------------------------------------- for subclasses
+    @abc.abstractmethod
+    def _send(self, peer: int, header: Header, payload: np.ndarray | None) -> SendHandle | None:
+        """Queue header + payload to ``peer``; never blocks."""
+
+    @abc.abstractmethod
+    def _recv_header(self, peer: int, deadline: float, op: str) -> Header:
+        """Wait for the next message from ``peer``; raise CommTimeout / PeerLostError /
+        RemoteError (an abort from any rank) when that happens first."""
+
+    @abc.abstractmethod
+    def _recv_payload(self, peer: int) -> Any:
+        """The payload of the message whose header was just read, as a buffer."""
+
+    @abc.abstractmethod
+    def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
+        """Receive the payload straight into ``out``; return its size in bytes."""
+
+    @abc.abstractmethod
+    def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
+        """Deliver an abort notice so that ``peer`` wakes up even while it waits on others."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # ---------------------------------------------------------------- public
+    def send(self, peer: int, header: Header, payload: np.ndarray | None) -> SendHandle | None:
+        return self._send(peer, header, payload)
+
+    def recv(self, peer: int, expected: Header, deadline: float, op: str) -> Any:
+        """Receive the next message of ``expected``'s stream from ``peer`` and return its
+        payload (a buffer of ``expected.nbytes`` bytes)."""
+        stashed = self._match(peer, expected, deadline, op)
+        return stashed if stashed is not None else self._recv_payload(peer)
+
+    def recv_into(self, peer: int, expected: Header, out: np.ndarray, deadline: float,
+                  op: str) -> None:
+        """Like ``recv``, but the payload lands in ``out`` (no intermediate buffer)."""
+        stashed = self._match(peer, expected, deadline, op)
+        target = out.reshape(-1).view(np.uint8)
+        if stashed is not None:
+            target[:] = np.frombuffer(stashed, dtype=np.uint8)
+        elif expected.nbytes:
+            self._recv_payload_into(peer, target)
+        else:
+            self._recv_payload(peer)
+
+    def abort(self, seq: int, text: str) -> None:
+        """Tell every peer that this rank failed, so that none of them waits for it."""
+        header = Header(seq, 0, self.rank, 0, -1, OpKind.ABORT, 0)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                # best effort: the peer may be gone already
+                with contextlib.suppress(Exception):
+                    self._send_abort(peer, header, text.encode()[:4096])
+
+    # ---------------------------------------------------------------- matching
+    def _match(self, peer: int, expected: Header, deadline: float, op: str) -> Any | None:
+        """Read headers from ``peer`` until one of ``expected``'s stream arrives; check it.
+
+        Returns the payload if it had been set aside earlier, else None (the payload is
+        still to be read by the caller)."""
+        mine = self._stash[peer][int(expected.is_p2p)]
+        if mine:
+            header, payload = mine.popleft()
+            check(expected, header, rank=self.rank, op=op)
+            return payload
+        while True:
+            header = self._recv_header(peer, deadline, op)
+            if header.kind == OpKind.ABORT:
+                self.raise_remote(header, self._recv_payload(peer), op)
+            if header.is_p2p != expected.is_p2p:
+                other = self._stash[peer][int(header.is_p2p)]
+                other.append((header, bytes(self._recv_payload(peer))))
+                continue
+            if header != expected:
+                self._recv_payload(peer)
+                check(expected, header, rank=self.rank, op=op)
+            return None
+
+    def raise_remote(self, header: Header, payload: Any, op: str) -> None:
+        text = bytes(payload).decode(errors="replace")
+        raise RemoteError(
+            f"rank {header.sender} failed and aborted the group: {text}",
+            rank=self.rank, op=op, peer=header.sender,
+        )

@@ -1,0 +1,298 @@
+"""ZeroMQ channels: one PUSH->PULL pipe per ordered pair of ranks, ipc on a host, tcp across.
+
+Why this shape:
+- One pipe per pair keeps each peer's messages in order and lets a rank wait for exactly
+  the peer its schedule names, with no demultiplexing on the hot path.
+- ``ipc://`` when both ranks report the same host, ``tcp://`` otherwise; ``RINGCOMM_TRANSPORT``
+  (``ipc``, ``tcp``, ``auto``) forces one.
+- Large payloads leave with ``copy=False`` (no copy into ZeroMQ) and are tracked, so the
+  executor knows when the buffer may change again. Small ones are copied: cheaper than
+  tracking. Payloads are received straight into their destination (``recv_into``) or, when
+  they are to be reduced, as a ZeroMQ frame that the reduction reads in place.
+- A socket monitor on each receiving pipe notices a peer's connection closing, so a dead
+  peer becomes a ``PeerLostError`` at once rather than a timeout; a control pipe per rank
+  carries abort notices, so a failure on one rank wakes every rank that waits.
+- High-water marks are off: a send never blocks, which is what lets schedules queue sends
+  ahead of their receives without deadlock.
+
+Rendezvous is two rounds through the store: every rank publishes its host identity, then,
+knowing who shares its host, binds one receiving socket per peer and publishes the
+addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
+from .base import Transport
+from .header import SIZE as HEADER_SIZE
+from .header import Header
+
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
+_POLL_SLICE_MS = 1000
+
+
+def host_identity() -> str:
+    """Equal on two ranks exactly when they can reach each other's ipc sockets."""
+    parts = [socket.gethostname()]
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    parts.append(tempfile.gettempdir())
+    return "|".join(parts)
+
+
+class _Tracked:
+    """A zero-copy send in flight: done once ZeroMQ no longer reads the buffer."""
+
+    __slots__ = ("_tracker",)
+
+    def __init__(self, tracker: zmq.MessageTracker) -> None:
+        self._tracker = tracker
+
+    @property
+    def done(self) -> bool:
+        return self._tracker.done
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self._tracker.wait(timeout)
+        except zmq.NotDone:
+            return False
+        return True
+
+
+class _PeerState:
+    __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost")
+
+    def __init__(self) -> None:
+        self.pull: zmq.Socket | None = None
+        self.push: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.poller: zmq.Poller | None = None
+        self.connected = False
+        self.lost = False
+
+
+class ZmqTransport(Transport):
+    """Channels from ``rank`` to every other rank, set up through ``store``.
+
+    ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.store.Store``); keys are
+    written under ``prefix``. ``host`` is the address other hosts reach this one at.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        *,
+        prefix: str = "",
+        host: str = "127.0.0.1",
+        mode: str | None = None,
+        timeout: float = 300.0,
+        io_threads: int = 1,
+    ) -> None:
+        super().__init__(rank, world_size)
+        mode = (mode or os.environ.get("RINGCOMM_TRANSPORT", "auto")).lower()
+        if mode not in ("auto", "ipc", "tcp"):
+            raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
+        self.mode = mode
+        self._ctx = zmq.Context(io_threads=io_threads)
+        self._peers = [_PeerState() for _ in range(world_size)]
+        self._ipc_dir: str | None = None
+        self._control_endpoints: dict[int, str] = {}
+        self._control_push: dict[int, zmq.Socket] = {}
+        self._closed = False
+        try:
+            self._connect(store, prefix, host, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+    def _key(self, prefix: str, what: str, rank: int) -> str:
+        return f"{prefix}zmq/{what}/{rank}"
+
+    def _connect(self, store: Any, prefix: str, host: str, timeout: float) -> None:
+        n, me = self.world_size, self.rank
+        if n == 1:
+            return
+        store.set(self._key(prefix, "host", me), host_identity().encode())
+        host_keys = [self._key(prefix, "host", r) for r in range(n)]
+        store.wait(host_keys, timeout)
+        hosts = [store.get(k).decode() for k in host_keys]
+        use_ipc = [
+            self.mode == "ipc" or (self.mode == "auto" and hosts[r] == hosts[me])
+            for r in range(n)
+        ]
+        if any(use_ipc[r] for r in range(n) if r != me):
+            base = os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
+            os.makedirs(base, exist_ok=True)
+            self._ipc_dir = tempfile.mkdtemp(prefix=uuid.uuid4().hex[:6], dir=base)
+
+        # One receiving socket per peer (plus the control socket, at index `me`).
+        endpoints: list[str] = []
+        for peer in range(n):
+            pull = self._ctx.socket(zmq.PULL)
+            pull.setsockopt(zmq.RCVHWM, 0)
+            pull.setsockopt(zmq.LINGER, 0)
+            if (peer != me and use_ipc[peer]) or (peer == me and self._ipc_dir):
+                endpoint = f"ipc://{self._ipc_dir}/{peer}"
+                pull.bind(endpoint)
+            else:
+                port = pull.bind_to_random_port(f"tcp://{host}")
+                endpoint = f"tcp://{host}:{port}"
+            state = self._peers[peer]
+            state.pull = pull
+            if peer != me:
+                state.monitor = pull.get_monitor_socket(
+                    zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                )
+            endpoints.append(endpoint)
+        # A control socket bound to ipc is useless to peers on other hosts: bind tcp too.
+        if self._ipc_dir and not all(use_ipc):
+            port = self._peers[me].pull.bind_to_random_port(f"tcp://{host}")
+            endpoints[me] += f" tcp://{host}:{port}"
+        store.set(self._key(prefix, "ep", me), "\n".join(endpoints).encode())
+
+        ep_keys = [self._key(prefix, "ep", r) for r in range(n)]
+        store.wait(ep_keys, timeout)
+        for peer in range(n):
+            if peer == me:
+                continue
+            theirs = store.get(ep_keys[peer]).decode().split("\n")
+            state = self._peers[peer]
+            state.push = self._push_socket(theirs[me])
+            control = theirs[peer].split(" ")
+            # our messages to `peer` go to the socket it bound for us; aborts to its control
+            state.poller = zmq.Poller()
+            state.poller.register(state.pull, zmq.POLLIN)
+            state.poller.register(state.monitor, zmq.POLLIN)
+            state.poller.register(self._peers[me].pull, zmq.POLLIN)
+            self._control_endpoints[peer] = next(
+                (e for e in control if e.startswith("ipc") == use_ipc[peer]), control[-1]
+            )
+
+    def _push_socket(self, endpoint: str) -> zmq.Socket:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(endpoint)
+        return push
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, peer: int, header: Header, payload: np.ndarray | None) -> Any:
+        push = self._peers[peer].push
+        raw = header.pack()
+        if payload is None or header.nbytes == 0:
+            push.send_multipart((raw, b""))
+            return None
+        data = payload.view(np.uint8)
+        if header.nbytes < ZERO_COPY_MIN_BYTES:
+            push.send_multipart((raw, data))
+            return None
+        push.send(raw, zmq.SNDMORE)
+        return _Tracked(push.send(data, copy=False, track=True))
+
+    def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
+        sock = self._control_push.get(peer)
+        if sock is None:
+            sock = self._control_push[peer] = self._push_socket(self._control_endpoints[peer])
+        sock.send_multipart((header.pack(), text))
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_header(self, peer: int, deadline: float, op: str) -> Header:
+        state = self._peers[peer]
+        try:
+            raw = state.pull.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            raw = self._wait_header(peer, state, deadline, op)
+        if len(raw) != HEADER_SIZE or not state.pull.getsockopt(zmq.RCVMORE):
+            raise CommError(f"malformed message from rank {peer}", rank=self.rank, op=op,
+                            peer=peer)
+        return Header.unpack(raw)
+
+    def _wait_header(self, peer: int, state: _PeerState, deadline: float, op: str) -> bytes:
+        control = self._peers[self.rank].pull
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommTimeout(
+                    f"no message from rank {peer} within the timeout", rank=self.rank,
+                    op=op, peer=peer,
+                )
+            events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(left * 1000)))))
+            if state.pull in events:
+                return state.pull.recv(zmq.NOBLOCK)
+            if control in events:
+                header = Header.unpack(control.recv())
+                self.raise_remote(header, control.recv(), op)
+            if state.monitor in events:
+                self._monitor_event(peer, state)
+                if state.lost:
+                    try:
+                        return state.pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        raise PeerLostError(
+                            f"the connection from rank {peer} closed while this rank waited "
+                            f"for its data: rank {peer} died or left the group early",
+                            rank=self.rank, op=op, peer=peer,
+                        ) from None
+
+    def _monitor_event(self, peer: int, state: _PeerState) -> None:
+        while True:
+            try:
+                msg = state.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(msg)["event"]
+            if event == zmq.EVENT_ACCEPTED:
+                state.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                state.lost = True
+
+    def _recv_payload(self, peer: int) -> Any:
+        return self._peers[peer].pull.recv(copy=False).buffer
+
+    def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
+        n = self._peers[peer].pull.recv_into(out)
+        if n != out.nbytes:
+            raise CommError(f"payload of {n} B from rank {peer}, expected {out.nbytes} B",
+                            rank=self.rank, peer=peer)
+        return n
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for state in self._peers:
+            if state.monitor is not None and state.pull is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    state.pull.disable_monitor()
+                state.monitor.close(linger=0)
+            if state.push is not None:
+                state.push.close()
+            if state.pull is not None:
+                state.pull.close(linger=0)
+        for sock in self._control_push.values():
+            sock.close(linger=500)
+        self._ctx.term()
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -1,0 +1,422 @@
+"""The communicator: the public object. It checks arguments, picks an algorithm, and runs
+ops one after another on its own worker thread.
+
+Why a worker thread: ops must run in the order they were issued on every rank (that is what
+keeps ranks in step), and ``async_op=True`` must let the caller compute while bytes move.
+One thread per communicator, fed by a queue, gives both, like a CUDA stream. Arguments are
+checked on the caller's thread before anything is queued, so a mistake raises at the call.
+
+Failure contract: an op that fails raises a typed ``CommError`` naming this rank and the op;
+before raising, the rank tells every peer (``abort``), so that they raise too instead of
+waiting out their timeout. A communicator that has failed stays failed (``CommAborted``):
+ranks cannot tell how far their peers got, so the only safe next step is a new one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .algorithms import direct, ring, rooted
+from .algorithms.schedule import Schedule
+from .buffers import ReduceOp, dtype_name, flat_view, reduce_op
+from .channels.base import Transport
+from .channels.header import OpKind
+from .errors import ArgumentError, CommAborted, CommError, CommTimeout, RemoteError
+from .executor import OpContext, TraceEvent, run_schedule
+
+log = logging.getLogger("ringcomm")
+
+DEFAULT_SEGMENT_BYTES = 1 << 20  # 1 MiB: measured best on these machines (256 KiB is slower)
+SMALL_BROADCAST_BYTES = 64 * 1024  # below this a binomial tree beats the pipelined chain
+
+
+class Work:
+    """Handle of an op started with ``async_op=True``."""
+
+    def __init__(self, future: concurrent.futures.Future, name: str, timeout: float) -> None:
+        self._future = future
+        self.name = name
+        self._timeout = timeout
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the op is done and return its result; raise its error if it failed.
+
+        ``timeout`` (seconds) bounds the wait; by default the communicator's timeout plus a
+        margin, since the op enforces its own deadline once it starts.
+        """
+        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+        if not done:
+            raise CommTimeout(
+                f"{self.name} did not complete within {timeout} s of waiting; the op keeps "
+                "running, call wait() again or close the communicator",
+                op=self.name,
+            )
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<Work {self.name} {state}>"
+
+
+class Communicator:
+    """A group of ``world_size`` ranks, seen from ``rank``, over a ``Transport``.
+
+    Build one with ``ringcomm.init`` (which does the rendezvous); tests build them directly
+    over in-memory transports.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        timeout: float = 300.0,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        on_close: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        if segment_bytes <= 0:
+            raise ArgumentError(f"segment_bytes must be positive, got {segment_bytes}")
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout = float(timeout)
+        self.segment_bytes = int(segment_bytes)
+        self.trace: list[TraceEvent] | None = None
+        self._on_close = list(on_close)
+        self._seq = itertools.count()
+        self._p2p_sent = [0] * self.world_size
+        self._p2p_received = [0] * self.world_size
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
+                                        daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+        """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``."""
+        data = flat_view(x, name="x")
+        rop = reduce_op(op, data.dtype)
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.ALLREDUCE, data.dtype, {"data": data}, x, async_op, rop,
+            lambda: ring.allreduce(self.rank, self.world_size, data.size, seg),
+        )
+
+    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
+        data = flat_view(x, name="x")
+        self._check_rank(root, "root")
+        seg = self._segment(data)
+        if data.nbytes <= SMALL_BROADCAST_BYTES:
+            make = lambda: rooted.broadcast_binomial(self.rank, self.world_size, root, data.size)  # noqa: E731
+        else:
+            make = lambda: rooted.broadcast_chain(self.rank, self.world_size, root, data.size, seg)  # noqa: E731
+        return self._submit(OpKind.BROADCAST, data.dtype, {"data": data}, x, async_op, None,
+                            make, arg=root)
+
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
+        """Reduce ``x`` across ranks into root's ``x``; other ranks' ``x`` is left unchanged."""
+        data = flat_view(x, name="x")
+        self._check_rank(root, "root")
+        rop = reduce_op(op, data.dtype)
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.REDUCE, data.dtype, {"data": data}, x, async_op, rop,
+            lambda: rooted.reduce_chain(self.rank, self.world_size, root, data.size, seg),
+            arg=root,
+        )
+
+    def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``x`` (rank order) into ``out`` on every rank."""
+        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        self._check_same_dtype(result, data, "out", "x")
+        self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
+        sizes = (data.size,) * self.world_size
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.ALLGATHER, data.dtype, {"input": data, "output": result}, out, async_op,
+            None, lambda: ring.allgather(self.rank, self.world_size, sizes, seg),
+        )
+
+    def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,
+                       async_op: bool = False) -> Any:
+        """Reduce ``x`` (``world_size`` equal blocks) across ranks; rank ``r`` gets block ``r``."""
+        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        self._check_same_dtype(result, data, "out", "x")
+        self._check_size(data, result.size * self.world_size, "x", "world_size * out.size")
+        rop = reduce_op(op, data.dtype)
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.REDUCE_SCATTER, data.dtype, {"input": data, "output": result}, out,
+            async_op, rop,
+            lambda: ring.reduce_scatter(self.rank, self.world_size, result.size, seg),
+        )
+
+    def gather(self, out: Any | None, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``x`` into root's ``out``; ``out`` is ignored elsewhere."""
+        self._check_rank(root, "root")
+        data = flat_view(x, name="x", writable=False)
+        buffers = {"input": data}
+        if self.rank == root:
+            if out is None:
+                raise ArgumentError("gather: the root must pass `out` for the result")
+            result = flat_view(out, name="out")
+            self._check_same_dtype(result, data, "out", "x")
+            self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
+            buffers["output"] = result
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.GATHER, data.dtype, buffers, out, async_op, None,
+            lambda: direct.gather(self.rank, self.world_size, root, data.size, seg), arg=root,
+        )
+
+    def scatter(self, x: Any, inputs: Any | None = None, root: int = 0, *,
+                async_op: bool = False) -> Any:
+        """Root's ``inputs`` (one array of ``world_size`` blocks, or a list of them) is cut
+        into blocks; rank ``r`` receives block ``r`` into ``x``."""
+        self._check_rank(root, "root")
+        result = flat_view(x, name="x")
+        buffers = {"output": result}
+        if self.rank == root:
+            if inputs is None:
+                raise ArgumentError("scatter: the root must pass `inputs`")
+            if isinstance(inputs, (list, tuple)):
+                if len(inputs) != self.world_size:
+                    raise ArgumentError(
+                        f"scatter: {len(inputs)} inputs for a world of {self.world_size}")
+                parts = [flat_view(t, name=f"inputs[{i}]", writable=False)
+                         for i, t in enumerate(inputs)]
+                for i, part in enumerate(parts):
+                    self._check_same_dtype(part, result, f"inputs[{i}]", "x")
+                    self._check_size(part, result.size, f"inputs[{i}]", "x.size")
+                source = np.concatenate(parts) if parts else result[:0]
+            else:
+                source = flat_view(inputs, name="inputs", writable=False)
+                self._check_same_dtype(source, result, "inputs", "x")
+                self._check_size(source, result.size * self.world_size, "inputs",
+                                 "world_size * x.size")
+            buffers["input"] = source
+        seg = self._segment(result)
+        return self._submit(
+            OpKind.SCATTER, result.dtype, buffers, x, async_op, None,
+            lambda: direct.scatter(self.rank, self.world_size, root, result.size, seg),
+            arg=root,
+        )
+
+    def alltoall(
+        self,
+        out: Any,
+        x: Any,
+        *,
+        out_splits: Sequence[int] | None = None,
+        in_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Block ``i`` of ``x`` goes to rank ``i``; block ``j`` of ``out`` comes from rank ``j``.
+
+        Blocks are equal unless ``in_splits``/``out_splits`` give their sizes (elements)."""
+        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        self._check_same_dtype(result, data, "out", "x")
+        send_counts = self._splits(in_splits, data, "in_splits", "x")
+        recv_counts = self._splits(out_splits, result, "out_splits", "out")
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.ALLTOALL, data.dtype, {"input": data, "output": result}, out, async_op,
+            None,
+            lambda: direct.alltoall(self.rank, self.world_size, send_counts, recv_counts, seg),
+        )
+
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Return once every rank has entered the barrier."""
+        empty = np.zeros(0, np.uint8)
+        return self._submit(OpKind.BARRIER, empty.dtype, {"data": empty}, None, async_op, None,
+                            lambda: direct.barrier(self.rank, self.world_size))
+
+    def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """Send ``x`` to rank ``dst``; matched, in order, by ``recv(src=this rank)`` there."""
+        data = flat_view(x, name="x", writable=False)
+        self._check_rank(dst, "dst", allow_self=False)
+        seq = self._p2p_sent[dst]
+        self._p2p_sent[dst] += 1
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.P2P, data.dtype, {"data": data}, x, async_op, None,
+            lambda: direct.send(self.rank, self.world_size, dst, data.size, seg),
+            arg=tag, seq=seq, name=f"send #{seq} to rank {dst}",
+        )
+
+    def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """Receive into ``x`` the next message that rank ``src`` sent to this rank."""
+        data = flat_view(x, name="x")
+        self._check_rank(src, "src", allow_self=False)
+        seq = self._p2p_received[src]
+        self._p2p_received[src] += 1
+        seg = self._segment(data)
+        return self._submit(
+            OpKind.P2P, data.dtype, {"data": data}, x, async_op, None,
+            lambda: direct.recv(self.rank, self.world_size, src, data.size, seg),
+            arg=tag, seq=seq, name=f"recv #{seq} from rank {src}",
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Finish queued ops, stop the worker, close channels (and the store, if ours)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+        self.transport.close()
+        for fn in self._on_close:
+            fn()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ringcomm.Communicator rank {self.rank} of {self.world_size}>"
+
+    # ------------------------------------------------------------------ internals
+    def _submit(
+        self,
+        kind: OpKind,
+        dtype: np.dtype,
+        buffers: dict[str, np.ndarray],
+        result: Any,
+        async_op: bool,
+        rop: ReduceOp | None,
+        make_schedule: Callable[[], Schedule],
+        *,
+        arg: int = -1,
+        seq: int | None = None,
+        name: str | None = None,
+    ) -> Any:
+        if self._closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
+        if seq is None:
+            seq = next(self._seq)
+        name = name or f"{kind.name.lower()} #{seq}"
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        item = (kind, seq, name, np.dtype(dtype), buffers, result, rop, make_schedule, arg)
+        self._queue.put((item, future))
+        work = Work(future, name, self.timeout)
+        return work if async_op else work.wait()
+
+    def _work(self) -> None:
+        while True:
+            entry = self._queue.get()
+            if entry is None:
+                return
+            item, future = entry
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._run(*item))
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller via the future
+                future.set_exception(err)
+
+    def _run(self, kind, seq, name, dtype, buffers, result, rop, make_schedule, arg) -> Any:
+        if self._failure is not None:
+            raise CommAborted(
+                f"an earlier op failed ({self._failure}); this communicator cannot be used "
+                "any more: create a new one", rank=self.rank, op=name,
+            )
+        schedule = make_schedule()
+        log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
+                  schedule.algorithm, dtype_name(dtype))
+        if schedule.scratch:
+            buffers = dict(buffers, scratch=self._scratch(dtype, schedule.scratch))
+        ctx = OpContext(int(kind), seq, name, dtype, time.monotonic() + self.timeout, rop, arg)
+        try:
+            run_schedule(schedule, buffers, self.transport, ctx, self.trace)
+        except CommError as err:
+            self._failure = err
+            if not isinstance(err, RemoteError):
+                self.transport.abort(seq, f"{type(err).__name__}: {err}")
+            raise
+        return result
+
+    _scratch_buf: np.ndarray | None = None
+
+    def _scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """Reusable scratch memory: grows to the largest need, never shrinks."""
+        need = count * dtype.itemsize
+        if self._scratch_buf is None or self._scratch_buf.nbytes < need:
+            self._scratch_buf = np.empty(need, np.uint8)
+        return self._scratch_buf[:need].view(dtype)
+
+    def _segment(self, data: np.ndarray) -> int:
+        return max(1, self.segment_bytes // max(1, data.itemsize))
+
+    def _check_rank(self, r: int, what: str, *, allow_self: bool = True) -> None:
+        if not isinstance(r, (int, np.integer)) or isinstance(r, bool):
+            raise ArgumentError(f"{what} must be an int rank, got {r!r}", rank=self.rank)
+        if not 0 <= r < self.world_size:
+            raise ArgumentError(
+                f"{what}={r} is out of range: ranks are 0..{self.world_size - 1}",
+                rank=self.rank)
+        if not allow_self and r == self.rank:
+            raise ArgumentError(f"{what}={r} is this rank itself", rank=self.rank)
+
+    def _check_same_dtype(self, a: np.ndarray, b: np.ndarray, an: str, bn: str) -> None:
+        if a.dtype != b.dtype:
+            raise ArgumentError(
+                f"{an} is {dtype_name(a.dtype)} but {bn} is {dtype_name(b.dtype)}; "
+                "they must match", rank=self.rank)
+
+    def _check_size(self, a: np.ndarray, want: int, an: str, wantn: str) -> None:
+        if a.size != want:
+            raise ArgumentError(
+                f"{an} has {a.size} elements but must have {wantn} = {want}", rank=self.rank)
+
+    def _splits(self, splits: Sequence[int] | None, arr: np.ndarray, what: str,
+                arrn: str) -> tuple[int, ...]:
+        n = self.world_size
+        if splits is None:
+            if arr.size % n:
+                raise ArgumentError(
+                    f"{arrn} has {arr.size} elements, not divisible by world_size {n}; "
+                    f"pass {what}", rank=self.rank)
+            return (arr.size // n,) * n
+        counts = tuple(int(s) for s in splits)
+        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != arr.size:
+            raise ArgumentError(
+                f"{what}={list(counts)} must be {n} non-negative sizes adding up to "
+                f"{arrn}.size = {arr.size}", rank=self.rank)
+        return counts
+
+
+def env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ArgumentError(f"environment variable {name}={value!r} is not an integer") from None

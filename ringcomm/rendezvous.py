@@ -1,0 +1,156 @@
+"""``ringcomm.init``: from environment or arguments to a connected communicator.
+
+Where the store comes from:
+- a ``Store`` object: used as it is (tests, the torch backend's adapter);
+- under torchrun with its agent store (``TORCHELASTIC_USE_AGENT_STORE=True``): torchrun
+  already serves a TCPStore on ``MASTER_ADDR:MASTER_PORT``, so every rank joins it as a
+  client (binding that port would fail);
+- otherwise ``"host:port"`` (or ``MASTER_ADDR``/``MASTER_PORT``): rank 0 serves a ringcomm
+  store there and every rank, rank 0 included, connects to it.
+
+Every communicator made on one store gets its own key prefix, so re-initialising in the
+same job (or under a torchrun restart) never reads stale addresses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+
+from .channels.zmq_channel import ZmqTransport
+from .communicator import DEFAULT_SEGMENT_BYTES, Communicator, env_int
+from .errors import ArgumentError, CommError
+from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
+
+_generation = itertools.count()
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Store | str | None = None,
+    *,
+    timeout: float = 300.0,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    transport: str | None = None,
+) -> Communicator:
+    """Join a group and return its communicator.
+
+    Unset arguments come from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``,
+    as torchrun sets them. ``timeout`` (seconds) bounds the rendezvous and every op.
+    ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
+    """
+    rank = rank if rank is not None else env_int("RANK")
+    world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
+    if rank is None or world_size is None:
+        raise ArgumentError(
+            "rank and world size are unknown: pass rank= and world_size=, or launch under "
+            "torchrun (which sets RANK and WORLD_SIZE)")
+    if world_size < 1:
+        raise ArgumentError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ArgumentError(f"rank {rank} is out of range for world_size {world_size}")
+    if timeout <= 0:
+        raise ArgumentError(f"timeout must be positive, got {timeout}")
+
+    closers = []
+    address = None
+    if store is None:
+        address = _master_address()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            store = _torchrun_store(address, timeout)
+            closers.append(store.close)
+    if store is None or isinstance(store, str):
+        address = address or store
+        host, port = _split_address(address)
+        if rank == 0:
+            server = StoreServer(_bind_host(host), port)
+            closers.append(server.close)
+        store = StoreClient(f"{host}:{port}", timeout=timeout)
+        closers.insert(0, store.close)
+    elif not isinstance(store, Store):
+        raise ArgumentError(
+            f"store must be a ringcomm Store or 'host:port', got {type(store).__name__}")
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    scoped = PrefixStore(f"ringcomm/{restart}/{next(_generation)}", store)
+    host = _reachable_host(address)
+    try:
+        chans = ZmqTransport(rank, world_size, scoped, host=host, mode=transport,
+                             timeout=timeout)
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    comm = Communicator(chans, timeout=timeout, segment_bytes=segment_bytes,
+                        on_close=list(reversed(closers)))
+    try:
+        comm.barrier()  # every rank is connected and done with the store's set-up keys
+    except CommError:
+        comm.close()
+        raise
+    return comm
+
+
+def _master_address() -> str:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ArgumentError(
+            "no store given and MASTER_ADDR/MASTER_PORT are not set: pass store='host:port' "
+            "or launch under torchrun")
+    return f"{addr}:{port}"
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ArgumentError(f"store address {address!r} is not of the form 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+def _bind_host(host: str) -> str:
+    """Serve on the master address when it is one of ours, else on every interface."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+        return ip
+    except OSError:
+        return "0.0.0.0"
+
+
+def _reachable_host(address: str | None) -> str:
+    """The address peers can reach this rank at: ``RINGCOMM_IFADDR``, else the local end of
+    a route to the store host (loopback when the store is local)."""
+    forced = os.environ.get("RINGCOMM_IFADDR")
+    if forced:
+        return forced
+    if not address:
+        return "127.0.0.1"
+    host, _ = _split_address(address)
+    try:
+        ip = socket.gethostbyname(host)
+        if ip.startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((ip, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _torchrun_store(address: str, timeout: float) -> Store:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = _split_address(address)
+    try:
+        c10d = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as err:  # noqa: BLE001 - torch raises several types here
+        raise CommError(f"could not join torchrun's store at {address}: {err}") from err
+    return TorchStore(c10d, timeout=timeout)

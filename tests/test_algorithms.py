@@ -1,0 +1,346 @@
+"""Every collective, every world size from 1 to 16, odd counts: one process, in-memory channels.
+
+Results are compared with numpy references; integer-valued data keeps float sums exact, so
+the comparisons are exact too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringcomm import ArgumentError, CommTimeout, DesyncError, RemoteError
+from ringcomm.algorithms import Kind, direct, ring, rooted
+from ringcomm.local import run_group
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLDS = list(range(1, 17))
+SEG = 24  # bytes: tiny segments so that every schedule pipelines many of them
+
+
+def data(rank: int, count: int, dtype=np.float64) -> np.ndarray:
+    return ((np.arange(count) * 7 + rank * 13) % 23 - 11).astype(dtype)
+
+
+counts = st.sampled_from([0, 1, 2, 3, 5, 7, 16, 17, 31, 64, 100])
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts)
+def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count):
+    def fn(comm):
+        x = data(comm.rank, count)
+        comm.allreduce(x, "sum")
+        return x
+
+    results = run_group(world, fn, segment_bytes=SEG)
+    expected = sum(data(r, count) for r in range(world))
+    for res in results:
+        assert res.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("op,ref", [("max", np.maximum), ("min", np.minimum),
+                                    ("prod", np.multiply), ("band", np.bitwise_and),
+                                    ("bor", np.bitwise_or), ("bxor", np.bitwise_xor)])
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_allreduce_ops_on_ints(op, ref, world):
+    count = 37
+
+    def fn(comm):
+        x = data(comm.rank, count, np.int64)
+        comm.allreduce(x, op)
+        return x
+
+    expected = data(0, count, np.int64)
+    for r in range(1, world):
+        expected = ref(expected, data(r, count, np.int64))
+    for res in run_group(world, fn, segment_bytes=SEG):
+        np.testing.assert_array_equal(res, expected)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+def test_allreduce_avg_divides_once(world):
+    def fn(comm):
+        x = np.full(29, float(comm.rank + 1))
+        comm.allreduce(x, "avg")
+        return x
+
+    for res in run_group(world, fn, segment_bytes=SEG):
+        np.testing.assert_allclose(res, (world + 1) / 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts)
+def test_reduce_scatter_and_allgather(world, count):
+    def fn(comm):
+        x = data(comm.rank, count * world)
+        out = np.empty(count)
+        comm.reduce_scatter(out, x, "sum")
+        gathered = np.empty(count * world)
+        comm.allgather(gathered, out)
+        return out, gathered
+
+    total = sum(data(r, count * world) for r in range(world))
+    for rank, (out, gathered) in enumerate(run_group(world, fn, segment_bytes=SEG)):
+        np.testing.assert_array_equal(out, total[rank * count:(rank + 1) * count])
+        np.testing.assert_array_equal(gathered, total)
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts, root_pick=st.integers(0, 15),
+       big=st.booleans())
+def test_broadcast_and_reduce(world, count, root_pick, big):
+    root = root_pick % world
+    n = count * (3000 if big else 1)  # big enough to take the pipelined chain
+
+    def fn(comm):
+        x = data(comm.rank, n)
+        comm.broadcast(x, root=root)
+        y = data(comm.rank, n)
+        comm.reduce(y, root=root, op="sum")
+        return x, y
+
+    total = sum(data(r, n) for r in range(world))
+    for rank, (x, y) in enumerate(run_group(world, fn, segment_bytes=SEG * 100)):
+        np.testing.assert_array_equal(x, data(root, n))
+        np.testing.assert_array_equal(y, total if rank == root else data(rank, n))
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts, root_pick=st.integers(0, 15))
+def test_gather_and_scatter(world, count, root_pick):
+    root = root_pick % world
+
+    def fn(comm):
+        out = np.empty(count * world) if comm.rank == root else None
+        comm.gather(out, data(comm.rank, count), root=root)
+        got = np.empty(count)
+        inputs = np.concatenate([data(100 + r, count) for r in range(world)])
+        comm.scatter(got, inputs if comm.rank == root else None, root=root)
+        return out, got
+
+    for rank, (out, got) in enumerate(run_group(world, fn, segment_bytes=SEG)):
+        if rank == root:
+            np.testing.assert_array_equal(out, np.concatenate(
+                [data(r, count) for r in range(world)]))
+        np.testing.assert_array_equal(got, data(100 + rank, count))
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts)
+def test_alltoall_even(world, count):
+    def fn(comm):
+        x = data(comm.rank, count * world)
+        out = np.empty(count * world)
+        comm.alltoall(out, x)
+        return out
+
+    for rank, out in enumerate(run_group(world, fn, segment_bytes=SEG)):
+        expected = np.concatenate(
+            [data(src, count * world)[rank * count:(rank + 1) * count] for src in range(world)])
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_alltoall_uneven_splits(world):
+    # rank s sends (s + d) % 3 elements to rank d
+    def size(s, d):
+        return (s + d) % 3
+
+    def fn(comm):
+        r = comm.rank
+        in_splits = [size(r, d) for d in range(world)]
+        out_splits = [size(s, r) for s in range(world)]
+        x = np.concatenate([np.full(size(r, d), 10.0 * r + d) for d in range(world)])
+        out = np.empty(sum(out_splits))
+        comm.alltoall(out, x, in_splits=in_splits, out_splits=out_splits)
+        return out
+
+    for r, out in enumerate(run_group(world, fn, segment_bytes=SEG)):
+        expected = np.concatenate([np.full(size(s, r), 10.0 * s + r) for s in range(world)])
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_barrier_and_p2p_ring(world):
+    def fn(comm):
+        comm.barrier()
+        r, n = comm.rank, comm.world_size
+        if n == 1:
+            return None
+        out = np.empty(10)
+        w = comm.send(np.full(10, float(r)), dst=(r + 1) % n, async_op=True)
+        comm.recv(out, src=(r - 1) % n)
+        w.wait()
+        comm.barrier()
+        return out
+
+    for r, out in enumerate(run_group(world, fn, segment_bytes=SEG)):
+        if world > 1:
+            np.testing.assert_array_equal(out, float((r - 1) % world))
+
+
+def test_p2p_sent_before_a_collective_does_not_break_it():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send(np.arange(5.0), dst=1)
+        x = np.ones(8)
+        comm.allreduce(x)
+        got = np.empty(5)
+        if comm.rank == 1:
+            comm.recv(got, src=0)
+        return x, got
+
+    results = run_group(2, fn, segment_bytes=SEG)
+    np.testing.assert_array_equal(results[0][0], 2.0)
+    np.testing.assert_array_equal(results[1][1], np.arange(5.0))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_send_has_a_matching_receive(world):
+    """Static check of the schedules: per ordered pair, sends and receives agree in number
+    and size, for every collective."""
+    count, seg = 23, 4
+    makers = {
+        "allreduce": lambda r: ring.allreduce(r, world, count, seg),
+        "reduce_scatter": lambda r: ring.reduce_scatter(r, world, count, seg),
+        "allgather": lambda r: ring.allgather(r, world, (count,) * world, seg),
+        "bcast_chain": lambda r: rooted.broadcast_chain(r, world, world // 2, count, seg),
+        "bcast_tree": lambda r: rooted.broadcast_binomial(r, world, world - 1, count),
+        "reduce": lambda r: rooted.reduce_chain(r, world, 0, count, seg),
+        "gather": lambda r: direct.gather(r, world, 0, count, seg),
+        "scatter": lambda r: direct.scatter(r, world, world - 1, count, seg),
+        "alltoall": lambda r: direct.alltoall(r, world, (count,) * world, (count,) * world, seg),
+        "barrier": lambda r: direct.barrier(r, world),
+    }
+    for name, make in makers.items():
+        sends, recvs = Counter(), Counter()
+        for r in range(world):
+            for step in make(r).steps:
+                if step.kind is Kind.SEND:
+                    sends[(r, step.peer, step.src.count)] += 1
+                elif step.kind in (Kind.RECV, Kind.RECV_REDUCE):
+                    recvs[(step.peer, r, step.dst.count)] += 1
+        assert sends == recvs, name
+
+
+def test_schedule_prints_step_by_step():
+    text = str(ring.allreduce(1, 4, 16, 2))
+    assert text.startswith("allreduce (ring), rank 1 of 4")
+    assert "reduce-scatter round 0, chunk 0 seg 0" in text
+    assert "send data[4:6] -> rank 2" in text
+    assert "(all-gather round 5" in text
+
+
+ALL_DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+              "uint8", "bool", "complex64", "complex128"]
+
+
+def _np_dtype(name):
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_every_dtype_with_every_op_it_supports(dtype):
+    from ringcomm.buffers import REDUCE_OPS
+
+    world, dt = 3, _np_dtype(dtype)
+    ops = [name for name, op in REDUCE_OPS.items() if dtype in op.dtypes]
+    assert "sum" in ops
+
+    def values(rank):
+        v = (np.arange(11) + rank) % 3 + 1  # small positive numbers: exact in every dtype
+        return (v % 2).astype(dt) if dtype == "bool" else v.astype(dt)
+
+    def fn(comm):
+        out = {}
+        for op in ops:
+            x = values(comm.rank)
+            comm.allreduce(x, op)
+            out[op] = x
+        return out
+
+    refs = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+            "avg": np.add, "band": np.bitwise_and, "bor": np.bitwise_or,
+            "bxor": np.bitwise_xor}
+    for res in run_group(world, fn, segment_bytes=SEG):
+        for op in ops:
+            expected = values(0)
+            for r in range(1, world):
+                expected = refs[op](expected, values(r))
+            if op == "avg":
+                expected = expected / world
+            np.testing.assert_allclose(res[op].astype(np.complex128),
+                                       expected.astype(np.complex128), rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,op", [("complex64", "max"), ("float32", "band"),
+                                      ("int32", "avg"), ("bool", "avg")])
+def test_unsupported_op_dtype_pairs_are_refused_before_sending(dtype, op):
+    def fn(comm):
+        with pytest.raises(ArgumentError, match=f"'{op}' is not defined for {dtype}"):
+            comm.allreduce(np.ones(4, dtype), op)
+        x = np.ones(4)
+        comm.allreduce(x)  # nothing was sent: the group is still in step
+        return x
+
+    for res in run_group(2, fn):
+        np.testing.assert_array_equal(res, 2.0)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    def fn(comm):
+        with pytest.raises(ArgumentError, match="unknown reduce op 'average'"):
+            comm.allreduce(np.ones(3), "average")
+        with pytest.raises(ArgumentError, match="root=2 is out of range"):
+            comm.broadcast(np.ones(3), root=2)
+        with pytest.raises(ArgumentError, match="must have world_size"):
+            comm.allgather(np.empty(5), np.ones(3))
+        with pytest.raises(ArgumentError, match="not contiguous"):
+            comm.allreduce(np.ones((4, 4))[:, 1])
+        with pytest.raises(ArgumentError, match="is this rank itself"):
+            comm.send(np.ones(3), dst=comm.rank)
+        with pytest.raises(ArgumentError, match="numpy array or a torch CPU tensor"):
+            comm.allreduce([1.0, 2.0])
+        with pytest.raises(ArgumentError, match="not supported"):
+            comm.allreduce(np.array(["a"]))
+        return True
+
+    assert run_group(2, fn) == [True, True]
+
+
+def test_dtype_mismatch_between_ranks_raises_on_every_rank():
+    def fn(comm):
+        x = np.ones(64, np.float32 if comm.rank == 1 else np.float64)
+        comm.allreduce(x)
+
+    errors = run_group(3, fn, timeout=10, return_errors=True)
+    assert all(isinstance(e, (DesyncError, RemoteError)) for e in errors), errors
+    assert any(isinstance(e, DesyncError) and "dtype" in str(e) for e in errors)
+
+
+def test_size_mismatch_between_ranks_is_a_desync():
+    def fn(comm):
+        comm.allreduce(np.ones(10 + comm.rank))
+
+    errors = run_group(2, fn, timeout=10, return_errors=True)
+    assert all(isinstance(e, (DesyncError, RemoteError)) for e in errors), errors
+
+
+def test_a_rank_that_never_joins_gives_timeouts_not_hangs():
+    def fn(comm):
+        if comm.rank == 2:
+            return "skipped"
+        comm.allreduce(np.ones(16))
+
+    results = run_group(3, fn, timeout=1.0, return_errors=True)
+    assert results[2] == "skipped"
+    for err in results[:2]:
+        assert isinstance(err, (CommTimeout, RemoteError)), err
+    assert any(isinstance(e, CommTimeout) and "rank" in str(e) for e in results[:2])
