@@ -51,8 +51,8 @@ class Work:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the op is done and return its result; raise its error if it failed.
 
-        ``timeout`` (seconds) bounds the wait; by default the communicator's timeout plus a
-        margin, since the op enforces its own deadline once it starts.
+        ``timeout`` (seconds) bounds only this wait and is unlimited by default: the op
+        enforces its own deadline once it starts, so a stuck peer still ends in an error.
         """
         done, _ = concurrent.futures.wait([self._future], timeout=timeout)
         if not done:

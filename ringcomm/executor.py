@@ -51,30 +51,34 @@ class TraceEvent:
 
 
 class _PendingSends:
-    """Zero-copy sends not yet out of our memory, with the byte ranges they read."""
+    """Zero-copy sends not yet out of our memory, with the byte ranges they read and the peer
+    they go to. Waiting on one goes through the transport, so that a dead peer or an abort
+    from another rank ends the wait instead of the op's timeout."""
 
-    def __init__(self) -> None:
-        self._items: deque[tuple[int, int, SendHandle]] = deque()
+    def __init__(self, transport: Transport, ctx: OpContext) -> None:
+        self._items: deque[tuple[int, int, int, SendHandle]] = deque()
+        self._transport = transport
+        self._ctx = ctx
 
-    def add(self, lo: int, hi: int, handle: SendHandle) -> None:
-        self._items.append((lo, hi, handle))
+    def add(self, lo: int, hi: int, peer: int, handle: SendHandle) -> None:
+        self._items.append((lo, hi, peer, handle))
 
-    def wait_overlapping(self, lo: int, hi: int, deadline: float) -> None:
+    def wait_overlapping(self, lo: int, hi: int) -> None:
         items = self._items
-        while items and items[0][2].done:
+        while items and items[0][3].done:
             items.popleft()
-        for plo, phi, handle in items:
+        for plo, phi, peer, handle in items:
             if plo < hi and lo < phi:
-                _wait(handle, deadline)
+                self._wait(peer, handle)
 
-    def wait_all(self, deadline: float) -> None:
+    def wait_all(self) -> None:
         while self._items:
-            _wait(self._items.popleft()[2], deadline)
+            _, _, peer, handle = self._items.popleft()
+            self._wait(peer, handle)
 
-
-def _wait(handle: SendHandle, deadline: float) -> None:
-    if not handle.done and not handle.wait(max(0.0, deadline - time.monotonic())):
-        raise CommTimeout("a send did not leave this process in time (is the peer alive?)")
+    def _wait(self, peer: int, handle: SendHandle) -> None:
+        if not handle.done:
+            self._transport.wait_sent(peer, handle, self._ctx.deadline, self._ctx.name)
 
 
 def run_schedule(
@@ -91,7 +95,7 @@ def run_schedule(
     addresses = {name: arr.ctypes.data for name, arr in buffers.items()}
     sent = [0] * world
     received = [0] * world
-    pending = _PendingSends()
+    pending = _PendingSends(transport, ctx)
 
     def view(region: Region) -> np.ndarray:
         return buffers[region.buf][region.offset: region.offset + region.count]
@@ -99,7 +103,7 @@ def run_schedule(
     def claim(region: Region) -> np.ndarray:
         """The region's view, once no pending send still reads its memory."""
         lo = addresses[region.buf] + region.offset * itemsize
-        pending.wait_overlapping(lo, lo + region.count * itemsize, ctx.deadline)
+        pending.wait_overlapping(lo, lo + region.count * itemsize)
         return view(region)
 
     def expect(peer: int, count: int) -> Header:
@@ -119,7 +123,7 @@ def run_schedule(
                 handle = transport.send(peer, header, view(src) if src.count else None)
                 if handle is not None:
                     lo = addresses[src.buf] + src.offset * itemsize
-                    pending.add(lo, lo + src.count * itemsize, handle)
+                    pending.add(lo, lo + src.count * itemsize, peer, handle)
             elif kind is Kind.RECV:
                 dst = claim(step.dst)
                 transport.recv_into(peer, expect(peer, step.dst.count), dst, ctx.deadline,
@@ -143,4 +147,11 @@ def run_schedule(
             ) from None
         if trace is not None:
             trace.append(TraceEvent(rank, index, step, started, time.perf_counter()))
-    pending.wait_all(ctx.deadline)
+    try:
+        pending.wait_all()
+    except CommTimeout as err:
+        raise CommTimeout(
+            f"{err.detail} (the last sends of {schedule.algorithm} {schedule.collective}). "
+            "Check that every rank runs this op, or raise the timeout.",
+            rank=rank, op=ctx.name, peer=err.peer,
+        ) from None

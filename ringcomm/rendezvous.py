@@ -14,7 +14,6 @@ same job (or under a torchrun restart) never reads stale addresses.
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 
@@ -22,8 +21,6 @@ from .channels.zmq_channel import ZmqTransport
 from .communicator import DEFAULT_SEGMENT_BYTES, Communicator, env_int
 from .errors import ArgumentError, CommError
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
-
-_generation = itertools.count()
 
 
 def init(
@@ -74,9 +71,12 @@ def init(
             f"store must be a ringcomm Store or 'host:port', got {type(store).__name__}")
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    scoped = PrefixStore(f"ringcomm/{restart}/{next(_generation)}", store)
-    host = _reachable_host(address)
     try:
+        # Count communicators per rank *on this store*, not per process: a process that made
+        # more (or fewer) communicators before must still agree with its peers on the prefix.
+        generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
+        scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
+        host = _reachable_host(address)
         chans = ZmqTransport(rank, world_size, scoped, host=host, mode=transport,
                              timeout=timeout)
     except BaseException:

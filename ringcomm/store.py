@@ -45,6 +45,7 @@ MAX_VALUE_BYTES = 64 << 20
 DEFAULT_TIMEOUT = 300.0
 
 _REQUEST_ID = struct.Struct("<Q")
+_MIN_REACH = 1.0  # s: the least a client waits to connect before "could not reach"
 
 
 def _key_bytes(key: str | bytes) -> bytes:
@@ -306,10 +307,18 @@ class StoreServer:
 
     def _wake_waiters(self, key: bytes) -> None:
         for parked in self._waiters.pop(key, ()):
-            if not parked.done and all(k in self._data for k in parked.keys):
+            if parked.done:
+                continue
+            missing = [k for k in parked.keys if k not in self._data]
+            if not missing:
                 parked.done = True
                 self._answer_parked(parked.identity, parked.request_id, parked.command,
                                     parked.keys)
+                continue
+            for k in missing:  # a key it saw set may have been deleted since: watch it again
+                waiting = self._waiters.setdefault(k, [])
+                if parked not in waiting:
+                    waiting.append(parked)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -358,10 +367,10 @@ class StoreClient(Store):
     # -- plumbing
 
     def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        if self._closed:
+            raise StoreError(f"store client for {self.address} is closed")
         pair = getattr(self._local, "pair", None)
         if pair is None:
-            if self._closed:
-                raise StoreError(f"store client for {self.address} is closed")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
@@ -389,7 +398,10 @@ class StoreClient(Store):
             limit = server_wait + max(2.0, 0.1 * server_wait)
         start = time.monotonic()
         deadline = start + limit
-        reach_deadline = start + (server_wait if server_wait is not None else limit)
+        # A fresh socket needs a moment to connect: a short (even zero) server_wait must
+        # still get the server's answer, not "could not reach".
+        reach_deadline = start + (max(server_wait, _MIN_REACH) if server_wait is not None
+                                  else limit)
         sock.send_multipart([request_id, command, *args], copy=len(args) == 0 or
                             sum(len(a) for a in args) < 65536)
         poller = zmq.Poller()
@@ -480,7 +492,7 @@ class StoreClient(Store):
         ks, t = _key_list(keys), self._blocking(timeout)
         if not ks:
             return
-        what = f"wait for {_names(ks)}"
+        what = f"wait for {len(ks)} key(s)"  # the timeout names the missing ones
         self._ok(self._request(b"wait", [str(int(t * 1e3)).encode(), *ks], what, server_wait=t),
                  what)
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from collections import deque
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import RemoteError
+from ..errors import CommTimeout, RemoteError
 from .header import Header, OpKind, check
 
 
@@ -88,6 +89,15 @@ class Transport(abc.ABC):
             self._recv_payload_into(peer, target)
         else:
             self._recv_payload(peer)
+
+    def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
+        """Wait until a zero-copy send to ``peer`` no longer reads its buffer. Transports
+        that can tell should also raise PeerLostError / RemoteError when that happens first."""
+        if not handle.wait(max(0.0, deadline - time.monotonic())):
+            raise CommTimeout(
+                f"a send to rank {peer} did not leave this process in time (is it alive?)",
+                rank=self.rank, op=op, peer=peer,
+            )
 
     def abort(self, seq: int, text: str) -> None:
         """Tell every peer that this rank failed, so that none of them waits for it."""

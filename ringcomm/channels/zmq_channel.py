@@ -42,6 +42,9 @@ from .header import Header
 
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
 _POLL_SLICE_MS = 1000
+_SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
+_LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
+_ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 
 
 def host_identity() -> str:
@@ -211,6 +214,11 @@ class ZmqTransport(Transport):
         return _Tracked(push.send(data, copy=False, track=True))
 
     def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
+        # Also down the data pipe: there it arrives before this rank's connection closes, so
+        # a peer that sees the close has read the abort first and reports its real cause.
+        push = self._peers[peer].push
+        if push is not None:
+            push.send_multipart((header.pack(), text))
         sock = self._control_push.get(peer)
         if sock is None:
             sock = self._control_push[peer] = self._push_socket(self._control_endpoints[peer])
@@ -231,6 +239,21 @@ class ZmqTransport(Transport):
     def _wait_header(self, peer: int, state: _PeerState, deadline: float, op: str) -> bytes:
         control = self._peers[self.rank].pull
         while True:
+            if state.lost:  # checked every time: the event may have been read by an earlier wait
+                try:
+                    return state.pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                # The peer may have closed because another rank failed and aborted it; that
+                # rank's abort (on a younger connection) explains this better than "lost".
+                if control.poll(_ABORT_GRACE_MS):
+                    header = Header.unpack(control.recv())
+                    self.raise_remote(header, control.recv(), op)
+                raise PeerLostError(
+                    f"the connection from rank {peer} closed while this rank waited "
+                    f"for its data: rank {peer} died or left the group early",
+                    rank=self.rank, op=op, peer=peer,
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CommTimeout(
@@ -245,15 +268,40 @@ class ZmqTransport(Transport):
                 self.raise_remote(header, control.recv(), op)
             if state.monitor in events:
                 self._monitor_event(peer, state)
-                if state.lost:
-                    try:
-                        return state.pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        raise PeerLostError(
-                            f"the connection from rank {peer} closed while this rank waited "
-                            f"for its data: rank {peer} died or left the group early",
-                            rank=self.rank, op=op, peer=peer,
-                        ) from None
+
+    def wait_sent(self, peer: int, handle: Any, deadline: float, op: str) -> None:
+        """Wait for a zero-copy send to ``peer`` to leave, but not for a dead peer: its data
+        would stay queued here until the deadline. Aborts from other ranks end it too."""
+        state = self._peers[peer]
+        control = self._peers[self.rank].pull
+        poller = zmq.Poller()
+        poller.register(state.monitor, zmq.POLLIN)
+        poller.register(control, zmq.POLLIN)
+        lost_since = None
+        while True:
+            now = time.monotonic()
+            if handle.wait(max(0.0, min(_SEND_POLL_S, deadline - now))):
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise CommTimeout(
+                    f"a send to rank {peer} did not leave this process in time (is it alive?)",
+                    rank=self.rank, op=op, peer=peer,
+                )
+            events = dict(poller.poll(0))
+            if control in events:
+                header = Header.unpack(control.recv())
+                self.raise_remote(header, control.recv(), op)
+            if state.monitor in events:
+                self._monitor_event(peer, state)
+            if state.lost:
+                lost_since = lost_since if lost_since is not None else now
+                if now - lost_since >= _LOST_GRACE_S:
+                    raise PeerLostError(
+                        f"the connection to rank {peer} closed while this rank still had data "
+                        f"to send to it: rank {peer} died or left the group early",
+                        rank=self.rank, op=op, peer=peer,
+                    )
 
     def _monitor_event(self, peer: int, state: _PeerState) -> None:
         while True:
