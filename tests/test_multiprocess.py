@@ -1,0 +1,282 @@
+"""Real processes on 127.0.0.1, over ipc:// and tcp://: checked values for every collective,
+ranks that disagree, ranks that die, the rendezvous store, and a clean close.
+
+The ranks are spawned processes, started once for the module and given one job per test
+(``tests/mp_helpers.py``): a job inits a communicator on a fresh store port, runs its checks,
+closes, and sends back what the test asserts on. A rank that hangs is killed after the job's
+time limit and one that dies is replaced, so a failure here never blocks the suite. The
+schedules themselves are covered in one process by ``test_algorithms.py``; these tests are
+about what only real processes show: sockets, the wire format, process death and teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+from mp_helpers import IPC_BASE, Cluster, free_port
+
+import ringcomm
+from ringcomm import CommError, StoreError, StoreTimeout
+
+pytestmark = pytest.mark.slow
+
+GROUPS = [pytest.param(t, w, id=f"{t}-{w}") for t in ("ipc", "tcp") for w in (2, 3)]
+FAST = 5.0  # s: errors come from a peer's abort or a closed connection, far within the jobs'
+# op timeouts (20-30 s), never from a timeout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(4)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+# --------------------------------------------------------------------------- correct results
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport,world,lib", [
+    *(pytest.param(t, w, lib, id=f"{t}-{w}-{lib}") for t in ("ipc", "tcp") for w in (2, 3)
+      for lib in ("numpy", "torch")),
+    pytest.param("ipc", 4, "torch", id="ipc-4-torch"),
+])
+def test_every_collective_gives_checked_values(cluster, transport, world, lib):
+    """allreduce (sum/max/avg), reduce_scatter and allgather in float32, float64, int64,
+    bfloat16 and float16; broadcast, reduce, gather, scatter (roots 0 and last), alltoall
+    (equal and uneven splits) and barrier; counts 0, 1, fewer than the ranks, indivisible by
+    them, and 5 MiB (several segments). Values are checked on every rank."""
+    checks = cluster.run(world, "job_collectives", transport=transport, lib=lib, timeout=80)
+    assert len(set(checks)) == 1 and checks[0] > 150, checks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport,world", [*GROUPS, ("tcp", 4)])
+def test_async_ops_overlap_and_complete_in_issue_order_and_p2p_tags_match(
+        cluster, transport, world):
+    done = cluster.run(world, "job_async_and_p2p", transport=transport)
+    expected = ["allreduce #1", "allreduce #2", "allgather #3", "broadcast #4", "barrier #5",
+                "allreduce #6"]
+    assert done == [expected] * world
+
+
+@pytest.mark.timeout(30)
+def test_world_of_one(cluster):
+    assert cluster.run(1, "job_world_one") == [True]
+
+
+# --------------------------------------------------------------------------- wrong input
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport,world", GROUPS)
+def test_bad_arguments_raise_on_the_caller_before_anything_is_sent(cluster, transport, world):
+    """Bad op name, root, dst/src, sizes, layout: ArgumentError at the call even with
+    ``async_op=True``; only rank 0 errs, and the group is still in step afterwards."""
+    caught = cluster.run(world, "job_bad_arguments", transport=transport)
+    assert caught == [17] + [0] * (world - 1)
+
+
+def _check_disagreement(res, world, ops):
+    """Every rank raised DesyncError or RemoteError, naming itself and its op, quickly; a
+    RemoteError names a rank that raised DesyncError and carries its message; every rank's
+    communicator refuses further ops."""
+    errs = [x["err"] for x in res]
+    assert all(e is not None for e in errs), errs
+    desynced = {r for r, e in enumerate(errs) if e["type"] == "DesyncError"}
+    assert desynced, errs
+    for r, e in enumerate(errs):
+        assert isinstance(e["error"], CommError)
+        assert e["type"] in ("DesyncError", "RemoteError"), e
+        assert e["rank"] == r and e["op"] == ops[r], e
+        assert e["msg"].startswith(f"[rank {r}, {ops[r]}]"), e["msg"]
+        assert e["elapsed"] < FAST, e
+        if e["type"] == "RemoteError":
+            assert e["peer"] in desynced, (e, desynced)
+            assert f"rank {e['peer']} failed and aborted the group: DesyncError" in e["msg"]
+        after = res[r]["after"]
+        assert after is not None and after["type"] == "CommAborted", after
+        assert after["rank"] == r
+    return errs
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case,needle", [
+    pytest.param("dtype", "dtype float32 instead of float64", id="dtype"),
+    pytest.param("torch-dtype", "bfloat16 instead of float16", id="torch-dtype"),
+    pytest.param("count", "B instead of", id="count"),
+    pytest.param("big-count", "B instead of", id="big-count"),
+    pytest.param("op", "a different op", id="op"),
+])
+@pytest.mark.parametrize("transport,world", GROUPS)
+def test_ranks_that_disagree_all_raise_typed_errors(cluster, transport, world, case, needle):
+    res = cluster.run(world, "job_mismatch", transport=transport, case=case)
+    ops = ["broadcast #1" if case == "op" and r == 1 else "allreduce #1" for r in range(world)]
+    errs = _check_disagreement(res, world, ops)
+    assert any(needle in e["msg"] for e in errs if e["type"] == "DesyncError"), errs
+    assert "Every rank must call the same collectives" in errs[0]["msg"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_rank_that_fails_aborts_peers_that_had_no_way_to_notice(cluster, world):
+    """Rank 1 passes float32 where the others pass float64. In the ring rank 0 only hears
+    from rank ``world - 1``, whose data is fine: it learns of the failure from the abort."""
+    res = cluster.run(world, "job_mismatch", transport="ipc", case="dtype")
+    errs = _check_disagreement(res, world, ["allreduce #1"] * world)
+    assert errs[0]["type"] == "RemoteError", errs[0]
+    assert errs[0]["peer"] in (1, 2)
+    assert "float32" in errs[0]["msg"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["broadcast-count", "root", "tag"])
+@pytest.mark.parametrize("transport,world", GROUPS)
+def test_ranks_that_only_send_learn_of_a_disagreement_by_their_next_op(
+        cluster, transport, world, case):
+    """A rank that only sends in the op (broadcast's root, a sender of p2p, or every rank
+    when the roots differ) cannot see the mismatch in that op; by its next op it must have a
+    typed error, never a hang or a silent success."""
+    res = cluster.run(world, "job_mismatch", transport=transport, case=case)
+    first = [x["err"] or x["after"] for x in res]
+    assert all(e is not None for e in first), res
+    assert any(e["type"] == "DesyncError" for e in first), first
+    for r, e in enumerate(first):
+        assert e["type"] in ("DesyncError", "RemoteError"), e
+        assert e["rank"] == r and e["elapsed"] < FAST, e
+    if case == "tag":
+        assert first[1]["type"] == "DesyncError" and "a different root or tag" in first[1]["msg"]
+        assert first[1]["op"] == "recv #0 from rank 0"
+
+
+# --------------------------------------------------------------------------- peers that die
+
+
+def _check_peer_death(res, victim, *, limit, op="allreduce", may_finish=()):
+    lost = []
+    for r, x in enumerate(res):
+        if r == victim:
+            assert x is None
+            continue
+        err, after = x["err"], x["after"]
+        if r in may_finish and err is None:  # its part needs nothing from the victim
+            err, after = after, None
+        assert err is not None, f"rank {r}: no error although rank {victim} died"
+        assert isinstance(err["error"], CommError)
+        assert err["type"] in ("PeerLostError", "RemoteError"), err
+        assert err["rank"] == r, err
+        assert err["elapsed"] < limit, err
+        if err["type"] == "PeerLostError":
+            assert err["peer"] == victim and f"rank {victim} died" in err["msg"], err
+            lost.append(r)
+        else:
+            assert "PeerLostError" in err["msg"] and f"rank {victim} died" in err["msg"], err
+        if r not in may_finish:
+            assert err["op"].startswith(op), err
+            assert after is not None and after["type"] == "CommAborted", after
+        assert x["close_s"] < 5.0, x
+    assert lost, "no survivor raised PeerLostError"
+
+
+def _victim_run(cluster, tmp_path, world, victim, **kw):
+    report = tmp_path / "victim_ipc_dir"
+    try:
+        return cluster.run(world, "job_peer_dies", dies=(victim,), victim=victim,
+                           report=str(report), op_timeout=20.0, timeout=60, **kw)
+    finally:  # a killed rank cannot remove its ipc sockets: do it for it
+        if report.exists():
+            leftover = report.read_text()
+            if leftover and os.path.dirname(leftover) == IPC_BASE:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport,world,victim,when,how", [
+    ("ipc", 2, 1, "before", "exit"),
+    ("tcp", 2, 0, "sleeping", "kill"),
+    ("ipc", 3, 0, "during", "kill"),  # rank 0 serves the store, too
+    ("tcp", 3, 2, "during", "exit"),
+    ("tcp", 3, 1, "before", "kill"),
+    ("ipc", 4, 2, "sleeping", "exit"),
+])
+def test_a_dead_peer_gives_peer_lost_errors_fast(cluster, tmp_path, transport, world, victim,
+                                                 when, how):
+    """Rank ``victim`` calls os._exit(1) or is SIGKILLed: before the allreduce, part-way
+    through a run of 5 MiB allreduces, or while the others wait for it to join. Survivors raise
+    PeerLostError (or RemoteError from a survivor that did), far within the 20 s timeout;
+    the communicator then raises CommAborted, and close() returns."""
+    res = _victim_run(cluster, tmp_path, world, victim, transport=transport, when=when,
+                      how=how)
+    _check_peer_death(res, victim, limit=FAST)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport,world", [("ipc", 2), ("tcp", 3)])
+def test_a_rank_that_only_sends_to_a_dead_peer_raises_peer_lost(cluster, tmp_path, transport,
+                                                                world):
+    """A 5 MiB broadcast down the chain 0 -> 1 -> ... -> last, with the last rank dead: the
+    rank before it only *sends* to it (zero-copy), so no receive notices the death. Rank 0,
+    which needs nothing from the victim, may finish and then stays idle, so no abort helps."""
+    victim = world - 1
+    res = _victim_run(cluster, tmp_path, world, victim, transport=transport, when="before",
+                      op="broadcast", idle=(0,))
+    _check_peer_death(res, victim, limit=2.5, op="broadcast",
+                      may_finish=(0,) if world > 2 else ())
+    sender = res[victim - 1]["err"]
+    assert sender["type"] == "PeerLostError" and "to send to it" in sender["msg"], sender
+
+
+# --------------------------------------------------------------------------- store and close
+
+
+@pytest.mark.timeout(30)
+def test_an_unreachable_store_fails_fast_with_a_store_error():
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout, match=f"could not reach the store at 127.0.0.1:{port}"):
+        ringcomm.init(rank=1, world_size=2, store=f"127.0.0.1:{port}", timeout=2)
+    assert time.monotonic() - start < 6
+    assert not [t for t in threading.enumerate() if t.name.startswith("ringcomm")]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bind_host", ["127.0.0.1", "0.0.0.0"])
+def test_serving_the_store_on_a_port_in_use_says_so(bind_host):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind((bind_host, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(StoreError, match="in use") as info:
+            ringcomm.init(rank=0, world_size=2, store=f"127.0.0.1:{port}", timeout=5)
+        assert not isinstance(info.value, StoreTimeout)
+        assert str(port) in str(info.value)
+        assert time.monotonic() - start < 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("ringcomm")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport,world", GROUPS)
+def test_close_releases_files_and_threads_and_init_works_again(cluster, transport, world):
+    res = cluster.run(world, "job_lifecycle", transport=transport)
+    dirs = [d for x in res for d in x["dirs"]]
+    assert len(dirs) == 3 * world
+    if transport == "ipc":
+        assert len(set(dirs)) == len(dirs)
+        assert not [d for d in dirs if os.path.exists(d)]
+    else:
+        assert dirs == [None] * len(dirs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport,world", [("ipc", 3), ("tcp", 2)])
+def test_ranks_with_different_histories_still_meet(cluster, transport, world):
+    assert cluster.run(world, "job_uneven_history", transport=transport) == [world] * world
