@@ -1,0 +1,101 @@
+"""The ``ringcomm`` command.
+
+    ringcomm schedule allreduce --world-size 4 --count 8      # every rank's steps
+    ringcomm schedule allreduce -n 4 -c 8 --rank 1 --segment 1
+    ringcomm store --port 29500                                # a stand-alone store
+
+``schedule`` prints exactly the step lists the executor runs, so a reader can follow a
+collective rank by rank: which chunk goes to which neighbour in which round.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from .algorithms import Schedule, direct, ring, rooted
+from .errors import ArgumentError
+
+# name -> (help, builder(rank, world_size, count, segment, root))
+_SCHEDULES: dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]] = {
+    "allreduce": ("ring reduce-scatter then ring all-gather, pipelined in segments",
+                  lambda r, n, c, s, root: ring.allreduce(r, n, c, s)),
+    "reduce_scatter": ("ring reduce-scatter; rank r ends with chunk r (count per rank)",
+                       lambda r, n, c, s, root: ring.reduce_scatter(r, n, c, s)),
+    "allgather": ("ring all-gather (count per rank)",
+                  lambda r, n, c, s, root: ring.allgather(r, n, (c,) * n, s)),
+    "broadcast": ("pipelined chain from the root",
+                  lambda r, n, c, s, root: rooted.broadcast_chain(r, n, root, c, s)),
+    "broadcast_tree": ("binomial tree from the root (small messages)",
+                       lambda r, n, c, s, root: rooted.broadcast_binomial(r, n, root, c)),
+    "reduce": ("pipelined chain towards the root",
+               lambda r, n, c, s, root: rooted.reduce_chain(r, n, root, c, s)),
+    "gather": ("every rank sends its block to the root",
+               lambda r, n, c, s, root: direct.gather(r, n, root, c, s)),
+    "scatter": ("the root sends each rank its block",
+                lambda r, n, c, s, root: direct.scatter(r, n, root, c, s)),
+    "alltoall": ("pairwise exchange, count elements per pair",
+                 lambda r, n, c, s, root: direct.alltoall(r, n, (c,) * n, (c,) * n, s)),
+    "barrier": ("dissemination barrier: log2(n) rounds of empty messages",
+                lambda r, n, c, s, root: direct.barrier(r, n)),
+}
+
+
+def _print_schedules(args: argparse.Namespace) -> None:
+    if args.world_size < 1:
+        raise ArgumentError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.count < 0:
+        raise ArgumentError(f"--count must not be negative, got {args.count}")
+    if not 0 <= args.root < args.world_size:
+        raise ArgumentError(f"--root {args.root} is out of range for world size "
+                            f"{args.world_size}")
+    segment = args.segment if args.segment else max(args.count, 1)
+    if segment < 1:
+        raise ArgumentError(f"--segment must be positive, got {args.segment}")
+    ranks = [args.rank] if args.rank is not None else range(args.world_size)
+    build = _SCHEDULES[args.collective][1]
+    for i, rank in enumerate(ranks):
+        if not 0 <= rank < args.world_size:
+            raise ArgumentError(f"--rank {rank} is out of range for world size "
+                                f"{args.world_size}")
+        if i:
+            print()
+        print(build(rank, args.world_size, args.count, segment, args.root))
+
+
+def _serve_store(args: argparse.Namespace) -> None:
+    from .store import main as store_main
+
+    store_main(["--host", args.host, "--port", str(args.port)])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ringcomm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sched = sub.add_parser("schedule", help="print a collective's steps, rank by rank",
+                           description="Print the step lists the executor runs.")
+    sched.add_argument("collective", choices=sorted(_SCHEDULES),
+                       help="; ".join(f"{k}: {v[0]}" for k, v in _SCHEDULES.items()))
+    sched.add_argument("-n", "--world-size", type=int, default=4)
+    sched.add_argument("-c", "--count", type=int, default=8, help="elements")
+    sched.add_argument("-s", "--segment", type=int, default=0,
+                       help="elements per message (default: whole chunks)")
+    sched.add_argument("--rank", type=int, default=None, help="only this rank")
+    sched.add_argument("--root", type=int, default=0)
+    sched.set_defaults(run=_print_schedules)
+
+    store = sub.add_parser("store", help="serve a rendezvous store until interrupted")
+    store.add_argument("--host", default="0.0.0.0")
+    store.add_argument("--port", type=int, default=29500)
+    store.set_defaults(run=_serve_store)
+
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except ArgumentError as err:
+        parser.exit(2, f"ringcomm: error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
