@@ -115,7 +115,7 @@ def reduce_op(name: str | ReduceOp, dtype: np.dtype) -> ReduceOp:
 
 def reduce_into(dst: np.ndarray, a: np.ndarray, b: Any, op: ReduceOp) -> None:
     """``dst = a (op) b`` elementwise; ``b`` may be any buffer (a received frame) of dst's dtype."""
-    if not isinstance(b, np.ndarray):
+    if not isinstance(b, np.ndarray) or b.dtype != dst.dtype:
         b = np.frombuffer(b, dtype=dst.dtype)
     op.ufunc(a, b, out=dst)
 

@@ -123,7 +123,8 @@ def run_schedule(
                 handle = transport.send(peer, header, view(src) if src.count else None)
                 if handle is not None:
                     lo = addresses[src.buf] + src.offset * itemsize
-                    pending.add(lo, lo + src.count * itemsize, peer, handle)
+                    hi = lo + src.count * itemsize if handle.reads_buffer else lo
+                    pending.add(lo, hi, peer, handle)
             elif kind is Kind.RECV:
                 dst = claim(step.dst)
                 transport.recv_into(peer, expect(peer, step.dst.count), dst, ctx.deadline,

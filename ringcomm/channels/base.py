@@ -26,7 +26,10 @@ from .header import Header, OpKind, check
 
 
 class SendHandle(Protocol):
-    """Returned by a zero-copy send: the payload's memory must not change until ``done``."""
+    """Returned by a send still in flight. If ``reads_buffer``, the payload's memory must not
+    change until ``done``; either way the op waits for it before it returns."""
+
+    reads_buffer: bool
 
     @property
     def done(self) -> bool: ...

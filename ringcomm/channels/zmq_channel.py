@@ -9,6 +9,10 @@ Why this shape:
   executor knows when the buffer may change again. Small ones are copied: cheaper than
   tracking. Payloads are received straight into their destination (``recv_into``) or, when
   they are to be reduced, as a ZeroMQ frame that the reduction reads in place.
+- Between ranks on one host, payloads of ``SHM_MIN_BYTES`` or more travel through a
+  shared-memory ring (``shm_ring``) and only a small notice goes through the socket: one
+  copy instead of three. ``RINGCOMM_SHM=0`` turns that off; a full ring or a failure to
+  create one falls back to the socket, never blocks.
 - A socket monitor on each receiving pipe notices a peer's connection closing, so a dead
   peer becomes a ``PeerLostError`` at once rather than a timeout; a control pipe per rank
   carries abort notices, so a failure on one rank wakes every rank that waits.
@@ -23,9 +27,11 @@ addresses.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
+import struct
 import tempfile
 import time
 import uuid
@@ -36,11 +42,16 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
+from . import shm_ring
 from .base import Transport
 from .header import SIZE as HEADER_SIZE
 from .header import Header
 
+log = logging.getLogger("ringcomm")
+
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
+SHM_MIN_BYTES = 64 * 1024  # payloads this big go through shared memory between local ranks
+_SHM_NOTICE = struct.Struct("<q")  # follows the header: the payload's position in the ring
 _POLL_SLICE_MS = 1000
 _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
@@ -61,12 +72,15 @@ def host_identity() -> str:
 
 
 class _Tracked:
-    """A zero-copy send in flight: done once ZeroMQ no longer reads the buffer."""
+    """A send in flight: done once ZeroMQ no longer reads the frame. ``reads_buffer`` is False
+    for a shared-memory notice: the payload was copied already, and tracking the notice only
+    lets the op see a peer that is gone."""
 
-    __slots__ = ("_tracker",)
+    __slots__ = ("_tracker", "reads_buffer")
 
-    def __init__(self, tracker: zmq.MessageTracker) -> None:
+    def __init__(self, tracker: zmq.MessageTracker, reads_buffer: bool = True) -> None:
         self._tracker = tracker
+        self.reads_buffer = reads_buffer
 
     @property
     def done(self) -> bool:
@@ -80,8 +94,19 @@ class _Tracked:
         return True
 
 
+def shm_ring_bytes(local_peers: int) -> int:
+    """Capacity of each shared-memory ring: room for many segments, less per ring when a
+    rank has many local peers. ``RINGCOMM_SHM_BYTES`` overrides it."""
+    env = os.environ.get("RINGCOMM_SHM_BYTES")
+    if env:
+        return int(env)
+    return max(8 << 20, min(32 << 20, (256 << 20) // max(1, local_peers)))
+
+
 class _PeerState:
-    __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost")
+    __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost", "shm_out",
+                 "shm_in", "shm_name_out", "shm_name_in", "shm_capacity_in", "incoming",
+                 "held")
 
     def __init__(self) -> None:
         self.pull: zmq.Socket | None = None
@@ -90,6 +115,14 @@ class _PeerState:
         self.poller: zmq.Poller | None = None
         self.connected = False
         self.lost = False
+        # shared-memory payloads: our ring to the peer, the peer's ring to us
+        self.shm_out: shm_ring.RingWriter | None = None
+        self.shm_in: shm_ring.RingReader | None = None
+        self.shm_name_out: str | None = None  # None: this peer gets no shared memory
+        self.shm_name_in: str | None = None
+        self.shm_capacity_in = 0
+        self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
+        self.held: tuple[int, int] | None = None  # a ring payload handed out, not yet released
 
 
 class ZmqTransport(Transport):
@@ -110,12 +143,20 @@ class ZmqTransport(Transport):
         mode: str | None = None,
         timeout: float = 300.0,
         io_threads: int = 1,
+        shm: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         mode = (mode or os.environ.get("RINGCOMM_TRANSPORT", "auto")).lower()
         if mode not in ("auto", "ipc", "tcp"):
             raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
         self.mode = mode
+        if shm is None:
+            shm = os.environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
+        self.shm = shm and shm_ring.available()
+        self._shm_capacity = 0
+        self._token = uuid.uuid4().hex[:12]
+        # payloads sent, by path: what a user checks to see shared memory at work
+        self.counters = {"shm": 0, "socket": 0, "shm_full": 0}
         self._ctx = zmq.Context(io_threads=io_threads)
         self._peers = [_PeerState() for _ in range(world_size)]
         self._ipc_dir: str | None = None
@@ -172,6 +213,11 @@ class ZmqTransport(Transport):
         if self._ipc_dir and not all(use_ipc):
             port = self._peers[me].pull.bind_to_random_port(f"tcp://{host}")
             endpoints[me] += f" tcp://{host}:{port}"
+        # Shared memory with peers on this host that use ipc: offered by both sides or not used.
+        local = [r for r in range(n) if r != me and use_ipc[r] and hosts[r] == hosts[me]]
+        self._shm_capacity = shm_ring_bytes(len(local)) if self.shm and local else 0
+        endpoints.append(f"shm {self._token if self._shm_capacity else '-'} "
+                         f"{self._shm_capacity}")
         store.set(self._key(prefix, "ep", me), "\n".join(endpoints).encode())
 
         ep_keys = [self._key(prefix, "ep", r) for r in range(n)]
@@ -182,6 +228,11 @@ class ZmqTransport(Transport):
             theirs = store.get(ep_keys[peer]).decode().split("\n")
             state = self._peers[peer]
             state.push = self._push_socket(theirs[me])
+            _, token, capacity = theirs[n].split(" ")
+            if peer in local and self._shm_capacity and token != "-":
+                state.shm_name_out = f"ringcomm-{self._token}-{me}to{peer}"
+                state.shm_name_in = f"ringcomm-{token}-{peer}to{me}"
+                state.shm_capacity_in = int(capacity)
             control = theirs[peer].split(" ")
             # our messages to `peer` go to the socket it bound for us; aborts to its control
             state.poller = zmq.Poller()
@@ -196,6 +247,7 @@ class ZmqTransport(Transport):
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 2000)
+        push.copy_threshold = 0  # track every copy=False frame, small shm notices included
         push.connect(endpoint)
         return push
 
@@ -207,11 +259,46 @@ class ZmqTransport(Transport):
             push.send_multipart((raw, b""))
             return None
         data = payload.view(np.uint8)
+        if header.nbytes >= SHM_MIN_BYTES and self._peers[peer].shm_name_out is not None:
+            slot = self._reserve_shm(peer, header.nbytes)
+            if slot is None:
+                self.counters["shm_full"] += 1
+            else:
+                self.counters["shm"] += 1
+                start, dst = slot
+                np.copyto(dst, data.reshape(-1))
+                notice = push.send(raw + _SHM_NOTICE.pack(start), copy=False, track=True)
+                return _Tracked(notice, reads_buffer=False)
+        self.counters["socket"] += 1
         if header.nbytes < ZERO_COPY_MIN_BYTES:
             push.send_multipart((raw, data))
             return None
         push.send(raw, zmq.SNDMORE)
         return _Tracked(push.send(data, copy=False, track=True))
+
+    def describe(self) -> str:
+        """One line per peer: how this rank's messages reach it."""
+        lines = []
+        for peer, state in enumerate(self._peers):
+            if peer == self.rank or state.push is None:
+                continue
+            how = state.push.getsockopt_string(zmq.LAST_ENDPOINT)
+            if state.shm_name_out is not None:
+                how += f" + shared memory ({self._shm_capacity >> 20} MiB ring)"
+            lines.append(f"rank {self.rank} -> rank {peer}: {how}")
+        return "\n".join(lines) or f"rank {self.rank}: no peers"
+
+    def _reserve_shm(self, peer: int, nbytes: int) -> tuple[int, np.ndarray] | None:
+        state = self._peers[peer]
+        if state.shm_out is None:
+            try:
+                state.shm_out = shm_ring.RingWriter(state.shm_name_out, self._shm_capacity)
+            except OSError as err:  # /dev/shm full or unusable: the socket still works
+                log.warning("rank %d: no shared memory for rank %d (%s); using the socket",
+                            self.rank, peer, err)
+                state.shm_name_out = None
+                return None
+        return state.shm_out.reserve(nbytes)
 
     def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
         # Also down the data pipe: there it arrives before this rank's connection closes, so
@@ -227,10 +314,17 @@ class ZmqTransport(Transport):
     # ------------------------------------------------------------------ receiving
     def _recv_header(self, peer: int, deadline: float, op: str) -> Header:
         state = self._peers[peer]
+        if state.held is not None:  # the previous payload has been used by now
+            state.shm_in.release(*state.held)
+            state.held = None
         try:
             raw = state.pull.recv(zmq.NOBLOCK)
         except zmq.Again:
             raw = self._wait_header(peer, state, deadline, op)
+        if len(raw) == HEADER_SIZE + _SHM_NOTICE.size and state.shm_name_in is not None:
+            header = Header.unpack(raw[:HEADER_SIZE])
+            state.incoming = (_SHM_NOTICE.unpack_from(raw, HEADER_SIZE)[0], header.nbytes)
+            return header
         if len(raw) != HEADER_SIZE or not state.pull.getsockopt(zmq.RCVMORE):
             raise CommError(f"malformed message from rank {peer}", rank=self.rank, op=op,
                             peer=peer)
@@ -315,11 +409,34 @@ class ZmqTransport(Transport):
             elif event == zmq.EVENT_DISCONNECTED:
                 state.lost = True
 
+    def _shm_payload(self, peer: int, state: _PeerState) -> tuple[np.ndarray, tuple[int, int]]:
+        start, nbytes = state.incoming
+        state.incoming = None
+        if state.shm_in is None:
+            try:
+                state.shm_in = shm_ring.RingReader(state.shm_name_in, state.shm_capacity_in)
+            except OSError as err:
+                raise CommError(
+                    f"cannot map the shared memory of rank {peer} ({err}); if /dev/shm is "
+                    "cleaned while jobs run, set RINGCOMM_SHM=0", rank=self.rank, peer=peer,
+                ) from None
+        return state.shm_in.view(start, nbytes), (start, nbytes)
+
     def _recv_payload(self, peer: int) -> Any:
-        return self._peers[peer].pull.recv(copy=False).buffer
+        state = self._peers[peer]
+        if state.incoming is not None:
+            view, state.held = self._shm_payload(peer, state)
+            return view
+        return state.pull.recv(copy=False).buffer
 
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
-        n = self._peers[peer].pull.recv_into(out)
+        state = self._peers[peer]
+        if state.incoming is not None:
+            view, slot = self._shm_payload(peer, state)
+            np.copyto(out, view)
+            state.shm_in.release(*slot)
+            return out.nbytes
+        n = state.pull.recv_into(out)
         if n != out.nbytes:
             raise CommError(f"payload of {n} B from rank {peer}, expected {out.nbytes} B",
                             rank=self.rank, peer=peer)
@@ -339,6 +456,10 @@ class ZmqTransport(Transport):
                 state.push.close()
             if state.pull is not None:
                 state.pull.close(linger=0)
+            if state.shm_out is not None:
+                state.shm_out.close()
+            if state.shm_in is not None:
+                state.shm_in.close()
         for sock in self._control_push.values():
             sock.close(linger=500)
         self._ctx.term()

@@ -1,0 +1,119 @@
+"""The shared-memory payload path: the ring itself, and two ranks that use it (threads of one
+process, real ZeroMQ sockets and a real /dev/shm ring), including a ring too small for the
+traffic, which must fall back to the socket without losing or reordering anything."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import numpy as np
+import pytest
+from mp_helpers import free_port
+
+import ringcomm
+from ringcomm.channels import shm_ring
+
+pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
+
+
+def _pair(capacity: int):
+    name = f"ringcomm-test-{uuid.uuid4().hex[:8]}"
+    writer = shm_ring.RingWriter(name, capacity)
+    return writer, shm_ring.RingReader(name, capacity)
+
+
+def test_payloads_round_trip_and_names_vanish_once_both_ends_are_mapped():
+    writer, reader = _pair(4096)
+    assert not os.path.exists(writer.path)  # the reader unlinked it
+    start, view = writer.reserve(100)
+    view[:] = np.arange(100, dtype=np.uint8)
+    np.testing.assert_array_equal(reader.view(start, 100), np.arange(100, dtype=np.uint8))
+    writer.close()
+    reader.close()
+
+
+def test_a_full_ring_refuses_until_the_reader_releases_and_never_wraps_a_payload():
+    writer, reader = _pair(1024)
+    slots = [writer.reserve(300) for _ in range(3)]  # 3 x 320 aligned bytes = 960
+    assert all(s is not None for s in slots)
+    assert writer.reserve(300) is None  # 64 bytes left at the end, 0 at the front
+    reader.release(slots[0][0], 300)
+    start, view = writer.reserve(300)  # does not fit at the end: skips to the front
+    assert start % 1024 == 0 and view.size == 300
+    assert writer.reserve(1) is None  # the skipped tail is still owed by the reader
+    reader.release(slots[1][0], 300)
+    assert writer.reserve(300) is not None
+    writer.close()
+    reader.close()
+
+
+def _run_pair(fn, **init_kw):
+    """Run ``fn(comm)`` on ranks 0 and 1 (threads) and return their results."""
+    port = free_port()
+    results, errors = [None, None], []
+
+    def rank_main(rank: int) -> None:
+        try:
+            with ringcomm.init(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=20,
+                               **init_kw) as comm:
+                results[rank] = fn(comm)
+        except BaseException as err:  # noqa: BLE001 - reported to the test below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def _allreduce_many(comm):
+    rng = np.random.default_rng(comm.rank)
+    checks = []
+    for count in (3, 70_000, 1_000_003):  # below, near and far above the shm threshold
+        x = rng.standard_normal(count)
+        mine = x.copy()
+        comm.allreduce(x)
+        checks.append((mine, x))
+    return checks, dict(comm.transport.counters), comm.transport.describe()
+
+
+def _check_sums(results):
+    (a, counters0, text0), (b, _, _) = results
+    for (mine0, got0), (mine1, got1) in zip(a, b, strict=True):
+        np.testing.assert_allclose(got0, mine0 + mine1)
+        np.testing.assert_array_equal(got0, got1)
+    return counters0, text0
+
+
+@pytest.mark.timeout(60)
+def test_local_ranks_send_large_payloads_through_shared_memory(monkeypatch):
+    monkeypatch.delenv("RINGCOMM_SHM", raising=False)
+    counters, text = _check_sums(_run_pair(_allreduce_many, segment_bytes=256 * 1024))
+    assert counters["shm"] > 0 and counters["shm_full"] == 0, counters
+    assert "shared memory" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_ring_too_small_for_the_traffic_falls_back_to_the_socket(monkeypatch):
+    monkeypatch.setenv("RINGCOMM_SHM_BYTES", str(300 * 1024))  # one 256 KiB segment fits
+    counters, _ = _check_sums(_run_pair(_allreduce_many, segment_bytes=256 * 1024))
+    assert counters["shm"] > 0 and counters["shm_full"] > 0, counters
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("RINGCOMM_SHM", "0")
+    counters, text = _check_sums(_run_pair(_allreduce_many))
+    assert counters["shm"] == 0 and counters["socket"] > 0, counters
+    assert "shared memory" not in text
+
+
+@pytest.mark.timeout(60)
+def test_tcp_between_local_ranks_uses_no_shared_memory():
+    counters, _ = _check_sums(_run_pair(_allreduce_many, transport="tcp"))
+    assert counters["shm"] == 0, counters
