@@ -70,7 +70,7 @@ def rank_main(rank: int, world: int, ports: tuple[int, int], args: argparse.Name
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
                             world_size=world)
     comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{ports[1]}",
-                         timeout=120)
+                         timeout=120, segment_bytes=args.segment_bytes)
     backends = {
         "ringcomm": lambda t: comm.allreduce(t),
         "gloo": lambda t: dist.all_reduce(t),
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=5, help="allreduces per repetition")
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--segment-bytes", type=parse_size, default=2 << 20,
+                        help="ringcomm segment size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", type=Path, default=RESULTS / "allreduce_vs_gloo.json")
     args = parser.parse_args(argv)
