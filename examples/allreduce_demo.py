@@ -27,6 +27,7 @@ def main() -> None:
         expected = n * (n - 1) / 2
         if rank == 0:
             print(f"ringcomm allreduce on {n} ranks, float32, {args.iters} timed iterations")
+            print(comm.transport.describe())
             print(f"{'size':>10} {'time (ms)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}  check")
         for mib in args.mib:
             x = torch.empty(int(mib * 2**20) // 4, dtype=torch.float32)
