@@ -15,6 +15,7 @@ ranks cannot tell how far their peers got, so the only safe next step is a new o
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -77,6 +78,23 @@ class Work:
         return f"<Work {self.name} {state}>"
 
 
+def _names_bad_input(method: Callable) -> Callable:
+    """Argument errors raised while checking a call name this rank and the op, like every
+    other error of a running collective."""
+
+    @functools.wraps(method)
+    def checked(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ArgumentError as err:
+            if err.op is not None:
+                raise
+            raise ArgumentError(err.detail, rank=self.rank, op=method.__name__,
+                                peer=err.peer) from None
+
+    return checked
+
+
 class Communicator:
     """A group of ``world_size`` ranks, seen from ``rank``, over a ``Transport``.
 
@@ -113,6 +131,7 @@ class Communicator:
         self._worker.start()
 
     # ------------------------------------------------------------------ collectives
+    @_names_bad_input
     def allreduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``."""
         data = flat_view(x, name="x")
@@ -123,6 +142,7 @@ class Communicator:
             lambda: ring.allreduce(self.rank, self.world_size, data.size, seg),
         )
 
+    @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
         data = flat_view(x, name="x")
@@ -135,6 +155,7 @@ class Communicator:
         return self._submit(OpKind.BROADCAST, data.dtype, {"data": data}, x, async_op, None,
                             make, arg=root)
 
+    @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks into root's ``x``; other ranks' ``x`` is left unchanged."""
         data = flat_view(x, name="x")
@@ -147,6 +168,7 @@ class Communicator:
             arg=root,
         )
 
+    @_names_bad_input
     def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
         """Concatenate every rank's ``x`` (rank order) into ``out`` on every rank."""
         data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
@@ -159,6 +181,7 @@ class Communicator:
             None, lambda: ring.allgather(self.rank, self.world_size, sizes, seg),
         )
 
+    @_names_bad_input
     def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,
                        async_op: bool = False) -> Any:
         """Reduce ``x`` (``world_size`` equal blocks) across ranks; rank ``r`` gets block ``r``."""
@@ -173,6 +196,7 @@ class Communicator:
             lambda: ring.reduce_scatter(self.rank, self.world_size, result.size, seg),
         )
 
+    @_names_bad_input
     def gather(self, out: Any | None, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Concatenate every rank's ``x`` into root's ``out``; ``out`` is ignored elsewhere."""
         self._check_rank(root, "root")
@@ -191,6 +215,7 @@ class Communicator:
             lambda: direct.gather(self.rank, self.world_size, root, data.size, seg), arg=root,
         )
 
+    @_names_bad_input
     def scatter(self, x: Any, inputs: Any | None = None, root: int = 0, *,
                 async_op: bool = False) -> Any:
         """Root's ``inputs`` (one array of ``world_size`` blocks, or a list of them) is cut
@@ -224,6 +249,7 @@ class Communicator:
             arg=root,
         )
 
+    @_names_bad_input
     def alltoall(
         self,
         out: Any,
@@ -247,12 +273,14 @@ class Communicator:
             lambda: direct.alltoall(self.rank, self.world_size, send_counts, recv_counts, seg),
         )
 
+    @_names_bad_input
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
         empty = np.zeros(0, np.uint8)
         return self._submit(OpKind.BARRIER, empty.dtype, {"data": empty}, None, async_op, None,
                             lambda: direct.barrier(self.rank, self.world_size))
 
+    @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """Send ``x`` to rank ``dst``; matched, in order, by ``recv(src=this rank)`` there."""
         data = flat_view(x, name="x", writable=False)
@@ -266,6 +294,7 @@ class Communicator:
             arg=tag, seq=seq, name=f"send #{seq} to rank {dst}",
         )
 
+    @_names_bad_input
     def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """Receive into ``x`` the next message that rank ``src`` sent to this rank."""
         data = flat_view(x, name="x")

@@ -310,6 +310,10 @@ def test_bad_arguments_say_what_is_wrong():
             comm.allreduce([1.0, 2.0])
         with pytest.raises(ArgumentError, match="not supported"):
             comm.allreduce(np.array(["a"]))
+        with pytest.raises(ArgumentError) as info:
+            comm.reduce_scatter(np.empty(2), np.ones(3))
+        assert str(info.value).startswith(f"[rank {comm.rank}, reduce_scatter] ")
+        assert info.value.rank == comm.rank and info.value.op == "reduce_scatter"
         return True
 
     assert run_group(2, fn) == [True, True]
