@@ -14,7 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcomm import ArgumentError, CommTimeout, DesyncError, RemoteError
-from ringcomm.algorithms import Kind, direct, ring, rooted
+from ringcomm.algorithms import (
+    ALLREDUCE,
+    Kind,
+    dbtree,
+    direct,
+    halving_doubling,
+    ring,
+    rooted,
+    tree,
+)
 from ringcomm.local import run_group
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,12 +39,12 @@ def data(rank: int, count: int, dtype=np.float64) -> np.ndarray:
 counts = st.sampled_from([0, 1, 2, 3, 5, 7, 16, 17, 31, 64, 100])
 
 
-@settings(max_examples=40, deadline=None)
-@given(world=st.sampled_from(WORLDS), count=counts)
-def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count):
+@settings(max_examples=120, deadline=None)
+@given(world=st.sampled_from(WORLDS), count=counts, algorithm=st.sampled_from(list(ALLREDUCE)))
+def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count, algorithm):
     def fn(comm):
         x = data(comm.rank, count)
-        comm.allreduce(x, "sum")
+        comm.allreduce(x, "sum", algorithm=algorithm)
         return x
 
     results = run_group(world, fn, segment_bytes=SEG)
@@ -48,12 +57,13 @@ def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count
                                     ("prod", np.multiply), ("band", np.bitwise_and),
                                     ("bor", np.bitwise_or), ("bxor", np.bitwise_xor)])
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_allreduce_ops_on_ints(op, ref, world):
+@pytest.mark.parametrize("algorithm", list(ALLREDUCE))
+def test_allreduce_ops_on_ints(op, ref, world, algorithm):
     count = 37
 
     def fn(comm):
         x = data(comm.rank, count, np.int64)
-        comm.allreduce(x, op)
+        comm.allreduce(x, op, algorithm=algorithm)
         return x
 
     expected = data(0, count, np.int64)
@@ -63,11 +73,12 @@ def test_allreduce_ops_on_ints(op, ref, world):
         np.testing.assert_array_equal(res, expected)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
-def test_allreduce_avg_divides_once(world):
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 7])
+@pytest.mark.parametrize("algorithm", list(ALLREDUCE))
+def test_allreduce_avg_divides_once(world, algorithm):
     def fn(comm):
         x = np.full(29, float(comm.rank + 1))
-        comm.allreduce(x, "avg")
+        comm.allreduce(x, "avg", algorithm=algorithm)
         return x
 
     for res in run_group(world, fn, segment_bytes=SEG):
@@ -208,6 +219,9 @@ def test_every_send_has_a_matching_receive(world):
     count, seg = 23, 4
     makers = {
         "allreduce": lambda r: ring.allreduce(r, world, count, seg),
+        "tree": lambda r: tree.allreduce(r, world, count, seg),
+        "dbtree": lambda r: dbtree.allreduce(r, world, count, seg),
+        "hd": lambda r: halving_doubling.allreduce(r, world, count, seg),
         "reduce_scatter": lambda r: ring.reduce_scatter(r, world, count, seg),
         "allgather": lambda r: ring.allgather(r, world, (count,) * world, seg),
         "bcast_chain": lambda r: rooted.broadcast_chain(r, world, world // 2, count, seg),

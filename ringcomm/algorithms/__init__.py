@@ -1,6 +1,15 @@
 """Algorithms generate schedules; they never send a byte. See ``schedule.py`` for the model."""
 
-from . import direct, ring, rooted
+from . import dbtree, direct, halving_doubling, ring, rooted, tree
 from .schedule import Kind, Region, Schedule, Step
 
-__all__ = ["Kind", "Region", "Schedule", "Step", "direct", "ring", "rooted"]
+# Every allreduce algorithm: name -> schedule(rank, world_size, count, segment).
+ALLREDUCE = {
+    "ring": ring.allreduce,
+    "tree": tree.allreduce,
+    "dbtree": dbtree.allreduce,
+    "hd": halving_doubling.allreduce,
+}
+
+__all__ = ["ALLREDUCE", "Kind", "Region", "Schedule", "Step", "dbtree", "direct",
+           "halving_doubling", "ring", "rooted", "tree"]
