@@ -2,7 +2,9 @@
 
     ringcomm schedule allreduce --world-size 4 --count 8      # every rank's steps
     ringcomm schedule allreduce -n 4 -c 8 --rank 1 --segment 1
+    ringcomm schedule allreduce_dbtree -n 8 -c 16 --rank 3      # the other algorithms
     ringcomm store --port 29500                                # a stand-alone store
+    ringcomm tune -n 2 4                                       # fit the cost model here
 
 ``schedule`` prints exactly the step lists the executor runs, so a reader can follow a
 collective rank by rank: which chunk goes to which neighbour in which round.
@@ -13,13 +15,19 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from .algorithms import Schedule, direct, ring, rooted
+from .algorithms import ALLREDUCE, Schedule, direct, ring, rooted
 from .errors import ArgumentError
 
 # name -> (help, builder(rank, world_size, count, segment, root))
 _SCHEDULES: dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]] = {
     "allreduce": ("ring reduce-scatter then ring all-gather, pipelined in segments",
                   lambda r, n, c, s, root: ring.allreduce(r, n, c, s)),
+    "allreduce_tree": ("binary tree: reduce up, broadcast down, pipelined",
+                       lambda r, n, c, s, root: ALLREDUCE["tree"](r, n, c, s)),
+    "allreduce_dbtree": ("double binary tree: each tree carries half",
+                         lambda r, n, c, s, root: ALLREDUCE["dbtree"](r, n, c, s)),
+    "allreduce_hd": ("recursive halving then doubling (Rabenseifner)",
+                     lambda r, n, c, s, root: ALLREDUCE["hd"](r, n, c, s)),
     "reduce_scatter": ("ring reduce-scatter; rank r ends with chunk r (count per rank)",
                        lambda r, n, c, s, root: ring.reduce_scatter(r, n, c, s)),
     "allgather": ("ring all-gather (count per rank)",
@@ -69,6 +77,13 @@ def _serve_store(args: argparse.Namespace) -> None:
     store_main(["--host", args.host, "--port", str(args.port)])
 
 
+def _tune(args: argparse.Namespace) -> None:
+    from . import tune
+
+    argv = ["-n", *map(str, args.world_sizes)] + (["--quick"] if args.quick else [])
+    tune.main(argv + (["-o", args.output] if args.output else []))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ringcomm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +104,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     store.add_argument("--host", default="0.0.0.0")
     store.add_argument("--port", type=int, default=29500)
     store.set_defaults(run=_serve_store)
+
+    tune = sub.add_parser("tune", help="measure this machine and fit the cost model",
+                          description="Time every allreduce algorithm on localhost ranks and "
+                          "write the fitted cost profile that the communicator reads.")
+    tune.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2, 4])
+    tune.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    tune.add_argument("-o", "--output", default=None, help="profile file (default: "
+                      "$RINGCOMM_PROFILE or ~/.cache/ringcomm/profile.json)")
+    tune.set_defaults(run=_tune)
 
     args = parser.parse_args(argv)
     try:

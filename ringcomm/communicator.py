@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import direct, ring, rooted
+from . import cost
+from .algorithms import ALLREDUCE, direct, ring, rooted
+from .cost import DEFAULT_SEGMENT_BYTES
 from .algorithms.schedule import Schedule
 from .buffers import ReduceOp, dtype_name, flat_view, reduce_op
 from .channels.base import Transport
@@ -37,7 +39,6 @@ from .executor import OpContext, TraceEvent, run_schedule
 
 log = logging.getLogger("ringcomm")
 
-DEFAULT_SEGMENT_BYTES = 2 << 20  # measured best here with shared memory (1 MiB: 20% slower)
 SMALL_BROADCAST_BYTES = 64 * 1024  # below this a binomial tree beats the pipelined chain
 
 
@@ -107,9 +108,11 @@ class Communicator:
         transport: Transport,
         *,
         timeout: float = 300.0,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int | None = None,
         on_close: Sequence[Callable[[], None]] = (),
     ) -> None:
+        if segment_bytes is None:  # the tuned size if `ringcomm tune` has run here
+            segment_bytes = cost.load_profile().segment_bytes or DEFAULT_SEGMENT_BYTES
         if segment_bytes <= 0:
             raise ArgumentError(f"segment_bytes must be positive, got {segment_bytes}")
         self.transport = transport
@@ -132,15 +135,38 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
     @_names_bad_input
-    def allreduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
-        """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``."""
+    def allreduce(self, x: Any, op: str = "sum", *, algorithm: str | None = None,
+                  async_op: bool = False) -> Any:
+        """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
+
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``) forces one, as does the
+        environment variable ``RINGCOMM_ALGO``; by default the cost model picks the cheapest
+        for this size (``ringcomm.cost``). Every rank must make the same choice: the
+        automatic one does, since it depends only on the size, the dtype and the world.
+        """
         data = flat_view(x, name="x")
         rop = reduce_op(op, data.dtype)
         seg = self._segment(data)
+        name = self._allreduce_algorithm(algorithm, data)
+        make = ALLREDUCE[name]
         return self._submit(
             OpKind.ALLREDUCE, data.dtype, {"data": data}, x, async_op, rop,
-            lambda: ring.allreduce(self.rank, self.world_size, data.size, seg),
+            lambda: make(self.rank, self.world_size, data.size, seg),
         )
+
+    def _allreduce_algorithm(self, forced: str | None, data: np.ndarray) -> str:
+        source = "argument"
+        if forced is None:
+            forced, source = os.environ.get("RINGCOMM_ALGO") or None, "RINGCOMM_ALGO"
+        if forced is not None:
+            name = forced.lower()
+            if name not in ALLREDUCE:
+                raise ArgumentError(
+                    f"allreduce algorithm {forced!r} (from {source}) is unknown; use one of "
+                    f"{', '.join(ALLREDUCE)}, or leave it unset for the automatic choice")
+            return name
+        return cost.choose("allreduce", self.world_size, data.nbytes, data.itemsize,
+                           segment_bytes=self.segment_bytes)
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:

@@ -41,13 +41,16 @@ class OpContext:
 
 @dataclass(slots=True)
 class TraceEvent:
-    """One executed step, for timelines: when it started and ended (``time.perf_counter``)."""
+    """One executed step, for timelines: when it started and ended (``time.perf_counter``),
+    in which op, run by which algorithm (so a trace shows every automatic choice)."""
 
     rank: int
     index: int
     step: Step
     start: float
     end: float
+    op: str = ""
+    algorithm: str = ""
 
 
 class _PendingSends:
@@ -147,7 +150,8 @@ def run_schedule(
                 rank=rank, op=ctx.name, peer=err.peer,
             ) from None
         if trace is not None:
-            trace.append(TraceEvent(rank, index, step, started, time.perf_counter()))
+            trace.append(TraceEvent(rank, index, step, started, time.perf_counter(), ctx.name,
+                                    schedule.algorithm))
     try:
         pending.wait_all()
     except CommTimeout as err:

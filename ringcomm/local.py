@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .channels.inmemory import InMemoryNetwork
-from .communicator import DEFAULT_SEGMENT_BYTES, Communicator
+from .communicator import Communicator
 from .executor import TraceEvent
 
 
@@ -22,7 +22,7 @@ def run_group(
     fn: Callable[[Communicator], Any],
     *,
     timeout: float = 30.0,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    segment_bytes: int | None = None,
     trace: list[TraceEvent] | None = None,
     return_errors: bool = False,
 ) -> list[Any]:

@@ -18,7 +18,7 @@ import os
 import socket
 
 from .channels.zmq_channel import ZmqTransport
-from .communicator import DEFAULT_SEGMENT_BYTES, Communicator, env_int
+from .communicator import Communicator, env_int
 from .errors import ArgumentError, CommError
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 
@@ -29,7 +29,7 @@ def init(
     store: Store | str | None = None,
     *,
     timeout: float = 300.0,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    segment_bytes: int | None = None,
     transport: str | None = None,
 ) -> Communicator:
     """Join a group and return its communicator.

@@ -1,0 +1,202 @@
+"""``ringcomm tune``: measure this machine and fit the cost model's constants.
+
+It launches ``world_size`` ranks on localhost, times every allreduce algorithm at a few
+sizes (medians of interleaved repetitions, slowest rank), times the ring at a few segment
+sizes, times a local reduction for ``gamma`` (in an allreduce bytes moved and bytes reduced
+grow together, so the two cannot be told apart from allreduce timings alone), and fits
+``alpha`` and ``beta`` so that the model's predictions match the measurements in relative
+terms. The result goes to the profile file that the communicator
+reads (``ringcomm.cost.profile_path()``), one set of constants per world size.
+
+Fitting: a prediction is ``max(critical . p, work . p / share)`` where ``p = (alpha, beta,
+gamma)`` and the terms come from replaying the schedules, so it is linear in ``p`` once it
+is known which bound is active. The fit alternates: pick the active bound of every sample
+under the current ``p``, solve a weighted least-squares problem for ``p`` (weights
+``1 / measured``: relative errors), repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cost
+from .algorithms import ALLREDUCE
+
+TUNE_SIZES = (8, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
+QUICK_SIZES = (8, 65536, 1 << 20, 4 << 20)
+SEGMENTS = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
+_FLOOR = cost.CostParams(alpha=1e-6, beta=1e-12, gamma=1e-12)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: the schedule's cost terms, the cores share, the time taken."""
+
+    terms: cost.ScheduleCost
+    share: float
+    seconds: float
+
+
+def fit(samples: list[Sample], gamma: float, start: cost.CostParams | None = None,
+        rounds: int = 8) -> cost.CostParams:
+    """``alpha`` and ``beta`` that minimise the relative error of the predictions, with
+    ``gamma`` measured apart (see module doc)."""
+    p = start or cost.CostParams(gamma=gamma)
+    for _ in range(rounds):
+        rows, target = [], []
+        for s in samples:
+            crit, work = s.terms.critical, s.terms.work
+            scale = 1.0 / (s.terms.world_size * min(1.0, s.share))
+            if crit.time(p) >= work.time(p) * scale:
+                row = (crit.messages, crit.moved, crit.reduced)
+            else:
+                row = (work.messages * scale, work.moved * scale, work.reduced * scale)
+            rows.append([row[0] / s.seconds, row[1] / s.seconds])
+            target.append(1.0 - gamma * row[2] / s.seconds)
+        solution, *_ = np.linalg.lstsq(np.array(rows), np.array(target), rcond=None)
+        p = cost.CostParams(alpha=max(float(solution[0]), _FLOOR.alpha),
+                            beta=max(float(solution[1]), _FLOOR.beta), gamma=gamma)
+    return p
+
+
+def measure_gamma(nbytes: int = 2 << 20, reps: int = 50) -> float:
+    """Seconds per byte of an in-place float32 sum, as the executor does it."""
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.ones(nbytes // 4, np.float32)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.add(a, b, out=a)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / nbytes
+
+
+def relative_errors(samples: list[Sample], p: cost.CostParams) -> list[float]:
+    return [s.terms.time(p, s.share) / s.seconds - 1.0 for s in samples]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, sizes: tuple[int, ...], reps: int,
+               segments: tuple[int, ...], results) -> None:
+    import ringcomm
+
+    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120,
+                         segment_bytes=cost.DEFAULT_SEGMENT_BYTES)
+    try:
+        timings: dict[tuple, float] = {}
+
+        def timed(key: tuple, run, iters: int) -> None:
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                run()
+            mine = np.array([(time.perf_counter() - start) / iters])
+            comm.allreduce(mine, "max")
+            timings.setdefault(key, []).append(float(mine[0]))
+
+        for nbytes in sizes:
+            x = np.zeros(max(1, nbytes // 4), np.float32)
+            iters = 20 if nbytes <= 65536 else 3
+            for name in ALLREDUCE:
+                comm.allreduce(x, algorithm=name)  # warm-up
+            for _ in range(reps):
+                for name in ALLREDUCE:
+                    run = lambda n=name, t=x: comm.allreduce(t, algorithm=n)  # noqa: E731
+                    timed(("algo", name, nbytes), run, iters)
+        big = np.zeros(max(sizes) // 4, np.float32)
+        for _ in range(reps):
+            for seg in segments:
+                comm.segment_bytes = seg
+                comm.allreduce(big, algorithm="ring")
+                timed(("segment", seg), lambda: comm.allreduce(big, algorithm="ring"), 2)
+        if rank == 0:
+            results.put({key: statistics.median(v) for key, v in timings.items()})
+    finally:
+        comm.close()
+
+
+def measure(world: int, sizes: tuple[int, ...], reps: int,
+            segments: tuple[int, ...]) -> dict[tuple, float]:
+    """Median seconds per (algorithm, size) and per ring segment size, on ``world`` ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, sizes, reps, segments, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def tune(worlds: list[int], *, quick: bool = False, log=print) -> cost.Profile:
+    """Measure, fit, and return the profile (not yet written)."""
+    sizes = QUICK_SIZES if quick else TUNE_SIZES
+    segments = SEGMENTS[1:3] if quick else SEGMENTS
+    reps = 3 if quick else 5
+    profile = cost.Profile(source="ringcomm tune")
+    segment_votes: dict[int, float] = {}
+    gamma = measure_gamma()
+    log(f"local reduction: {1 / gamma / 1e9:.2f} GB/s")
+    for world in worlds:
+        log(f"measuring {world} ranks ...")
+        timings = measure(world, sizes, reps, segments)
+        share = cost.cores_per_rank(world)
+        samples = []
+        for (kind, *key), seconds in timings.items():
+            if kind != "algo":
+                continue
+            name, nbytes = key
+            terms = cost.allreduce_cost(name, world, nbytes // 4, 4,
+                                        cost.DEFAULT_SEGMENT_BYTES // 4)
+            samples.append(Sample(terms, share, seconds))
+        params = fit(samples, gamma)
+        profile.params[world] = params
+        errors = relative_errors(samples, params)
+        log(f"  alpha {params.alpha * 1e6:.1f} us  beta {1 / params.beta / 1e9:.2f} GB/s  "
+            f"median |error| "
+            f"{statistics.median(abs(e) for e in errors):.0%}")
+        for (kind, *key), seconds in timings.items():
+            if kind == "segment":
+                segment_votes[key[0]] = segment_votes.get(key[0], 0.0) + seconds
+    profile.segment_bytes = min(segment_votes, key=segment_votes.get) if segment_votes else None
+    log(f"best segment: {profile.segment_bytes} B")
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringcomm tune", description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("-o", "--output", help=f"profile file (default {cost.profile_path()})")
+    args = parser.parse_args(argv)
+    profile = tune(args.world_sizes, quick=args.quick)
+    path = args.output or cost.profile_path()
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(profile.to_json())
+    print(f"wrote {path}")
+    return 0

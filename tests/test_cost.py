@@ -1,0 +1,136 @@
+"""The cost model and its tuning: replayed schedules, the fit, the choice, and the knobs that
+force or reveal it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringcomm import ArgumentError, cost, tune
+from ringcomm.algorithms import ALLREDUCE, Region
+from ringcomm.algorithms.schedule import StepList
+from ringcomm.executor import TraceEvent
+from ringcomm.local import run_group
+
+
+@pytest.fixture(autouse=True)
+def no_profile(tmp_path, monkeypatch):
+    """Each test sees only the profile it writes, never the user's."""
+    monkeypatch.setenv("RINGCOMM_PROFILE", str(tmp_path / "profile.json"))
+    monkeypatch.delenv("RINGCOMM_ALGO", raising=False)
+    cost._choose.cache_clear()
+    return tmp_path / "profile.json"
+
+
+def test_the_replay_detects_schedules_that_would_deadlock():
+    def both_receive_first(rank):
+        steps = StepList()
+        steps.recv(1 - rank, Region("data", 0, 4))
+        steps.send(1 - rank, Region("data", 0, 4))
+        return steps.build("allreduce", "broken", rank, 2)
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        cost.simulate([both_receive_first(0), both_receive_first(1)], 4, cost.CostParams())
+
+
+def test_the_replay_counts_what_a_ring_moves():
+    n, count = 4, 4096
+    schedules = [ALLREDUCE["ring"](r, n, count, count) for r in range(n)]
+    result = cost.simulate(schedules, 4, cost.CostParams())
+    # every rank sends 2(n-1) chunks of count/n and receives as many, half of them reduced
+    chunk = count // n * 4
+    assert result.work.moved == n * (2 * (n - 1) * chunk + (n - 1) * chunk)
+    assert result.work.reduced == n * (n - 1) * chunk
+    assert result.work.messages == n * 2 * (n - 1)  # half an alpha per send and per receive
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_predictions_grow_with_size_and_trees_win_small_messages_on_many_ranks(world):
+    small = {a: cost.predict("allreduce", a, world, 8) for a in ALLREDUCE}
+    big = {a: cost.predict("allreduce", a, world, 64 << 20) for a in ALLREDUCE}
+    assert all(big[a] > small[a] for a in ALLREDUCE)
+    if world >= 4:
+        assert min(small["tree"], small["hd"]) < small["ring"]
+
+
+def test_fit_recovers_the_constants_that_produced_the_timings():
+    truth = cost.CostParams(alpha=250e-6, beta=0.5e-9, gamma=0.1e-9)
+    samples = []
+    for world in (2, 4):
+        share = cost.cores_per_rank(world)
+        for name in ALLREDUCE:
+            for nbytes in (8, 65536, 1 << 20, 16 << 20):
+                terms = cost.allreduce_cost(name, world, nbytes // 4, 4, (2 << 20) // 4)
+                samples.append(tune.Sample(terms, share, terms.time(truth, share)))
+    fitted = tune.fit(samples, gamma=truth.gamma)
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=0.02)
+    assert fitted.beta == pytest.approx(truth.beta, rel=0.02)
+    assert max(abs(e) for e in tune.relative_errors(samples, fitted)) < 0.02
+
+
+def test_the_choice_follows_the_profile(no_profile):
+    def write(alpha, beta):
+        no_profile.write_text(json.dumps({"params": {"8": {"alpha": alpha, "beta": beta,
+                                                           "gamma": 1e-10}}}))
+        cost._choose.cache_clear()
+
+    write(alpha=1e-3, beta=1e-12)  # messages are everything: fewest hops wins
+    assert cost.choose("allreduce", 8, 4096) != "ring"
+    write(alpha=1e-9, beta=1e-9)  # bytes are everything: the ring's bandwidth wins
+    assert cost.choose("allreduce", 8, 64 << 20) in ("ring", "hd")
+    assert cost.choose("allreduce", 2, 4096) == "ring"  # two ranks: all algorithms agree
+
+
+def test_an_unreadable_profile_falls_back_to_the_defaults(no_profile):
+    no_profile.write_text("{not json")
+    assert cost.load_profile().params == {}
+    assert cost.choose("allreduce", 4, 1 << 20) in ALLREDUCE
+
+
+def test_a_forced_algorithm_must_exist(monkeypatch):
+    def fn(comm):
+        with pytest.raises(ArgumentError, match="'rign'.*use one of ring, tree, dbtree, hd"):
+            comm.allreduce(np.ones(4), algorithm="rign")
+        monkeypatch.setenv("RINGCOMM_ALGO", "treee")
+        with pytest.raises(ArgumentError, match="from RINGCOMM_ALGO"):
+            comm.allreduce(np.ones(4))
+        return True
+
+    assert run_group(1, fn) == [True]
+
+
+def test_every_call_shows_its_algorithm_in_the_trace_and_the_debug_log(monkeypatch, caplog):
+    trace: list[TraceEvent] = []
+    monkeypatch.setenv("RINGCOMM_ALGO", "dbtree")
+
+    def fn(comm):
+        x = np.full(100, float(comm.rank))
+        comm.allreduce(x)
+        comm.allreduce(x, algorithm="hd")
+        return x
+
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        results = run_group(4, fn, trace=trace)
+    np.testing.assert_array_equal(results[0], 4 * 6.0)
+    used = {(e.op, e.algorithm) for e in trace}
+    assert used == {("allreduce #0", "dbtree"), ("allreduce #1", "hd")}
+    assert any("allreduce/dbtree" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tune_measures_and_writes_a_profile_the_communicator_reads(tmp_path):
+    out = tmp_path / "tuned.json"
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "tune", "-n", "2", "--quick",
+                           "-o", str(out)], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    profile = cost.Profile.from_json(out.read_text(), str(out))
+    params = profile.params[2]
+    assert 1e-6 <= params.alpha < 0.1 and 1e-12 <= params.beta < 1e-6 and params.gamma > 0
+    assert profile.segment_bytes in tune.SEGMENTS
+    assert "median |error|" in proc.stdout
