@@ -432,9 +432,13 @@ def job_async_and_p2p(rank: int, world: int, store: str, transport: str, **_: An
 
 
 def job_mismatch(rank: int, world: int, store: str, transport: str, case: str,
-                 **_: Any) -> dict:
-    """Ranks that disagree about an op: every rank raises a typed error, then stays failed."""
+                 algorithm: str | None = None, **_: Any) -> dict:
+    """Ranks that disagree about an op: every rank raises a typed error, then stays failed.
+    ``algorithm`` forces the allreduce algorithm (default: the automatic choice)."""
     comm = init(rank, world, store, transport, timeout=30.0)
+    if algorithm is not None:
+        comm_allreduce = comm.allreduce
+        comm.allreduce = lambda x, *a, **k: comm_allreduce(x, *a, algorithm=algorithm, **k)
     try:
         if case == "dtype":
             dtype = np.float32 if rank == 1 else np.float64

@@ -126,11 +126,26 @@ def test_ranks_that_disagree_all_raise_typed_errors(cluster, transport, world, c
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("algorithm", ["tree", "dbtree", "hd"])
+@pytest.mark.parametrize("world", [3, 4])
+def test_ranks_in_different_collectives_find_out_by_probing_while_they_stall(
+        cluster, world, algorithm):
+    """Rank 1 broadcasts while the others allreduce over a tree or halving-doubling: rank 1
+    and the ranks it waits for only wait (nobody receives a wrong header), so the stalled
+    receives probe their peers and find out in about a second, not at the timeout."""
+    res = cluster.run(world, "job_mismatch", transport="ipc", case="op", algorithm=algorithm)
+    ops = ["broadcast #1" if r == 1 else "allreduce #1" for r in range(world)]
+    errs = _check_disagreement(res, world, ops)
+    assert any("waits in broadcast #1 while this rank waits in allreduce #1" in e["msg"]
+               or "a different op" in e["msg"] for e in errs), errs
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_rank_that_fails_aborts_peers_that_had_no_way_to_notice(cluster, world):
     """Rank 1 passes float32 where the others pass float64. In the ring rank 0 only hears
     from rank ``world - 1``, whose data is fine: it learns of the failure from the abort."""
-    res = cluster.run(world, "job_mismatch", transport="ipc", case="dtype")
+    res = cluster.run(world, "job_mismatch", transport="ipc", case="dtype", algorithm="ring")
     errs = _check_disagreement(res, world, ["allreduce #1"] * world)
     assert errs[0]["type"] == "RemoteError", errs[0]
     assert errs[0]["peer"] in (1, 2)

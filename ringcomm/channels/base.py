@@ -45,6 +45,7 @@ class Transport(abc.ABC):
         self.world_size = world_size
         # stash[peer][is_p2p]: messages of the other stream that arrived first
         self._stash: list[tuple[deque, deque]] = [(deque(), deque()) for _ in range(world_size)]
+        self.waiting_for: Header | None = None  # the message a receive waits for, if any
 
     # ---------------------------------------------------------------- for subclasses
     @abc.abstractmethod
@@ -59,6 +60,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _recv_payload(self, peer: int) -> Any:
         """The payload of the message whose header was just read, as a buffer."""
+
+    def _discard_payload(self, peer: int) -> None:
+        """Drop the payload of a message that is not the one expected (an error follows)."""
+        self._recv_payload(peer)
 
     @abc.abstractmethod
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
@@ -117,6 +122,7 @@ class Transport(abc.ABC):
 
         Returns the payload if it had been set aside earlier, else None (the payload is
         still to be read by the caller)."""
+        self.waiting_for = expected
         mine = self._stash[peer][int(expected.is_p2p)]
         if mine:
             header, payload = mine.popleft()
@@ -131,7 +137,7 @@ class Transport(abc.ABC):
                 other.append((header, bytes(self._recv_payload(peer))))
                 continue
             if header != expected:
-                self._recv_payload(peer)
+                self._discard_payload(peer)
                 check(expected, header, rank=self.rank, op=op)
             return None
 

@@ -16,6 +16,11 @@ Why this shape:
 - A socket monitor on each receiving pipe notices a peer's connection closing, so a dead
   peer becomes a ``PeerLostError`` at once rather than a timeout; a control pipe per rank
   carries abort notices, so a failure on one rank wakes every rank that waits.
+- A receive that has waited ``STALL_PROBE_S`` sends the peer it waits for a *probe* naming
+  the op it is in. A peer that waits in a different collective under the same sequence
+  number (say ``broadcast #1`` against ``allreduce #1``) raises ``DesyncError`` at once:
+  schedules in which nobody receives a wrong header (trees, halving-doubling) would
+  otherwise wait for the timeout.
 - High-water marks are off: a send never blocks, which is what lets schedules queue sends
   ahead of their receives without deadlock.
 
@@ -41,11 +46,11 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
+from ..errors import ArgumentError, CommError, CommTimeout, DesyncError, PeerLostError
 from . import shm_ring
 from .base import Transport
 from .header import SIZE as HEADER_SIZE
-from .header import Header
+from .header import Header, OpKind
 
 log = logging.getLogger("ringcomm")
 
@@ -56,6 +61,7 @@ _POLL_SLICE_MS = 1000
 _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
+STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
 
 
 def host_identity() -> str:
@@ -306,10 +312,38 @@ class ZmqTransport(Transport):
         push = self._peers[peer].push
         if push is not None:
             push.send_multipart((header.pack(), text))
+        self._control(peer).send_multipart((header.pack(), text))
+
+    def _control(self, peer: int) -> zmq.Socket:
         sock = self._control_push.get(peer)
         if sock is None:
             sock = self._control_push[peer] = self._push_socket(self._control_endpoints[peer])
-        sock.send_multipart((header.pack(), text))
+        return sock
+
+    def _send_probe(self, peer: int, waiting: Header, op: str) -> None:
+        """Tell ``peer`` which collective this rank waits in (its kind rides in ``dtype``)."""
+        probe = Header(waiting.seq, 0, self.rank, waiting.index, waiting.arg, OpKind.PROBE,
+                       waiting.kind)
+        self._control(peer).send_multipart((probe.pack(), op.encode()))
+
+    def _on_control(self, control: zmq.Socket, op: str) -> None:
+        """An abort raises RemoteError; a probe from a rank in another collective under the
+        same sequence number raises DesyncError; other probes are fine and dropped."""
+        header = Header.unpack(control.recv())
+        payload = control.recv()
+        if header.kind != OpKind.PROBE:
+            self.raise_remote(header, payload, op)
+        mine = self.waiting_for
+        if mine is None or mine.is_p2p or header.dtype == OpKind.P2P or header.seq != mine.seq:
+            return
+        if header.dtype != mine.kind or header.arg != mine.arg:
+            theirs = payload.decode(errors="replace")
+            raise DesyncError(
+                f"rank {header.sender} waits in {theirs} while this rank waits in {op}: a "
+                "different op (or root) at the same point. Every rank must call the same "
+                "collectives in the same order with the same root.",
+                rank=self.rank, op=op, peer=header.sender,
+            )
 
     # ------------------------------------------------------------------ receiving
     def _recv_header(self, peer: int, deadline: float, op: str) -> Header:
@@ -332,6 +366,7 @@ class ZmqTransport(Transport):
 
     def _wait_header(self, peer: int, state: _PeerState, deadline: float, op: str) -> bytes:
         control = self._peers[self.rank].pull
+        probe_at = time.monotonic() + STALL_PROBE_S
         while True:
             if state.lost:  # checked every time: the event may have been read by an earlier wait
                 try:
@@ -340,26 +375,31 @@ class ZmqTransport(Transport):
                     pass
                 # The peer may have closed because another rank failed and aborted it; that
                 # rank's abort (on a younger connection) explains this better than "lost".
-                if control.poll(_ABORT_GRACE_MS):
-                    header = Header.unpack(control.recv())
-                    self.raise_remote(header, control.recv(), op)
+                grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
+                while control.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
+                    self._on_control(control, op)
                 raise PeerLostError(
                     f"the connection from rank {peer} closed while this rank waited "
                     f"for its data: rank {peer} died or left the group early",
                     rank=self.rank, op=op, peer=peer,
                 )
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise CommTimeout(
                     f"no message from rank {peer} within the timeout", rank=self.rank,
                     op=op, peer=peer,
                 )
-            events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(left * 1000)))))
+            if probe_at is not None and now >= probe_at:
+                probe_at = None
+                if self.waiting_for is not None and not self.waiting_for.is_p2p:
+                    self._send_probe(peer, self.waiting_for, op)
+            wake = left if probe_at is None else min(left, probe_at - now)
+            events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
             if state.pull in events:
                 return state.pull.recv(zmq.NOBLOCK)
             if control in events:
-                header = Header.unpack(control.recv())
-                self.raise_remote(header, control.recv(), op)
+                self._on_control(control, op)
             if state.monitor in events:
                 self._monitor_event(peer, state)
 
@@ -384,8 +424,7 @@ class ZmqTransport(Transport):
                 )
             events = dict(poller.poll(0))
             if control in events:
-                header = Header.unpack(control.recv())
-                self.raise_remote(header, control.recv(), op)
+                self._on_control(control, op)
             if state.monitor in events:
                 self._monitor_event(peer, state)
             if state.lost:
@@ -428,6 +467,14 @@ class ZmqTransport(Transport):
             view, state.held = self._shm_payload(peer, state)
             return view
         return state.pull.recv(copy=False).buffer
+
+    def _discard_payload(self, peer: int) -> None:
+        # A ring payload is left alone: the sender may have failed and unmapped it already.
+        state = self._peers[peer]
+        if state.incoming is not None:
+            state.incoming = None
+        else:
+            state.pull.recv()
 
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
         state = self._peers[peer]
