@@ -6,6 +6,14 @@ keeps ranks in step), and ``async_op=True`` must let the caller compute while by
 One thread per communicator, fed by a queue, gives both, like a CUDA stream. Arguments are
 checked on the caller's thread before anything is queued, so a mistake raises at the call.
 
+Point-to-point ops never hold the worker: a send queues its messages and completes once
+they have left this process; a receive is *posted* and completes when its message arrives,
+while the worker goes on with later ops and looks for messages whenever it is idle. So two
+ranks that each post a receive before their send (``batch_isend_irecv`` does) cannot
+deadlock, and ``recv(x, src=None)`` takes the first message from any rank. Messages between
+two ranks match in the order they were sent; tags must agree (a mismatch is a
+``DesyncError``, not a silent reorder).
+
 Failure contract: an op that fails raises a typed ``CommError`` naming this rank and the op;
 before raising, the rank tells every peer (``abort``), so that they raise too instead of
 waiting out their timeout. A communicator that has failed stays failed (``CommAborted``):
@@ -29,13 +37,14 @@ import numpy as np
 
 from . import cost
 from .algorithms import ALLREDUCE, direct, ring, rooted
-from .cost import DEFAULT_SEGMENT_BYTES
 from .algorithms.schedule import Schedule
 from .buffers import ReduceOp, dtype_name, flat_view, reduce_op
 from .channels.base import Transport
 from .channels.header import OpKind
+from .cost import DEFAULT_SEGMENT_BYTES
 from .errors import ArgumentError, CommAborted, CommError, CommTimeout, RemoteError
 from .executor import OpContext, TraceEvent, run_schedule
+from .p2p import P2PEngine, P2POp
 
 log = logging.getLogger("ringcomm")
 
@@ -43,12 +52,17 @@ SMALL_BROADCAST_BYTES = 64 * 1024  # below this a binomial tree beats the pipeli
 
 
 class Work:
-    """Handle of an op started with ``async_op=True``."""
+    """Handle of an op started with ``async_op=True``.
+
+    ``source`` is, for a receive that has completed, the rank its message came from (what
+    ``recv(x, src=None)`` needs to tell); ``None`` otherwise.
+    """
 
     def __init__(self, future: concurrent.futures.Future, name: str, timeout: float) -> None:
         self._future = future
         self.name = name
         self._timeout = timeout
+        self.source: int | None = None
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the op is done and return its result; raise its error if it failed.
@@ -124,7 +138,7 @@ class Communicator:
         self._on_close = list(on_close)
         self._seq = itertools.count()
         self._p2p_sent = [0] * self.world_size
-        self._p2p_received = [0] * self.world_size
+        self._p2p = P2PEngine(self)
         self._failure: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -308,35 +322,46 @@ class Communicator:
 
     @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
-        """Send ``x`` to rank ``dst``; matched, in order, by ``recv(src=this rank)`` there."""
+        """Send ``x`` to rank ``dst``; matched, in order, by ``recv(src=this rank)`` there.
+
+        Completes once the data has left this process (the receiver need not have posted
+        its receive yet, except for large payloads that wait in the socket)."""
         data = flat_view(x, name="x", writable=False)
         self._check_rank(dst, "dst", allow_self=False)
+        self._check_tag(tag)
+        if self._closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
         seq = self._p2p_sent[dst]
         self._p2p_sent[dst] += 1
-        seg = self._segment(data)
-        return self._submit(
-            OpKind.P2P, data.dtype, {"data": data}, x, async_op, None,
-            lambda: direct.send(self.rank, self.world_size, dst, data.size, seg),
-            arg=tag, seq=seq, name=f"send #{seq} to rank {dst}",
-        )
+        op = P2POp(True, dst, int(tag), data, seq, f"send #{seq} to rank {dst}", x)
+        return self._enqueue(op, op.name, async_op)
 
     @_names_bad_input
-    def recv(self, x: Any, src: int, tag: int = 0, *, async_op: bool = False) -> Any:
-        """Receive into ``x`` the next message that rank ``src`` sent to this rank."""
+    def recv(self, x: Any, src: int | None = None, tag: int = 0, *,
+             async_op: bool = False) -> Any:
+        """Receive into ``x`` the next message that rank ``src`` sent to this rank.
+
+        ``src=None`` takes the next message from any rank; the returned ``Work`` (with
+        ``async_op=True``) then tells which in ``work.source``. Returns ``x``."""
         data = flat_view(x, name="x")
-        self._check_rank(src, "src", allow_self=False)
-        seq = self._p2p_received[src]
-        self._p2p_received[src] += 1
-        seg = self._segment(data)
-        return self._submit(
-            OpKind.P2P, data.dtype, {"data": data}, x, async_op, None,
-            lambda: direct.recv(self.rank, self.world_size, src, data.size, seg),
-            arg=tag, seq=seq, name=f"recv #{seq} from rank {src}",
-        )
+        if src is None:
+            if self.world_size == 1:
+                raise ArgumentError("recv from any source in a world of one rank: there is "
+                                    "no other rank to receive from", rank=self.rank)
+            name = "recv from any rank"
+        else:
+            self._check_rank(src, "src", allow_self=False)
+            name = f"recv from rank {src}"
+        self._check_tag(tag)
+        op = P2POp(False, src, int(tag), data, -1, name, x)
+        return self._enqueue(op, name, async_op)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Finish queued ops, stop the worker, close channels (and the store, if ours)."""
+        """Finish queued ops, stop the worker, close channels (and the store, if ours).
+
+        Sends still in flight get until their deadline to leave; receives still waiting for
+        their message fail with ``CommAborted``."""
         with self._lock:
             if self._closed:
                 return
@@ -377,24 +402,51 @@ class Communicator:
         if seq is None:
             seq = next(self._seq)
         name = name or f"{kind.name.lower()} #{seq}"
-        future: concurrent.futures.Future = concurrent.futures.Future()
         item = (kind, seq, name, np.dtype(dtype), buffers, result, rop, make_schedule, arg)
-        self._queue.put((item, future))
+        return self._enqueue(item, name, async_op)
+
+    def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
+        if self._closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
+        future: concurrent.futures.Future = concurrent.futures.Future()
         work = Work(future, name, self.timeout)
+        if isinstance(item, P2POp):
+            item.work = work
+        self._queue.put((item, future))
         return work if async_op else work.wait()
 
     def _work(self) -> None:
+        p2p = self._p2p
         while True:
-            entry = self._queue.get()
+            if p2p.busy:
+                try:
+                    entry = self._queue.get_nowait()
+                except queue.Empty:
+                    p2p.progress()
+                    continue
+            else:
+                entry = self._queue.get()
             if entry is None:
+                p2p.close()
                 return
             item, future = entry
             if not future.set_running_or_notify_cancel():
+                continue
+            if isinstance(item, P2POp):
+                p2p.start(item, future)
                 continue
             try:
                 future.set_result(self._run(*item))
             except BaseException as err:  # noqa: BLE001 - delivered to the caller via the future
                 future.set_exception(err)
+                if self._failure is not None:
+                    p2p.fail_all(self._failure)
+
+    def _fail(self, err: CommError, seq: int) -> None:
+        """Mark this communicator failed and, unless a peer told us, tell every peer."""
+        self._failure = err
+        if not isinstance(err, RemoteError):
+            self.transport.abort(seq, f"{type(err).__name__}: {err}")
 
     def _run(self, kind, seq, name, dtype, buffers, result, rop, make_schedule, arg) -> Any:
         if self._failure is not None:
@@ -411,9 +463,7 @@ class Communicator:
         try:
             run_schedule(schedule, buffers, self.transport, ctx, self.trace)
         except CommError as err:
-            self._failure = err
-            if not isinstance(err, RemoteError):
-                self.transport.abort(seq, f"{type(err).__name__}: {err}")
+            self._fail(err, seq)
             raise
         return result
 
@@ -438,6 +488,11 @@ class Communicator:
                 rank=self.rank)
         if not allow_self and r == self.rank:
             raise ArgumentError(f"{what}={r} is this rank itself", rank=self.rank)
+
+    def _check_tag(self, tag: int) -> None:
+        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or \
+                not 0 <= tag < 2**31:
+            raise ArgumentError(f"tag must be an int in 0..2**31-1, got {tag!r}", rank=self.rank)
 
     def _check_same_dtype(self, a: np.ndarray, b: np.ndarray, an: str, bn: str) -> None:
         if a.dtype != b.dtype:

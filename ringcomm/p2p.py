@@ -1,0 +1,286 @@
+"""Point-to-point messages (send, recv, recv from any rank) without blocking the worker.
+
+A communicator runs its ops on one worker thread, in issue order. Collectives may block
+that thread, since every rank runs them in the same order; point-to-point ops may not: two
+ranks that each post a receive before their send (``batch_isend_irecv`` does exactly that)
+would wait for each other forever. So the worker hands sends and receives to this engine:
+
+- a send issues every message of ``direct.send``'s schedule at once (channels never block
+  on send) and completes when the channel says the data has left this process;
+- a receive is *posted*; whenever its queue is empty the worker waits a few milliseconds
+  at a time for the first message of the oldest receive that each peer could satisfy, then
+  takes the rest of that message's segments (already on their way).
+
+A message from rank ``p`` goes to the earliest-posted receive that names ``p`` or any rank,
+as in MPI; messages between two ranks match in the order they were sent, and the header
+check makes a different tag, size or dtype a ``DesyncError``. Messages of collectives that
+arrive meanwhile are set aside by the channel (collectives and point-to-point are two
+streams), and the other way round.
+
+The engine relies on one property of ``Transport.recv_into``: a receive whose deadline
+passes before a message of its stream arrives raises ``CommTimeout`` and consumes nothing,
+so a short deadline is a poll.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .algorithms import direct
+from .buffers import dtype_code
+from .channels.base import SendHandle
+from .channels.header import Header, OpKind
+from .errors import CommAborted, CommError, CommTimeout
+
+if TYPE_CHECKING:
+    from .communicator import Communicator, Work
+
+log = logging.getLogger("ringcomm")
+
+POLL_S = 0.002  # how long an idle worker waits for a posted receive's message at a time
+
+
+@dataclass(eq=False)
+class P2POp:
+    """A send or a receive on its way to the worker."""
+
+    is_send: bool
+    peer: int | None  # destination of a send; source of a receive (None: any rank)
+    tag: int
+    data: np.ndarray
+    seq: int  # a send's number among the messages to ``peer``; receives learn theirs on match
+    name: str
+    result: Any
+    work: Work | None = None
+
+
+@dataclass(eq=False)
+class _Posted:
+    """A receive waiting for its message. ``serial`` orders it among all posted receives."""
+
+    op: P2POp
+    future: concurrent.futures.Future
+    serial: int
+    deadline: float
+
+
+@dataclass(eq=False)
+class _Sending:
+    """A send whose messages have not all left this process yet."""
+
+    op: P2POp
+    future: concurrent.futures.Future
+    deadline: float
+    handles: list[SendHandle] = field(default_factory=list)
+
+
+class P2PEngine:
+    """The pending sends and posted receives of one communicator. Only its worker thread
+    touches this object."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.sending: list[_Sending] = []
+        self.by_source: dict[int, deque[_Posted]] = {}
+        self.any_source: deque[_Posted] = deque()
+        self.matched = [0] * comm.world_size  # messages taken from each rank so far
+        self._serials = itertools.count()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.sending or self.any_source or any(self.by_source.values()))
+
+    # ---------------------------------------------------------------- entry points
+    def start(self, op: P2POp, future: concurrent.futures.Future) -> None:
+        comm = self.comm
+        if comm._failure is not None:
+            future.set_exception(CommAborted(
+                f"an earlier op failed ({comm._failure}); this communicator cannot be used "
+                "any more: create a new one", rank=comm.rank, op=op.name))
+            return
+        deadline = time.monotonic() + comm.timeout
+        if not op.is_send:
+            posted = _Posted(op, future, next(self._serials), deadline)
+            if op.peer is None:
+                self.any_source.append(posted)
+            else:
+                self.by_source.setdefault(op.peer, deque()).append(posted)
+            self.progress(0.0)  # a message that arrived already is taken now
+            return
+        sending = _Sending(op, future, deadline)
+        try:
+            steps = direct.send(comm.rank, comm.world_size, op.peer, op.data.size,
+                                comm._segment(op.data)).steps
+            for index, step in enumerate(steps):
+                src = step.src
+                header = self._header(op, comm.rank, index, src.count, op.seq)
+                payload = op.data[src.offset: src.offset + src.count] if src.count else None
+                handle = comm.transport.send(op.peer, header, payload)
+                if handle is not None:
+                    sending.handles.append(handle)
+        except CommError as err:
+            self._failed(sending, err)
+            return
+        self.sending.append(sending)
+        self._check_sends()
+
+    def progress(self, wait: float = POLL_S) -> None:
+        """Complete what can be completed, waiting up to about ``wait`` s for messages."""
+        try:
+            self._check_sends()
+            self._expire()
+            peers = self._peers()
+            if not peers:
+                if self.sending and wait > 0:
+                    self.sending[0].handles[0].wait(wait)  # nap instead of spinning
+                return
+            for peer in peers:
+                if self._receive_from(peer, wait / len(peers)):
+                    return  # one message per round, so queued ops are not starved
+        except Exception as err:  # noqa: BLE001 - a bug here must not kill the worker
+            log.exception("rank %d: point-to-point progress failed", self.comm.rank)
+            self.fail_all(CommError(f"internal error in point-to-point progress: {err!r}",
+                                    rank=self.comm.rank))
+
+    def fail_all(self, cause: BaseException) -> None:
+        """Fail every pending send and receive: the communicator has failed."""
+        for item in [*self.sending, *self.any_source,
+                     *(p for q in self.by_source.values() for p in q)]:
+            self._set_error(item, CommAborted(
+                f"an earlier op failed ({cause}); this communicator cannot be used any more: "
+                "create a new one", rank=self.comm.rank, op=item.op.name))
+        self.sending.clear()
+        self.any_source.clear()
+        self.by_source.clear()
+
+    def close(self) -> None:
+        """On close: give sends until their deadline to leave; fail receives still waiting."""
+        for posted in [*self.any_source, *(p for q in self.by_source.values() for p in q)]:
+            self._set_error(posted, CommAborted(
+                "the communicator was closed before this receive's message arrived",
+                rank=self.comm.rank, op=posted.op.name))
+        self.any_source.clear()
+        self.by_source.clear()
+        while self.sending:
+            self._check_sends()
+            if self.sending:
+                self.sending[0].handles[0].wait(0.05)
+
+    # ---------------------------------------------------------------- internals
+    def _header(self, op: P2POp, sender: int, index: int, count: int, seq: int) -> Header:
+        return Header(seq, count * op.data.itemsize, sender, index, op.tag, OpKind.P2P,
+                      dtype_code(op.data.dtype))
+
+    def _check_sends(self) -> None:
+        if not self.sending:
+            return
+        now = time.monotonic()
+        still = []
+        for s in self.sending:
+            s.handles = [h for h in s.handles if not h.done]
+            if not s.handles:
+                s.future.set_result(s.op.result)
+            elif now >= s.deadline:
+                self._failed(s, CommTimeout(
+                    f"the message to rank {s.op.peer} did not leave this process within "
+                    f"{self.comm.timeout:g} s: rank {s.op.peer} never received it (is it "
+                    "alive, and does it call recv?)", rank=self.comm.rank, op=s.op.name,
+                    peer=s.op.peer))
+            else:
+                still.append(s)
+        self.sending = still
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for posted in [*self.any_source, *(p for q in self.by_source.values() for p in q)]:
+            if now >= posted.deadline:
+                src = posted.op.peer
+                who = "any rank" if src is None else f"rank {src}"
+                self._failed(posted, CommTimeout(
+                    f"no message from {who} within {self.comm.timeout:g} s: check that it "
+                    "sends one (same tag), or raise the timeout", rank=self.comm.rank,
+                    op=posted.op.name, peer=src))
+                return
+
+    def _peers(self) -> list[int]:
+        if self.any_source:
+            return [p for p in range(self.comm.world_size) if p != self.comm.rank]
+        return [p for p, q in self.by_source.items() if q]
+
+    def _next_for(self, peer: int) -> _Posted | None:
+        """The receive that the next message from ``peer`` belongs to."""
+        mine = self.by_source.get(peer)
+        a = mine[0] if mine else None
+        b = self.any_source[0] if self.any_source else None
+        if a is None or b is None:
+            return a or b
+        return a if a.serial < b.serial else b
+
+    def _receive_from(self, peer: int, wait: float) -> bool:
+        posted = self._next_for(peer)
+        if posted is None:
+            return False
+        comm, op = self.comm, posted.op
+        steps = direct.recv(comm.rank, comm.world_size, peer, op.data.size,
+                            comm._segment(op.data)).steps
+        seq = self.matched[peer]
+        name = f"recv #{seq} from rank {peer}" + (" (any source)" if op.peer is None else "")
+        try:
+            first = steps[0].dst
+            comm.transport.recv_into(peer, self._header(op, peer, 0, first.count, seq),
+                                     op.data[first.offset: first.offset + first.count],
+                                     time.monotonic() + wait, name)
+        except CommTimeout:
+            return False  # nothing from this peer yet
+        except CommError as err:
+            self._unpost(posted, peer)
+            self._failed(posted, err)
+            return True
+        self._unpost(posted, peer)
+        self.matched[peer] += 1
+        try:
+            for index, step in enumerate(steps[1:], 1):
+                dst = step.dst
+                comm.transport.recv_into(peer, self._header(op, peer, index, dst.count, seq),
+                                         op.data[dst.offset: dst.offset + dst.count],
+                                         posted.deadline, name)
+        except CommError as err:
+            self._failed(posted, err)
+            return True
+        if op.work is not None:
+            op.work.source = peer
+        posted.future.set_result(op.result)
+        return True
+
+    def _unpost(self, posted: _Posted, peer: int) -> None:
+        if self.any_source and self.any_source[0] is posted:
+            self.any_source.popleft()
+        else:
+            self.by_source[peer].popleft()
+
+    def _failed(self, item: _Posted | _Sending, err: CommError) -> None:
+        """``item`` failed: the communicator fails with it (peers are told), and so does
+        every other pending point-to-point op."""
+        for queue_ in (self.any_source, *self.by_source.values()):
+            if item in queue_:
+                queue_.remove(item)
+        if item in self.sending:
+            self.sending.remove(item)
+        self._set_error(item, err)
+        seq = item.op.seq if item.op.is_send else -1
+        self.comm._fail(err, max(seq, 0))
+        self.fail_all(err)
+
+    @staticmethod
+    def _set_error(item: _Posted | _Sending, err: BaseException) -> None:
+        if not item.future.done():
+            item.future.set_exception(err)
+
