@@ -31,12 +31,15 @@ def init(
     timeout: float = 300.0,
     segment_bytes: int | None = None,
     transport: str | None = None,
+    host: str | None = None,
 ) -> Communicator:
     """Join a group and return its communicator.
 
     Unset arguments come from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``,
     as torchrun sets them. ``timeout`` (seconds) bounds the rendezvous and every op.
     ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
+    ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
+    the local end of a route to the store's host).
     """
     rank = rank if rank is not None else env_int("RANK")
     world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
@@ -76,7 +79,7 @@ def init(
         # more (or fewer) communicators before must still agree with its peers on the prefix.
         generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
         scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
-        host = _reachable_host(address)
+        host = host or _reachable_host(address)
         chans = ZmqTransport(rank, world_size, scoped, host=host, mode=transport,
                              timeout=timeout)
     except BaseException:

@@ -1,0 +1,638 @@
+"""ringcomm as a ``torch.distributed`` backend: ``dist.init_process_group("ringcomm")``.
+
+    import torch.distributed as dist
+    dist.init_process_group("ringcomm")     # env://, tcp://, file:// or store=, as for gloo
+    dist.all_reduce(t)                      # and every other collective, DDP, new_group...
+
+The backend is registered when ringcomm is imported and, through the ``torch.backends``
+entry point, whenever torch is imported in an environment where ringcomm is installed.
+
+Why it is thin: every collective already exists in ``Communicator``; a method here turns
+torch's arguments into flat CPU buffers, maps the ``ReduceOp``, starts the op with
+``async_op=True`` and wraps what comes back in a ``torch.distributed.Work``. Ranks meet
+through the c10d store torch hands the backend (one key prefix per group), so every init
+method torch has works, and each ``new_group`` gets a communicator of its own.
+
+Buffers: a contiguous CPU tensor of a dtype the core knows is used in place (a zero-copy
+view). Anything else (non-contiguous, CUDA, a conjugate view) is copied into a contiguous
+CPU tensor, and results are copied back when the op completes, on the communicator's
+thread, before the op's ``Work`` reports completion. Ops that only move data (broadcast,
+all-gather, all-to-all, gather, scatter, send/recv) take any dtype by moving its bytes;
+reductions take the dtypes the core reduces.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from .communicator import Communicator
+from .communicator import Work as CommWork
+from .errors import ArgumentError, CommTimeout
+from .rendezvous import _reachable_host, init
+from .store import TorchStore
+
+log = logging.getLogger("ringcomm")
+
+BACKEND_NAME = "ringcomm"
+
+# dtypes the core reduces and moves as they are (see ringcomm.buffers)
+_CORE_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+}
+_OPS = {
+    ReduceOp.RedOpType.SUM: "sum",
+    ReduceOp.RedOpType.AVG: "avg",
+    ReduceOp.RedOpType.PRODUCT: "prod",
+    ReduceOp.RedOpType.MIN: "min",
+    ReduceOp.RedOpType.MAX: "max",
+    ReduceOp.RedOpType.BAND: "band",
+    ReduceOp.RedOpType.BOR: "bor",
+    ReduceOp.RedOpType.BXOR: "bxor",
+}
+
+
+# --------------------------------------------------------------------------- work
+
+
+def _unwrap(fut: torch.futures.Future) -> Any:
+    value, error = fut.value()
+    if error is not None:
+        raise error
+    return value
+
+
+class RingcommWork(dist.Work):
+    """The torch handle of one or more communicator ops.
+
+    ``wait(timeout)`` raises ringcomm's typed errors (``CommTimeout`` when the wait runs
+    out; the op itself keeps its own deadline). ``get_future()`` completes with the output
+    tensors or fails with the op's error. Python must never ``set_exception`` on a future
+    that C++ (DDP's Reducer) reads, so the source future is completed with a
+    ``(value, error)`` record and the future handed out is ``src.then(_unwrap)``.
+    """
+
+    def __init__(self, name: str, parts: Sequence[CommWork], result: Any,
+                 finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._name = name
+        self._result = result
+        self._finish = finish
+        self._error: BaseException | None = None
+        self._source = -1
+        self._done = threading.Event()
+        self._src: torch.futures.Future = torch.futures.Future()
+        self._future = self._src.then(_unwrap)
+        self._lock = threading.Lock()
+        self._left = len(parts)
+        self._parts = list(parts)
+        if not parts:
+            self._complete()
+        for part in parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, part: CommWork) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._error is None and part.exception() is not None:
+                self._error = part.exception()
+            if part.source is not None:
+                self._source = part.source
+            last = self._left == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._error is None and self._finish is not None:
+            try:
+                self._finish()
+            except Exception as err:  # noqa: BLE001 - reported through wait() and the future
+                self._error = err
+        self._src.set_result((self._result if self._error is None else None, self._error))
+        self._done.set()
+
+    # -- the torch.distributed.Work interface
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):
+            raise CommTimeout(
+                f"{self._name} did not complete within {seconds:g} s of waiting; it keeps "
+                "running (until its own timeout): wait again, or raise the timeout",
+                op=self._name)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"<RingcommWork {self._name} {'done' if self.is_completed() else 'pending'}>"
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _check(t: Any, what: str, *, reduce: bool = False) -> None:
+    """Refuse what ringcomm cannot take, saying what to do instead."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ArgumentError(f"{what} is a {t.layout} tensor; ringcomm takes dense tensors "
+                            "here (call .to_dense())")
+    if reduce and t.dtype not in _CORE_DTYPES:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in _CORE_DTYPES))
+        raise ArgumentError(f"{what} has dtype {t.dtype}, which ringcomm cannot reduce; "
+                            f"use one of: {supported}")
+
+
+def _movable(dtype: torch.dtype) -> int:
+    """Elements of the buffer per element of ``dtype``: 1, or its size when the core does
+    not know the dtype and moves its bytes."""
+    return 1 if dtype in _CORE_DTYPES else torch.empty(0, dtype=dtype).element_size()
+
+
+class _Staging:
+    """Buffers of one call, and the copies back into the caller's tensors once it is done."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def buffer(self, t: torch.Tensor, what: str, *, reduce: bool = False,
+               write: bool = False, read: bool = True) -> torch.Tensor:
+        """A flat, contiguous CPU tensor holding ``t``'s data: a view of ``t`` when possible,
+        else a copy (``read``: of its values), written back into ``t`` if ``write``. A dtype
+        the core does not know is moved as bytes."""
+        _check(t, what, reduce=reduce)
+        in_place = (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
+                    and not t.is_neg())
+        if in_place:
+            buf = t.detach().reshape(-1)
+        else:
+            buf = self._copy_of(t, read).reshape(-1)
+            if write:
+                self.copies.append((t, buf))
+        return buf if buf.dtype in _CORE_DTYPES else buf.view(torch.uint8)
+
+    @staticmethod
+    def _copy_of(t: torch.Tensor, read: bool) -> torch.Tensor:
+        if not read:
+            return torch.empty(t.shape, dtype=t.dtype)
+        t = t.detach().resolve_conj().resolve_neg()
+        return t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+
+    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A fresh flat buffer of ``numel`` elements of ``like``'s (buffer) dtype."""
+        return torch.empty(numel, dtype=like.dtype)
+
+    def cat(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False
+            ) -> torch.Tensor:
+        """A fresh buffer holding ``tensors`` one after another."""
+        if not tensors:
+            raise ArgumentError(f"{what} is empty")
+        parts = [self.buffer(t, f"{what}[{i}]", reduce=reduce) for i, t in enumerate(tensors)]
+        return torch.cat(parts)
+
+    def split_back(self, buf: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+        """Once the op is done, consecutive ranges of ``buf`` go into ``outputs``."""
+        offset = 0
+        for out in outputs:
+            n = out.numel() * _movable(out.dtype)
+            self.copies.append((out, buf[offset: offset + n]))
+            offset += n
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for dst, src in self.copies:
+                if src.dtype != dst.dtype:  # bytes of a dtype the core does not know
+                    src = src.view(dst.dtype)
+                dst.copy_(src.reshape(dst.shape))
+
+    def finisher(self) -> Callable[[], None] | None:
+        return self.finish if self.copies else None
+
+
+def _reduce_op(opts: Any) -> str:
+    if opts is None:
+        return "sum"
+    red = opts.reduceOp
+    kind = getattr(red, "op", red)
+    if kind in _OPS:
+        return _OPS[kind]
+    raise ArgumentError(f"reduce op {red} is not supported by ringcomm; use SUM, AVG, PRODUCT, "
+                        "MIN, MAX, BAND, BOR or BXOR")
+
+
+def _same(tensors: Sequence[torch.Tensor], what: str, numel: int, dtype: torch.dtype) -> None:
+    for i, t in enumerate(tensors):
+        if t.numel() != numel:
+            raise ArgumentError(f"{what}[{i}] has {t.numel()} elements but must have {numel} "
+                                "(as many as the input)")
+        if t.dtype != dtype:
+            raise ArgumentError(f"{what}[{i}] is {t.dtype} but the input is {dtype}; they "
+                                "must match")
+
+
+def _one(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ArgumentError(f"{what} must hold exactly one entry per call on this backend, "
+                            f"got {len(tensors)}")
+    return tensors[0]
+
+
+# --------------------------------------------------------------------------- process group
+
+
+class RingcommProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose ops run on a ringcomm ``Communicator``.
+
+    Created by torch through the registered backend; ``comm`` is the communicator (its
+    ``transport.describe()`` tells how the ranks are connected).
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- identity
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return (f"<RingcommProcessGroup {self._group_name or '?'} rank {self.comm.rank} of "
+                f"{self.comm.world_size}>")
+
+    # -- lifecycle
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: stop the worker, close sockets and files."""
+        self.comm.close()
+
+    def abort(self) -> None:
+        self.comm.close()
+
+    def _work(self, name: str, parts: Sequence[CommWork], result: Any,
+              stage: _Staging | None = None) -> RingcommWork:
+        return RingcommWork(name, parts, result, stage.finisher() if stage else None)
+
+    # -- reductions
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        op = _reduce_op(opts)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
+        stage = _Staging()
+        bufs = [stage.buffer(t, f"tensors[{i}]", reduce=True, write=True)
+                for i, t in enumerate(tensors)]
+        parts = [self.comm.allreduce(b, op, async_op=True) for b in bufs]
+        return self._work("allreduce", parts, tensors, stage)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None
+                            ) -> RingcommWork:
+        """One allreduce per dtype, over that dtype's tensors laid end to end."""
+        op = _reduce_op(opts)
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for i, t in enumerate(tensors):
+            _check(t, f"tensors[{i}]", reduce=True)
+            groups.setdefault(t.dtype, []).append(t)
+        stage = _Staging()
+        parts = []
+        for same_dtype in groups.values():
+            buf = stage.cat(same_dtype, "tensors", reduce=True)
+            stage.split_back(buf, same_dtype)
+            parts.append(self.comm.allreduce(buf, op, async_op=True))
+        return self._work("allreduce_coalesced", parts, tensors, stage)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+        stage = _Staging()
+        buf = stage.buffer(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
+        part = self.comm.reduce(buf, root=opts.rootRank, op=_reduce_op(opts), async_op=True)
+        return self._work("reduce", [part], tensors, stage)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_lists: list[list[torch.Tensor]], opts: Any = None
+                       ) -> RingcommWork:
+        out, inputs = _one(output_tensors, "output_tensors"), _one(input_lists, "input_lists")
+        self._check_world(inputs, "input_list")
+        _same(inputs, "input_list", out.numel(), out.dtype)
+        stage = _Staging()
+        src = stage.cat(inputs, "input_list", reduce=True)
+        dst = stage.buffer(out, "output", reduce=True, write=True, read=False)
+        part = self.comm.reduce_scatter(dst, src, _reduce_op(opts), async_op=True)
+        return self._work("reduce_scatter", [part], output_tensors, stage)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                              opts: Any = None) -> RingcommWork:
+        stage = _Staging()
+        part = self._reduce_scatter_tensor(stage, output, input, _reduce_op(opts))
+        return self._work("reduce_scatter_tensor", [part], [output], stage)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None
+                                        ) -> RingcommWork:
+        stage, op = _Staging(), _reduce_op(opts)
+        parts = [self._reduce_scatter_tensor(stage, o, i, op)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work("reduce_scatter_tensor_coalesced", parts, outputs, stage)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _reduce_scatter_tensor(self, stage: _Staging, output: torch.Tensor,
+                               input: torch.Tensor, op: str) -> CommWork:  # noqa: A002
+        self._check_numel(input, output.numel() * self.comm.world_size, "input",
+                          "world_size * output.numel()")
+        src = stage.buffer(input, "input", reduce=True)
+        dst = stage.buffer(output, "output", reduce=True, write=True, read=False)
+        return self.comm.reduce_scatter(dst, src, op, async_op=True)
+
+    # -- data movement
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+        stage = _Staging()
+        root = opts.rootRank
+        is_root = self.comm.rank == root
+        bufs = [stage.buffer(t, f"tensors[{i}]", write=not is_root, read=is_root)
+                for i, t in enumerate(tensors)]
+        parts = [self.comm.broadcast(b, root=root, async_op=True) for b in bufs]
+        return self._work("broadcast", parts, tensors, stage)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]],
+                  input_list: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        stage = _Staging()
+        parts = []
+        for i, (outputs, inp) in enumerate(zip(output_lists, input_list, strict=True)):
+            self._check_world(outputs, f"output_lists[{i}]")
+            _same(outputs, f"output_lists[{i}]", inp.numel(), inp.dtype)
+            src = stage.buffer(inp, f"input_list[{i}]")
+            dst = stage.scratch(src.numel() * self.comm.world_size, src)
+            stage.split_back(dst, outputs)
+            parts.append(self.comm.allgather(dst, src, async_op=True))
+        return self._work("allgather", parts, output_lists, stage)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          opts: Any = None) -> RingcommWork:
+        stage = _Staging()
+        part = self._all_gather_tensor(stage, output, input)
+        return self._work("all_gather_into_tensor", [part], [output], stage)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None
+                                        ) -> RingcommWork:
+        stage = _Staging()
+        parts = [self._all_gather_tensor(stage, o, i)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work("all_gather_into_tensor_coalesced", parts, outputs, stage)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _all_gather_tensor(self, stage: _Staging, output: torch.Tensor,
+                           input: torch.Tensor) -> CommWork:  # noqa: A002
+        self._check_numel(output, input.numel() * self.comm.world_size, "output",
+                          "world_size * input.numel()")
+        src = stage.buffer(input, "input")
+        dst = stage.buffer(output, "output", write=True, read=False)
+        return self.comm.allgather(dst, src, async_op=True)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts: Any = None
+                            ) -> RingcommWork:
+        """``output_lists[r][i]`` receives rank ``r``'s ``input_list[i]``: one all-gather of
+        the inputs laid end to end."""
+        self._check_world(output_lists, "output_tensor_lists")
+        for r, outputs in enumerate(output_lists):
+            if len(outputs) != len(input_list):
+                raise ArgumentError(f"output_tensor_lists[{r}] has {len(outputs)} tensors for "
+                                    f"{len(input_list)} inputs; it needs one per input")
+            for i, (o, t) in enumerate(zip(outputs, input_list, strict=True)):
+                _same([o], f"output_tensor_lists[{r}][{i}]", t.numel(), t.dtype)
+        stage = _Staging()
+        src = stage.cat(input_list, "input_tensor_list")
+        dst = stage.scratch(src.numel() * self.comm.world_size, src)
+        stage.split_back(dst, [o for outputs in output_lists for o in outputs])
+        part = self.comm.allgather(dst, src, async_op=True)
+        return self._work("allgather_coalesced", [part], output_lists, stage)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+               opts: Any) -> RingcommWork:
+        stage = _Staging()
+        root = opts.rootRank
+        inp = _one(input_list, "input_tensors")
+        src = stage.buffer(inp, "input")
+        dst = None
+        if self.comm.rank == root:
+            outputs = _one(output_lists, "output_tensors")
+            self._check_world(outputs, "gather_list")
+            _same(outputs, "gather_list", inp.numel(), inp.dtype)
+            dst = stage.scratch(src.numel() * self.comm.world_size, src)
+            stage.split_back(dst, outputs)
+        part = self.comm.gather(dst, src, root=root, async_op=True)
+        return self._work("gather", [part], output_lists, stage)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any) -> RingcommWork:
+        stage = _Staging()
+        root = opts.rootRank
+        out = _one(output_tensors, "output_tensors")
+        src = None
+        if self.comm.rank == root:
+            inputs = _one(input_lists, "input_tensors")
+            self._check_world(inputs, "scatter_list")
+            _same(inputs, "scatter_list", out.numel(), out.dtype)
+            src = stage.cat(inputs, "scatter_list")
+        dst = stage.buffer(out, "output", write=True, read=False)
+        part = self.comm.scatter(dst, src, root=root, async_op=True)
+        return self._work("scatter", [part], output_tensors, stage)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> RingcommWork:
+        """Tensor ``j`` of ``input_tensors`` goes to rank ``j``; sizes may differ."""
+        self._check_world(input_tensors, "input_tensor_list")
+        self._check_world(output_tensors, "output_tensor_list")
+        dtype = input_tensors[0].dtype
+        for what, ts in (("input_tensor_list", input_tensors),
+                         ("output_tensor_list", output_tensors)):
+            for i, t in enumerate(ts):
+                if t.dtype != dtype:
+                    raise ArgumentError(f"{what}[{i}] is {t.dtype}, not {dtype}: all tensors "
+                                        "of an all_to_all must have one dtype")
+        stage = _Staging()
+        scale = _movable(dtype)
+        src = stage.cat(input_tensors, "input_tensor_list")
+        dst = stage.scratch(sum(t.numel() for t in output_tensors) * scale, src)
+        stage.split_back(dst, output_tensors)
+        part = self.comm.alltoall(
+            dst, src, in_splits=[t.numel() * scale for t in input_tensors],
+            out_splits=[t.numel() * scale for t in output_tensors], async_op=True)
+        return self._work("all_to_all", [part], output_tensors, stage)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> RingcommWork:
+        """Splits count rows (sizes along dim 0); empty splits mean equal ones."""
+        stage = _Staging()
+        src = stage.buffer(input, "input")
+        dst = stage.buffer(output, "output", write=True, read=False)
+        in_splits = self._rows(input, input_split_sizes, src.numel(), "input")
+        out_splits = self._rows(output, output_split_sizes, dst.numel(), "output")
+        part = self.comm.alltoall(dst, src, in_splits=in_splits, out_splits=out_splits,
+                                  async_op=True)
+        return self._work("all_to_all_single", [part], [output], stage)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> RingcommWork:
+        return self._work("barrier", [self.comm.barrier(async_op=True)], [])
+
+    # -- point to point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingcommWork:
+        buf = _Staging().buffer(_one(tensors, "tensors"), "tensor")
+        return self._work("send", [self.comm.send(buf, dst, tag, async_op=True)], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> RingcommWork:
+        stage = _Staging()
+        buf = stage.buffer(_one(tensors, "tensors"), "tensor", write=True, read=False)
+        part = self.comm.recv(buf, src, tag, async_op=True)
+        return self._work("recv", [part], tensors, stage)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RingcommWork:
+        stage = _Staging()
+        buf = stage.buffer(_one(tensors, "tensors"), "tensor", write=True, read=False)
+        part = self.comm.recv(buf, None, tag, async_op=True)
+        return self._work("recv from any source", [part], tensors, stage)
+
+    # -- helpers
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> RingcommWork:
+        """Sparse COO all-reduce (sum), as gloo does it: every rank's indices and values are
+        gathered (padded to the longest), then summed and coalesced."""
+        if op != "sum":
+            raise ArgumentError(f"sparse all_reduce supports only SUM, got {op}")
+        t = _one(tensors, "tensors")
+        world = self.comm.world_size
+        sparse = t.coalesce()
+        indices, values = sparse.indices(), sparse.values()
+        counts = torch.zeros(world, dtype=torch.int64)
+        self.comm.allgather(counts, torch.tensor([indices.shape[1]]))
+        most = int(counts.max())
+        mine_i = torch.zeros((indices.shape[0], most), dtype=torch.int64)
+        mine_i[:, : indices.shape[1]] = indices
+        mine_v = torch.zeros((most, *values.shape[1:]), dtype=values.dtype)
+        mine_v[: values.shape[0]] = values
+        all_i = torch.empty((world, *mine_i.shape), dtype=torch.int64)
+        all_v = torch.empty((world, *mine_v.shape), dtype=values.dtype)
+        self.comm.allgather(all_i, mine_i)
+        self.comm.allgather(all_v, mine_v)
+        idx = torch.cat([all_i[r, :, : int(counts[r])] for r in range(world)], dim=1)
+        val = torch.cat([all_v[r, : int(counts[r])] for r in range(world)])
+        total = torch.sparse_coo_tensor(idx, val, sparse.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(total)
+        return self._work("sparse allreduce", [], [t])
+
+    def _check_world(self, tensors: Sequence[Any], what: str) -> None:
+        if len(tensors) != self.comm.world_size:
+            raise ArgumentError(f"{what} has {len(tensors)} entries but the group has "
+                                f"{self.comm.world_size} ranks; pass one per rank")
+
+    def _check_numel(self, t: torch.Tensor, want: int, what: str, wantn: str) -> None:
+        if t.numel() != want:
+            raise ArgumentError(f"{what} has {t.numel()} elements but must have {wantn} = "
+                                f"{want}")
+
+    def _rows(self, t: torch.Tensor, splits: Sequence[int], numel: int, what: str
+              ) -> list[int] | None:
+        """Row splits of ``t`` (dim 0) as element counts of its flat buffer; None: equal."""
+        rows = t.shape[0] if t.dim() > 0 else 1
+        if not splits:
+            if rows % self.comm.world_size:
+                raise ArgumentError(f"{what} has {rows} rows, not divisible by the "
+                                    f"{self.comm.world_size} ranks: pass split sizes")
+            return None
+        if len(splits) != self.comm.world_size or sum(splits) != rows:
+            raise ArgumentError(f"{what} split sizes {list(splits)} must be "
+                                f"{self.comm.world_size} row counts adding up to {rows}")
+        per_row = numel // rows if rows else 0
+        return [int(s) * per_row for s in splits]
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _store_address(store: Any) -> str | None:
+    """``host:port`` of the TCPStore under torch's prefix stores, if it is one."""
+    while store is not None:
+        if isinstance(store, dist.TCPStore):
+            return f"{store.host}:{store.port}"
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
+def _create(opts: Any, backend_options: Any = None) -> RingcommProcessGroup:
+    """torch's factory hook: join the group through torch's store, return the group."""
+    timeout = opts.timeout.total_seconds() if opts.timeout else 300.0
+    address = _store_address(opts.store)
+    comm = init(opts.group_rank, opts.group_size,
+                store=TorchStore(opts.store, timeout=timeout), timeout=timeout,
+                host=_reachable_host(address))
+    return RingcommProcessGroup(comm)
+
+
+def register() -> None:
+    """Make ``"ringcomm"`` a ``torch.distributed`` backend (idempotent)."""
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])
+
+
+def _autoload() -> None:
+    """Entry point in the ``torch.backends`` group, called by ``import torch``.
+
+    It must never raise: torch turns an exception here into a failed ``import torch``."""
+    try:
+        register()
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.warning("could not register the ringcomm torch.distributed backend",
+                    exc_info=True)

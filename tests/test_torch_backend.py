@@ -1,0 +1,168 @@
+"""torch.distributed on the "ringcomm" backend, with real processes on 127.0.0.1.
+
+The ranks are spawned once for the module (``tests/torch_jobs.py``) and given one job per
+test; every job creates torch's default group (tcp://, file:// or env://), checks values
+on every rank, and destroys it, so every job after the first is also a re-init in a
+process that had a group before. The examples are run as the programs they are.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch_jobs import Ranks, free_port
+
+import ringcomm
+from ringcomm import torch_backend
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    r = Ranks(3)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@pytest.mark.timeout(60)
+def test_registered_by_import_and_by_the_entry_point_without_it(tmp_path):
+    assert "RINGCOMM" in dist.Backend._plugins  # this module imported ringcomm
+    installed = [e.value for e in entry_points(group="torch.backends") if e.name == "ringcomm"]
+    assert installed == ["ringcomm.torch_backend:_autoload"], (
+        "the torch.backends entry point is not installed: reinstall ringcomm "
+        "(pip install -e .), pyproject.toml declares it")
+
+    def run(code: str, **env: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=50, check=True,
+                              env=dict(os.environ, **env)).stdout.split()
+
+    code = ("import sys, torch.distributed as dist; "
+            "print('RINGCOMM' in dist.Backend._plugins, 'ringcomm' in sys.modules)")
+    assert run(code) == ["True", "True"]  # `import torch` ran the entry point
+    code = ("import ringcomm, sys; assert 'torch' not in sys.modules; "
+            "import torch.distributed as dist; print('RINGCOMM' in dist.Backend._plugins)")
+    assert run(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0") == ["True"]  # imported before torch
+
+
+@pytest.mark.timeout(10)
+def test_the_entry_point_never_raises(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("registry is broken")
+
+    monkeypatch.setattr(dist.Backend, "register_backend", broken)
+    torch_backend._autoload()  # an exception here would break every `import torch`
+    assert "could not register" in caplog.text
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world,how", [(2, "tcp"), (3, "file")])
+def test_every_collective_gives_checked_values(ranks, world, how):
+    """All reduce ops on float, int and bool dtypes, coalesced all-reduce and the
+    coalescing manager, broadcast and reduce from every root, all_gather (lists, into a
+    tensor, coalesced, a dtype moved as bytes), reduce_scatter (list and tensor), gather and
+    scatter, all_to_all (uneven lists), all_to_all_single (even and uneven splits), barrier,
+    the object collectives and the functional collectives; non-contiguous, 0-dim, complex
+    and 3 MiB tensors."""
+    checks = ranks.run("job_collectives", world, how=how)
+    assert len(set(checks)) == 1 and checks[0] > 70, checks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,how", [(2, "env"), (3, "tcp")])
+def test_point_to_point_in_any_order_and_from_any_source(ranks, world, how):
+    res = ranks.run("job_p2p", world, how=how)
+    assert res[0]["sources"] == sorted(list(range(1, world)) * 2)
+
+
+@pytest.mark.timeout(60)
+def test_new_group_and_new_subgroups_get_their_own_communicators(ranks):
+    res = ranks.run("job_groups", 3)
+    assert all(r["threads_after"] == [] for r in res), res  # all of them shut down
+    assert [r["subgroups"] for r in res] == [3, 3, 3]
+
+
+@pytest.mark.timeout(60)
+def test_errors_are_typed_through_work_and_future(ranks):
+    res = ranks.run("job_errors", 2)
+    name, waited = res[1]["wait_timeout"]
+    assert name == "CommTimeout" and 0.29 < waited < 2.0  # the wait honoured its timeout
+    assert res[1]["late_recv"]  # and the receive still completed afterwards
+    assert [r["bad_arg"] for r in res] == ["ArgumentError"] * 2
+    assert all("cannot reduce" in r["bad_dtype"] and "float32" in r["bad_dtype"] for r in res)
+    kinds = [r["desync"] for r in res]
+    assert set(kinds) <= {"DesyncError", "RemoteError"} and "DesyncError" in kinds, kinds
+    assert all(("DesyncError" in r["future"]) or ("RemoteError" in r["future"]) for r in res)
+    assert [r["after"] for r in res] == ["CommAborted"] * 2  # a failed group stays failed
+    assert all(r["threads"] == [] for r in res)
+
+
+@pytest.mark.timeout(60)
+def test_destroy_leaves_nothing_behind_and_reinit_works(ranks):
+    assert ranks.run("job_reinit", 2) == [{"left": []}] * 2
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3])
+def test_ddp_gradients_equal_one_process_on_the_full_batch(ranks, world):
+    """torch's own DistributedDataParallel, float64: plain, find_unused_parameters,
+    static_graph, gradient_as_bucket_view and tiny buckets (one bucket per parameter) for
+    three SGD steps; no_sync; the fp16 compression hook (to fp16 precision); a branch used
+    in one step only; and Join with a different number of batches per rank."""
+    done = ranks.run("job_ddp", world, timeout=110)
+    assert done == [["plain", "find_unused_parameters", "static_graph",
+                     "gradient_as_bucket_view", "small buckets", "no_sync",
+                     "fp16_compress_hook", "unused branch", "Join"]] * world
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@pytest.mark.timeout(120)
+def test_the_classic_programs_run_with_only_the_backend_name_changed():
+    """The DDP design note's example, synchronous SGD with send/recv and per-parameter
+    all_reduce, and the torchrun example; run side by side, each on its own port."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    runs = {
+        "ddp_design_note": [sys.executable, "examples/ddp_design_note.py"],
+        "sync_sgd": [sys.executable, "examples/sync_sgd.py", "--world-size", "3"],
+        "torchrun_ddp": [str(torchrun), "--standalone", "--nproc-per-node", "2",
+                         "examples/torchrun_ddp.py"],
+    }
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=dict(env, MASTER_PORT=str(free_port())),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, cmd in runs.items()}
+    outs = {name: p.communicate(timeout=110)[0] for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} exited with {p.returncode}:\n{outs[name][-3000:]}"
+    sums = {line.split()[-1] for line in outs["ddp_design_note"].splitlines()
+            if "weight sum" in line}
+    assert len(sums) == 1, outs["ddp_design_note"]  # both ranks hold the same weights
+    assert outs["sync_sgd"].count("weights equal on all 3 ranks") == 3, outs["sync_sgd"]
+    assert "2 ranks on ringcomm: weights equal on every rank" in outs["torchrun_ddp"]
+
+
+def test_version_is_exported():
+    assert ringcomm.__version__
