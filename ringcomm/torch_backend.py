@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +70,25 @@ def _unwrap(fut: torch.futures.Future) -> Any:
     return value
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _torch_style(err: BaseException, timeout: float) -> BaseException:
+    """An op's timeout worded as torch's backends word theirs ("Timed out after ..."), which
+    is what people and torch's tests look for; same type, rank, op and peer."""
+    if isinstance(err, CommTimeout) and not err.detail.startswith("Timed out"):
+        styled = CommTimeout(f"Timed out after {timeout:g} s: {err.detail}", rank=err.rank,
+                             op=err.op, peer=err.peer)
+        styled.__cause__ = err
+        return styled
+    return err
+
+
 class RingcommWork(dist.Work):
     """The torch handle of one or more communicator ops.
 
@@ -81,15 +100,19 @@ class RingcommWork(dist.Work):
     """
 
     def __init__(self, name: str, parts: Sequence[CommWork], result: Any,
-                 finish: Callable[[], None] | None = None) -> None:
+                 finish: Callable[[], None] | None = None, timeout: float = 0.0) -> None:
         super().__init__()
         self._name = name
+        self._timeout = timeout
         self._result = result
         self._finish = finish
         self._error: BaseException | None = None
         self._source = -1
         self._done = threading.Event()
-        self._src: torch.futures.Future = torch.futures.Future()
+        # a future holding CUDA tensors must say so, or completing it fails
+        devices = sorted({t.device for t in _tensors(result) if t.device.type != "cpu"},
+                         key=str)
+        self._src: torch.futures.Future = torch.futures.Future(devices=devices or None)
         self._future = self._src.then(_unwrap)
         self._lock = threading.Lock()
         self._left = len(parts)
@@ -103,7 +126,7 @@ class RingcommWork(dist.Work):
         with self._lock:
             self._left -= 1
             if self._error is None and part.exception() is not None:
-                self._error = part.exception()
+                self._error = _torch_style(part.exception(), self._timeout)
             if part.source is not None:
                 self._source = part.source
             last = self._left == 0
@@ -124,8 +147,8 @@ class RingcommWork(dist.Work):
         seconds = timeout.total_seconds() if timeout else 0.0
         if not self._done.wait(seconds if seconds > 0 else None):
             raise CommTimeout(
-                f"{self._name} did not complete within {seconds:g} s of waiting; it keeps "
-                "running (until its own timeout): wait again, or raise the timeout",
+                f"Timed out after {seconds:g} s waiting for {self._name}; the op keeps "
+                "running until its own deadline: wait again, or raise the timeout",
                 op=self._name)
         if self._error is not None:
             raise self._error
@@ -316,7 +339,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _work(self, name: str, parts: Sequence[CommWork], result: Any,
               stage: _Staging | None = None) -> RingcommWork:
-        return RingcommWork(name, parts, result, stage.finisher() if stage else None)
+        return RingcommWork(name, parts, result, stage.finisher() if stage else None,
+                            self.comm.timeout)
 
     # -- reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:

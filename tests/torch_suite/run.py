@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,6 +167,15 @@ def _counts_line(data: dict) -> str:
     return ", ".join(f"{c[o]} {o}" for o in OUTCOMES) + f" of {len(data.get('tests', {}))}"
 
 
+def _reason(detail: str) -> str:
+    """The line of a failure's text that says what went wrong: the innermost exception
+    raised in a rank, else the last line."""
+    lines = [ln.strip() for ln in detail.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Timeout)\b", ln)
+              and not re.match(r"^RuntimeError: Process \d+ (exited|terminated)", ln)]
+    return (errors or lines or [""])[-1][:300]
+
+
 def summarize(results: Path, worlds: list[int], backends: list[str]) -> str:
     lines = ["| world size | backend | passed | failed | errors | skipped | total |",
              "|---|---|---|---|---|---|---|"]
@@ -180,9 +190,8 @@ def summarize(results: Path, worlds: list[int], backends: list[str]) -> str:
             g, r = loaded["gloo"]["tests"], loaded["ringcomm"]["tests"]
             for name, rec in sorted(g.items()):
                 if rec["outcome"] == "passed" and name in r and r[name]["outcome"] != "passed":
-                    detail = r[name]["detail"].strip().splitlines()
                     gaps.append(f"ws{world} {name}: {r[name]['outcome']}: "
-                                f"{detail[-1] if detail else ''}")
+                                f"{_reason(r[name]['detail'])}")
     out = "\n".join(lines)
     if gaps:
         out += "\n\nPassed on gloo, not on ringcomm:\n" + "\n".join(gaps)
