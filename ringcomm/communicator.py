@@ -143,6 +143,8 @@ class Communicator:
         self._closed = False
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._count_lock = threading.Lock()
+        self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
         self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
                                         daemon=True)
         self._worker.start()
@@ -408,12 +410,33 @@ class Communicator:
     def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
         if self._closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
+        inline = not async_op and not isinstance(item, P2POp)
+        with self._count_lock:
+            # A blocking collective with nothing ahead of it runs on the caller's thread:
+            # the order is the same, and two thread hand-offs (tens of microseconds each on
+            # a busy machine) are saved. The worker cannot start anything meanwhile: its
+            # queue is empty and no receive is posted.
+            inline = inline and self._outstanding == 0 and not self._p2p.busy
+            self._outstanding += 1
+        if inline:
+            try:
+                return self._run(*item)
+            except BaseException:
+                if self._failure is not None:
+                    self._p2p.fail_all(self._failure)
+                raise
+            finally:
+                self._op_done()
         future: concurrent.futures.Future = concurrent.futures.Future()
         work = Work(future, name, self.timeout)
         if isinstance(item, P2POp):
             item.work = work
         self._queue.put((item, future))
         return work if async_op else work.wait()
+
+    def _op_done(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
 
     def _work(self) -> None:
         p2p = self._p2p
@@ -430,17 +453,20 @@ class Communicator:
                 p2p.close()
                 return
             item, future = entry
-            if not future.set_running_or_notify_cancel():
-                continue
-            if isinstance(item, P2POp):
-                p2p.start(item, future)
-                continue
             try:
-                future.set_result(self._run(*item))
-            except BaseException as err:  # noqa: BLE001 - delivered to the caller via the future
-                future.set_exception(err)
-                if self._failure is not None:
-                    p2p.fail_all(self._failure)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                if isinstance(item, P2POp):
+                    p2p.start(item, future)
+                    continue
+                try:
+                    future.set_result(self._run(*item))
+                except BaseException as err:  # noqa: BLE001 - delivered via the future
+                    future.set_exception(err)
+                    if self._failure is not None:
+                        p2p.fail_all(self._failure)
+            finally:
+                self._op_done()
 
     def _fail(self, err: CommError, seq: int) -> None:
         """Mark this communicator failed and, unless a peer told us, tell every peer."""
