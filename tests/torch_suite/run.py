@@ -3,6 +3,7 @@
     python -m tests.torch_suite.run --world-size 2              # both backends, all tests
     python -m tests.torch_suite.run -w 2 3 4 -b ringcomm -k allreduce -k broadcast
     python -m tests.torch_suite.run -w 2 --reuse                # keep saved gloo results
+    python -m tests.torch_suite.run -w 2 -b ringcomm -t test_barrier    # one test, exactly
 
 Each (backend, world size) runs in its own process, one test after another, every test in
 fresh spawned ranks (that is how upstream runs it; it takes a while on a small machine).
@@ -88,6 +89,11 @@ def _child(args: argparse.Namespace) -> int:
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
     if args.exact:
+        unknown = sorted(set(args.exact) - set(names))
+        if unknown:
+            print(f"no such test in DistributedTest._DistTestBase: {', '.join(unknown)}",
+                  file=sys.stderr)
+            return 2
         names = [n for n in names if n in args.exact]
     out = Path(args.out)
     meta = {"backend": TARGET, "world_size": int(os.environ["WORLD_SIZE"]),
@@ -121,8 +127,8 @@ def _run_one(backend: str, world: int, args: argparse.Namespace) -> Path:
     cmd = [sys.executable, "-m", "tests.torch_suite.run", "--child", "--out", str(path)]
     for k in args.k or ():
         cmd += ["-k", k]
-    for name in getattr(args, "exact", None) or ():
-        cmd += ["--exact", name]
+    for name in args.exact or ():
+        cmd += ["--test", name]
     log = path.with_suffix(".log")
     print(f"== {backend}, world size {world}: log in {log}", flush=True)
     started = time.monotonic()
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-b", "--backend", nargs="+", default=["gloo", "ringcomm"])
     parser.add_argument("-k", action="append",
                         help="run only tests whose name contains this (repeatable)")
+    parser.add_argument("-t", "--test", action="append", dest="exact",
+                        help="run this test (exact name; repeatable)")
     parser.add_argument("--results", default=str(DEFAULT_RESULTS))
     parser.add_argument("--reuse", action="store_true",
                         help="do not rerun gloo where saved results exist")
@@ -216,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="only print saved results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--exact", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return _child(args)
