@@ -46,6 +46,7 @@ class Transport(abc.ABC):
         # stash[peer][is_p2p]: messages of the other stream that arrived first
         self._stash: list[tuple[deque, deque]] = [(deque(), deque()) for _ in range(world_size)]
         self.waiting_for: Header | None = None  # the message a receive waits for, if any
+        self.waiting_op = ""  # and the op it belongs to, for errors raised below the receive
 
     # ---------------------------------------------------------------- for subclasses
     @abc.abstractmethod
@@ -122,7 +123,7 @@ class Transport(abc.ABC):
 
         Returns the payload if it had been set aside earlier, else None (the payload is
         still to be read by the caller)."""
-        self.waiting_for = expected
+        self.waiting_for, self.waiting_op = expected, op
         mine = self._stash[peer][int(expected.is_p2p)]
         if mine:
             header, payload = mine.popleft()

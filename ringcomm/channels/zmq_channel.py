@@ -454,6 +454,19 @@ class ZmqTransport(Transport):
         if state.shm_in is None:
             try:
                 state.shm_in = shm_ring.RingReader(state.shm_name_in, state.shm_capacity_in)
+            except FileNotFoundError:
+                # The sender removes its ring when it closes: it failed (its abort may be on
+                # the way, and explains more) or left the group.
+                op = self.waiting_op
+                control = self._peers[self.rank].pull
+                grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
+                while control.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
+                    self._on_control(control, op)
+                raise PeerLostError(
+                    f"rank {peer} closed its shared memory before this rank read its data: "
+                    f"rank {peer} failed or left the group early",
+                    rank=self.rank, op=op, peer=peer,
+                ) from None
             except OSError as err:
                 raise CommError(
                     f"cannot map the shared memory of rank {peer} ({err}); if /dev/shm is "
