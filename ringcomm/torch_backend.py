@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -42,6 +43,7 @@ from .store import TorchStore
 log = logging.getLogger("ringcomm")
 
 BACKEND_NAME = "ringcomm"
+_MONITORED_TAG = 2**31 - 16  # monitored_barrier's messages, apart from the user's tags
 
 # dtypes the core reduces and moves as they are (see ringcomm.buffers)
 _CORE_DTYPES = {
@@ -551,6 +553,48 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         return self._work("barrier", [self.comm.barrier(async_op=True)], [])
+
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """Gloo's debugging barrier, for callers that reach the group directly
+        (``dist.monitored_barrier`` itself accepts only gloo groups): rank 0 hears from
+        every other rank within ``timeout`` and names those it did not hear from (the first
+        one, or all with ``wait_all_ranks``), then releases them."""
+        comm, rank = self.comm, self.comm.rank
+        limit = timeout.total_seconds() if timeout is not None else comm.timeout
+        ms = int(limit * 1000)
+        token = torch.zeros(1, dtype=torch.uint8)
+        if rank != 0:
+            for work in (comm.send(token, 0, _MONITORED_TAG, async_op=True),
+                         comm.recv(token, 0, _MONITORED_TAG, async_op=True)):
+                try:
+                    work.wait(max(limit, 0.0))
+                except CommTimeout as err:
+                    raise CommTimeout(f"Rank {rank} failed to pass monitoredBarrier in {ms} ms",
+                                      rank=rank, op="monitored_barrier") from err
+            return
+        start, passed, failed = time.monotonic(), [], []
+        for src in range(1, comm.world_size):
+            left = limit if wait_all_ranks else limit - (time.monotonic() - start)
+            if left <= 0 and not wait_all_ranks:
+                done = ", ".join(map(str, passed)) or "none"
+                raise CommTimeout(f"Rank 0 timed out in monitoredBarrier after {ms} ms. "
+                                  f"Ranks that passed it: {done}", rank=0,
+                                  op="monitored_barrier")
+            try:
+                comm.recv(torch.zeros(1, dtype=torch.uint8), src, _MONITORED_TAG,
+                          async_op=True).wait(max(left, 0.0))
+                passed.append(src)
+            except CommTimeout as err:
+                if not wait_all_ranks:
+                    raise CommTimeout(f"Rank {src} failed to pass monitoredBarrier in {ms} ms",
+                                      rank=0, op="monitored_barrier", peer=src) from err
+                failed.append(src)
+        if failed:
+            raise CommTimeout(f"Ranks {', '.join(map(str, failed))} failed to pass "
+                              f"monitoredBarrier in {ms} ms", rank=0, op="monitored_barrier")
+        for dst in range(1, comm.world_size):
+            comm.send(token, dst, _MONITORED_TAG)
 
     # -- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingcommWork:

@@ -106,6 +106,7 @@ def test_errors_are_typed_through_work_and_future(ranks):
     name, waited = res[1]["wait_timeout"]
     assert name == "CommTimeout" and 0.29 < waited < 2.0  # the wait honoured its timeout
     assert res[1]["late_recv"]  # and the receive still completed afterwards
+    assert "Rank 0 timed out in monitoredBarrier after 0 ms" in res[0]["monitored"]
     assert [r["bad_arg"] for r in res] == ["ArgumentError"] * 2
     assert all("cannot reduce" in r["bad_dtype"] and "float32" in r["bad_dtype"] for r in res)
     kinds = [r["desync"] for r in res]

@@ -438,6 +438,13 @@ def job_errors(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
         elif rank == 0:
             dist.recv(torch.empty(1), src=1)
             dist.send(torch.ones(2), dst=1, tag=99)
+        # gloo's monitored barrier, reached through the group object
+        dist.group.WORLD.monitored_barrier(timedelta(seconds=10))
+        if rank == 0:
+            try:
+                dist.group.WORLD.monitored_barrier(timedelta(seconds=0))
+            except CommTimeout as err:
+                out["monitored"] = str(err)
         # a bad argument raises at the call, before anything is sent
         try:
             dist.all_gather([torch.empty(3)], torch.ones(3))  # one output for several ranks
