@@ -38,7 +38,7 @@ from .algorithms import direct
 from .buffers import dtype_code
 from .channels.base import SendHandle
 from .channels.header import Header, OpKind
-from .errors import CommAborted, CommError, CommTimeout
+from .errors import CommAborted, CommError, CommTimeout, PeerLostError
 
 if TYPE_CHECKING:
     from .communicator import Communicator, Work
@@ -92,6 +92,7 @@ class P2PEngine:
         self.by_source: dict[int, deque[_Posted]] = {}
         self.any_source: deque[_Posted] = deque()
         self.matched = [0] * comm.world_size  # messages taken from each rank so far
+        self.gone: set[int] = set()  # ranks whose connection closed (for any-source receives)
         self._serials = itertools.count()
 
     @property
@@ -211,9 +212,12 @@ class P2PEngine:
                 return
 
     def _peers(self) -> list[int]:
+        named = [p for p, q in self.by_source.items() if q]
         if self.any_source:
-            return [p for p in range(self.comm.world_size) if p != self.comm.rank]
-        return [p for p, q in self.by_source.items() if q]
+            others = [p for p in range(self.comm.world_size)
+                      if p != self.comm.rank and p not in self.gone]
+            return sorted(set(others) | set(named))
+        return named
 
     def _next_for(self, peer: int) -> _Posted | None:
         """The receive that the next message from ``peer`` belongs to."""
@@ -240,6 +244,14 @@ class P2PEngine:
                                      time.monotonic() + wait, name)
         except CommTimeout:
             return False  # nothing from this peer yet
+        except PeerLostError as err:
+            if op.peer is None:  # a rank that left cannot send; others still may
+                self.gone.add(peer)
+                if len(self.gone) < self.comm.world_size - 1:
+                    return False
+            self._unpost(posted, peer)
+            self._failed(posted, err)
+            return True
         except CommError as err:
             self._unpost(posted, peer)
             self._failed(posted, err)

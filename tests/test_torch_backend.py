@@ -94,6 +94,11 @@ def test_point_to_point_in_any_order_and_from_any_source(ranks, world, how):
 
 
 @pytest.mark.timeout(60)
+def test_recv_from_any_source_ignores_a_rank_that_left(ranks):
+    assert ranks.run("job_any_source_after_a_rank_left", 3) == [1, "sent", "left"]
+
+
+@pytest.mark.timeout(60)
 def test_new_group_and_new_subgroups_get_their_own_communicators(ranks):
     res = ranks.run("job_groups", 3)
     assert all(r["threads_after"] == [] for r in res), res  # all of them shut down

@@ -392,6 +392,25 @@ def job_p2p(rank: int, world: int, port: int, file: str, how: str = "tcp", **_: 
     return {"sources": sorted(sources)}
 
 
+def job_any_source_after_a_rank_left(rank: int, world: int, port: int, file: str,
+                                     **_: Any) -> Any:
+    """Rank 2 leaves the group; rank 0's receive from any rank still gets rank 1's message."""
+    with group(rank, world, port, file):
+        dist.barrier()
+        if rank == 2:
+            return "left"  # destroys its group on the way out
+        if rank == 0:
+            t = torch.zeros(2)
+            source = dist.recv(t)
+            check_equal(t, torch.full((2,), 7.0), "any source after a rank left")
+            dist.send(t, dst=1)  # lets rank 1 leave only now
+            return source
+        time.sleep(1.0)  # rank 2 is gone by now
+        dist.send(torch.full((2,), 7.0), dst=0)
+        dist.recv(torch.zeros(2), src=0)
+        return "sent"
+
+
 def job_groups(rank: int, world: int, port: int, file: str, how: str = "tcp", **_: Any) -> dict:
     """new_group and new_subgroups get communicators of their own; each is checked, and the
     default group still works between and after them."""
