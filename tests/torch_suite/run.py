@@ -239,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     _run_one(backend, world, args)
     print(summarize(results, args.world_size, args.backend))
+    empty = [f"{backend} at world size {world}" for world in args.world_size
+             for backend in args.backend
+             if not _load(_results_path(results, backend, world)).get("tests")]
+    if empty:
+        print(f"no test ran for {', '.join(empty)}: see the logs in {results} (is expecttest "
+              "installed? `pip install -e '.[test]'`)", file=sys.stderr)
+        return 1
     return 0
 
 
