@@ -5,6 +5,7 @@
     ringcomm schedule allreduce_dbtree -n 8 -c 16 --rank 3      # the other algorithms
     ringcomm store --port 29500                                # a stand-alone store
     ringcomm tune -n 2 4                                       # fit the cost model here
+    ringcomm bench --quick                                     # against gloo (and nccl)
 
 ``schedule`` prints exactly the step lists the executor runs, so a reader can follow a
 collective rank by rank: which chunk goes to which neighbour in which round.
@@ -13,6 +14,7 @@ collective rank by rank: which chunk goes to which neighbour in which round.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from .algorithms import ALLREDUCE, Schedule, direct, ring, rooted
@@ -84,7 +86,21 @@ def _tune(args: argparse.Namespace) -> None:
     tune.main(argv + (["-o", args.output] if args.output else []))
 
 
+def _bench(argv: list[str]) -> None:
+    """The benchmarks live in the ``bench`` package, which depends on ringcomm, not the
+    other way round: import it only when asked for."""
+    try:
+        from bench.cli import main as bench_main
+    except ImportError as err:
+        raise SystemExit(f"ringcomm bench: cannot import the bench package ({err}); install "
+                         "ringcomm with its benchmark extra: pip install -e '.[bench]'") from None
+    raise SystemExit(bench_main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its options are its own, parsed by the bench package
+        _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="ringcomm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -113,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     tune.add_argument("-o", "--output", default=None, help="profile file (default: "
                       "$RINGCOMM_PROFILE or ~/.cache/ringcomm/profile.json)")
     tune.set_defaults(run=_tune)
+
+    sub.add_parser("bench", add_help=False,
+                   help="benchmark the collectives against gloo and nccl, or DDP training "
+                   "(ringcomm bench --help, ringcomm bench ddp --help)")
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,68 @@
+"""The few places the benchmarks call into ringcomm's algorithm choice and cost model.
+
+Kept in one module so that when those interfaces change only this file follows. Predicted
+times come from ``ringcomm.cost.predict`` where it models the collective (allreduce); for
+the others the same replay (``ringcomm.cost.simulate``) runs on the schedules the
+communicator builds for that call, with the same fitted profile and core sharing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from ringcomm import cost
+from ringcomm.algorithms import ALLREDUCE, direct, ring, rooted
+from ringcomm.communicator import SMALL_BROADCAST_BYTES
+
+
+def allreduce_algorithms() -> list[str]:
+    """Names of the allreduce algorithms the communicator can be forced to use."""
+    return list(ALLREDUCE)
+
+
+def allreduce(comm: Any, x: Any, op: str, algorithm: str | None) -> Any:
+    """``comm.allreduce`` with ``algorithm`` forced, or the cost model's choice for None."""
+    return comm.allreduce(x, op=op, algorithm=algorithm)
+
+
+def chosen_algorithm(world_size: int, nbytes: int, itemsize: int, segment_bytes: int) -> str:
+    """The allreduce algorithm the communicator picks by itself for this call."""
+    return cost.choose("allreduce", world_size, nbytes, itemsize, segment_bytes=segment_bytes)
+
+
+def predicted_seconds(collective: str, algorithm: str | None, world_size: int, nbytes: int,
+                      itemsize: int, segment_bytes: int) -> float | None:
+    """Cost-model time of one call; ``nbytes`` is the nccl-tests size (see ``sweep``).
+
+    None where there is nothing to predict (an empty message)."""
+    if nbytes == 0:
+        return None
+    if collective == "allreduce":
+        algorithm = algorithm or chosen_algorithm(world_size, nbytes, itemsize, segment_bytes)
+        return cost.predict("allreduce", algorithm, world_size, nbytes, itemsize,
+                            segment_bytes=segment_bytes)
+    return _replayed(collective, world_size, nbytes // itemsize, itemsize, segment_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes: int) -> float:
+    """Replay the schedules ``Communicator`` builds for ``collective`` (count: nccl-tests)."""
+    seg = max(1, segment_bytes // itemsize)
+    if collective == "allgather":
+        sizes = (count // n,) * n
+        schedules = [ring.allgather(r, n, sizes, seg) for r in range(n)]
+    elif collective == "reduce_scatter":
+        schedules = [ring.reduce_scatter(r, n, count // n, seg) for r in range(n)]
+    elif collective == "broadcast":
+        if count * itemsize <= SMALL_BROADCAST_BYTES:
+            schedules = [rooted.broadcast_binomial(r, n, 0, count) for r in range(n)]
+        else:
+            schedules = [rooted.broadcast_chain(r, n, 0, count, seg) for r in range(n)]
+    elif collective == "alltoall":
+        blocks = (count // n,) * n
+        schedules = [direct.alltoall(r, n, blocks, blocks, seg) for r in range(n)]
+    else:
+        raise ValueError(f"no schedule replay for collective {collective!r}")
+    params = cost.load_profile().for_world(n)
+    return cost.simulate(schedules, itemsize, params).time(params, cost.cores_per_rank(n))

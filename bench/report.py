@@ -1,0 +1,177 @@
+"""Presenting sweep rows: terminal tables, the JSON file and PNG plots.
+
+Rows are the plain dicts ``sweep`` produces, so a saved JSON file can be re-plotted or
+re-tabulated (``python -m bench.report results.json --plot-dir DIR``) without re-running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+from .common import format_size
+
+GroupKey = tuple[str, int, str, str]
+
+
+def _group_key(row: dict) -> GroupKey:
+    return row["collective"], row["world_size"], row["dtype"], row["op"]
+
+
+def groups(rows: Iterable[dict]) -> dict[GroupKey, list[dict]]:
+    """Rows by (collective, world size, dtype, op), in the order they were measured."""
+    out: dict[GroupKey, list[dict]] = {}
+    for row in rows:
+        out.setdefault(_group_key(row), []).append(row)
+    return out
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
+
+
+def print_tables(rows: list[dict], console: Any) -> None:
+    """One nccl-tests-style table per collective, world size, dtype and op.
+
+    ``vs gloo`` is Gloo's time over this backend's (above 1: faster than Gloo); ``vs best``,
+    on the automatic choice's row, is its time over the best forced algorithm's."""
+    from rich.table import Table
+
+    for (collective, world, dtype, op), group in groups(rows).items():
+        title = f"{collective}, world size {world}, {dtype}" + ("" if op == "none" else f" {op}")
+        table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+        algos = any(r["chosen"] for r in group)
+        for name in ("size (B)", "count", "type", "redop", "backend", "algo", "time (us)",
+                     "min (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong", "pred (us)",
+                     "vs gloo", "vs best"):
+            if name in ("algo", "vs best") and not algos:
+                continue
+            text = name in ("backend", "algo", "type", "redop")
+            table.add_column(name, justify="left" if text else "right", no_wrap=text)
+        for i, (nbytes, same) in enumerate(groupby(group, key=lambda r: r["bytes"])):
+            same = list(same)
+            gloo = next((r for r in same if r["library"] == "gloo"), None)
+            forced = [r["time_us"] for r in same if r["library"] == "ringcomm"
+                      and r["algorithm"] not in (None, "auto")]
+            if i:
+                table.add_section()
+            for r in same:
+                vs_gloo = f"{gloo['time_us'] / r['time_us']:.2f}x" if gloo else "-"
+                vs_best = (f"{r['time_us'] / min(forced):.2f}x"
+                           if r["algorithm"] == "auto" and forced else "")
+                algo = r["chosen"] or ""
+                if r["algorithm"] == "auto":
+                    algo = f"auto: {algo}"
+                cells = [
+                    f"{nbytes:,}", f"{r['count']:,}", r["dtype"], r["op"], r["backend"], algo,
+                    _us(r["time_us"]), _us(r["min_time_us"]), f"{r['algbw_GBps']:.3f}",
+                    f"{r['busbw_GBps']:.3f}",
+                    f"[red]{r['wrong']}[/]" if r["wrong"] else "0",
+                    _us(r["predicted_us"]), vs_gloo, vs_best]
+                if not algos:
+                    del cells[13], cells[5]
+                table.add_row(*cells)
+        console.print(table)
+        console.print()
+
+
+def write_json(path: Path, rows: list[dict], meta: dict) -> None:
+    """The run's facts first (command, machine, settings), then every row."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+
+
+def _file_stem(kind: str, key: GroupKey) -> str:
+    collective, world, dtype, op = key
+    return f"{kind}_{collective}_n{world}_{dtype}" + ("" if op == "none" else f"_{op}")
+
+
+def _size_axis(ax: Any, sizes: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(sizes))
+    if len(ticks) > 10:  # every other size, so labels stay readable
+        ticks = ticks[::-(-len(ticks) // 10)]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([format_size(t).replace(" ", "") for t in ticks], rotation=45,
+                       ha="right")
+    ax.minorticks_off()
+    ax.set_xlabel("message size")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Bus bandwidth against size per backend, and ringcomm's measured against predicted
+    time, one PNG of each per collective, world size, dtype and op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, group in groups(rows).items():
+        collective, world, dtype, op = key
+        backends = list(dict.fromkeys(r["backend"] for r in group))
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name in backends:
+            mine = [r for r in group if r["backend"] == name]
+            ax.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o",
+                    markersize=3, label=name,
+                    linestyle="--" if mine[0]["library"] != "ringcomm" else "-")
+        _size_axis(ax, [r["bytes"] for r in group])
+        ax.set_ylabel("busbw (GB/s), median")
+        ax.set_title(f"{collective} bus bandwidth, world size {world}, {dtype} "
+                     f"{'' if op == 'none' else op}")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{_file_stem('busbw', key)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+        predicted = [r for r in group if r.get("predicted_us")]
+        if not predicted:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name in dict.fromkeys(r["backend"] for r in predicted):
+            mine = [r for r in predicted if r["backend"] == name]
+            line, = ax.plot([r["bytes"] for r in mine], [r["time_us"] for r in mine],
+                            marker="o", markersize=3, label=f"{name} measured")
+            ax.plot([r["bytes"] for r in mine], [r["predicted_us"] for r in mine],
+                    linestyle="--", color=line.get_color(), label=f"{name} predicted")
+        _size_axis(ax, [r["bytes"] for r in predicted])
+        ax.set_yscale("log")
+        ax.set_ylabel("time per call (us)")
+        ax.set_title(f"{collective}: measured vs cost model, world size {world}, {dtype}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = out_dir / f"{_file_stem('predicted', key)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-tabulate and re-plot a saved JSON file."""
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("json", type=Path)
+    p.add_argument("--plot-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    rows = json.loads(args.json.read_text())["rows"]
+    print_tables(rows, Console())
+    if args.plot_dir:
+        for path in plot(rows, args.plot_dir):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,595 @@
+"""``ringcomm bench``: nccl-tests-style sweeps of the collectives, several backends interleaved.
+
+    ringcomm bench                                     # every collective, world 2, 8 B..128 MiB
+    ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 256M -f 2 --json out.json
+    ringcomm bench --quick                             # under a minute
+    ringcomm bench ddp                                 # DDP training step (bench/ddp_step.py)
+
+Why one run and interleaved: on a small, shared machine the speed of everything drifts by
+tens of percent from one minute to the next, so backends are only compared when measured
+in the same processes, on the same buffers, taking turns. For every world size the command
+spawns that many ranks on 127.0.0.1; each joins a Gloo process group (which is also the
+benchmark's own control channel: barriers, gathering times and error counts), a ringcomm
+communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
+``k`` runs ``--iters`` back-to-back calls of each backend in turn (the order rotates every
+repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
+repetitions (``min`` the best), per call.
+
+Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
+(allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
+(rounded down to a multiple of the world size where the buffer is cut in blocks),
+``algbw = size / time`` and ``busbw = algbw * factor``, the factor making busbw comparable
+with the hardware's bandwidth whatever the collective:
+
+    allreduce 2(n-1)/n    allgather, reduce_scatter, alltoall (n-1)/n    broadcast 1
+
+Every backend's results are checked, on every rank and at every size, once before timing
+and once after it, against values computed independently here; ``#wrong`` counts the
+elements that differ (summed over ranks and both checks). ``pred`` is ringcomm's cost
+model's time for the same call (``ringcomm tune`` fits it to this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from . import adapter
+from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size
+
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+REDUCING = ("allreduce", "reduce_scatter")
+BUSBW_FACTOR = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
+}
+BLOCKED = ("allgather", "reduce_scatter", "alltoall")  # buffers cut into world_size blocks
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+OPS = ("sum", "prod", "min", "max", "avg")
+PERIOD = 5  # rank r's element k is r + 1 + k % PERIOD: small integers, exact in every dtype
+CHUNK = PERIOD * (1 << 18)  # elements filled or checked at a time (bounded extra memory)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One column of the comparison: ``ringcomm`` (its own choice or one forced
+    algorithm), ``gloo`` or ``nccl``."""
+
+    name: str
+    library: str
+    algorithm: str | None = None
+
+
+def parse_backends(spec: list[str]) -> list[Backend]:
+    """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all``,
+    ``gloo``, ``nccl``; commas or spaces between them."""
+    algorithms = adapter.allreduce_algorithms()
+    out: list[Backend] = []
+    for word in (w.strip().lower() for item in spec for w in item.split(",")):
+        if not word:
+            continue
+        if word in ("ringcomm", "ringcomm:auto"):
+            found = [Backend("ringcomm", "ringcomm")]
+        elif word == "ringcomm:all":
+            found = [Backend("ringcomm", "ringcomm")] + [
+                Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms]
+        elif word.startswith("ringcomm:") and word.split(":", 1)[1] in algorithms:
+            a = word.split(":", 1)[1]
+            found = [Backend(f"ringcomm:{a}", "ringcomm", a)]
+        elif word in ("gloo", "nccl"):
+            found = [Backend(word, word)]
+        else:
+            raise ValueError(
+                f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
+                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, gloo or nccl")
+        out += [b for b in found if b not in out]
+    if not out:
+        raise ValueError("--backends names no backend")
+    return out
+
+
+def size_range(begin: int, end: int, factor: int) -> list[int]:
+    """nccl-tests' ``-b -e -f``: begin, begin*f, ... up to end."""
+    if begin < 0 or end < begin:
+        raise ValueError(f"sizes must satisfy 0 <= begin <= end, got -b {begin} -e {end}")
+    if factor < 2 and begin != end:
+        raise ValueError(f"-f must be at least 2, got {factor}")
+    sizes, size = [], begin
+    while size <= end:
+        sizes.append(size)
+        if size == 0 or begin == end:
+            size = size + 1 if size == 0 and begin != end else end + 1
+        else:
+            size *= factor
+    return sizes
+
+
+@dataclass
+class Settings:
+    """Everything a rank needs, sent to it when it is spawned."""
+
+    sizes: list[int]
+    collectives: list[str]
+    backends: list[Backend]
+    dtypes: list[str]
+    ops: list[str]
+    iters: int
+    warmup: int
+    reps: int
+    timeout: float
+    ports: tuple[int, int] = (0, 0)
+    nccl: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+class Reference:
+    """Each rank's input pattern and the expected results, one period-aligned chunk long.
+
+    Rank ``r`` holds ``r + 1 + k % 5`` at element ``k``, so every expected value depends
+    only on ``k % 5``: a chunk of it, sliced at the right phase, checks a buffer of any
+    length without building an equally large expected array."""
+
+    def __init__(self, world: int, dtype: Any, op: str | None) -> None:
+        import torch
+
+        k = torch.arange(CHUNK + PERIOD, dtype=torch.int64) % PERIOD
+        wide = torch.float64 if dtype.is_floating_point else torch.int64
+        inputs = [(k + r + 1).to(wide) for r in range(world)]
+        self.inputs = [x.to(dtype) for x in inputs]
+        self.reduced = None
+        if op is not None:
+            acc = inputs[0].clone()
+            for x in inputs[1:]:
+                if op in ("sum", "avg"):
+                    acc += x
+                elif op == "prod":
+                    acc *= x
+                elif op == "min":
+                    acc = torch.minimum(acc, x)
+                else:
+                    acc = torch.maximum(acc, x)
+            if op == "avg":
+                acc /= world
+            self.reduced = acc.to(dtype)
+        eps = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-5}
+        self.rtol = eps.get(dtype, 1e-12) if dtype.is_floating_point else 0.0
+
+    def fill(self, out: Any, values: Any, offset: int = 0) -> None:
+        for s in range(0, out.numel(), CHUNK):
+            part = out[s:s + CHUNK]
+            p = (offset + s) % PERIOD
+            part.copy_(values[p:p + part.numel()])
+
+    def wrong(self, actual: Any, values: Any, offset: int = 0) -> int:
+        import torch
+
+        bad = 0
+        for s in range(0, actual.numel(), CHUNK):
+            part = actual[s:s + CHUNK]
+            p = (offset + s) % PERIOD
+            want = values[p:p + part.numel()]
+            if self.rtol:
+                ok = torch.isclose(part.float() if part.itemsize < 4 else part,
+                                   want.float() if want.itemsize < 4 else want,
+                                   rtol=self.rtol, atol=0)
+                bad += int((~ok).sum())
+            else:
+                bad += int((part != want).sum())
+        return bad
+
+
+class Buffers:
+    """One collective's buffers on one rank: how to fill them, and how to check them."""
+
+    def __init__(self, collective: str, rank: int, world: int, count: int, dtype: Any,
+                 ref: Reference, device: str = "cpu") -> None:
+        import torch
+
+        self.collective, self.rank, self.world, self.ref = collective, rank, world, ref
+        self.block = count // world
+        make = lambda c: torch.zeros(c, dtype=dtype, device=device)  # noqa: E731
+        self.inp = make(self.block if collective == "allgather" else count)
+        if collective in ("allreduce", "broadcast"):
+            self.out = self.inp  # in place
+        else:
+            self.out = make(self.block if collective == "reduce_scatter" else count)
+        self.device = device
+
+    def _host(self, t: Any) -> Any:
+        return t if self.device == "cpu" else t.cpu()
+
+    def reset(self) -> None:
+        """Inputs to this rank's pattern, outputs to zeros (no pattern value is zero)."""
+        host = self._host(self.inp)
+        if self.collective == "broadcast" and self.rank != 0:
+            host.zero_()
+        else:
+            self.ref.fill(host, self.ref.inputs[self.rank])
+        if host is not self.inp:
+            self.inp.copy_(host)
+        if self.out is not self.inp:
+            self.out.zero_()
+
+    def wrong(self) -> int:
+        """Elements of this rank's result that differ from the expected values."""
+        out, ref, c, r, b = self._host(self.out), self.ref, self.collective, self.rank, self.block
+        if c == "allreduce":
+            return ref.wrong(out, ref.reduced)
+        if c == "broadcast":
+            return ref.wrong(out, ref.inputs[0])
+        if c == "reduce_scatter":
+            return ref.wrong(out, ref.reduced, offset=r * b)
+        # allgather: block j is rank j's input; alltoall: block j is rank j's block r
+        offset = r * b if c == "alltoall" else 0
+        return sum(ref.wrong(out[j * b:(j + 1) * b], ref.inputs[j], offset)
+                   for j in range(self.world))
+
+
+def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, comm: Any,
+            group: Any) -> Any:
+    """A no-argument function that runs one call of ``collective`` on ``backend``."""
+    import torch.distributed as dist
+
+    x, out = bufs.inp, bufs.out
+    if backend.library == "ringcomm":
+        return {
+            "allreduce": lambda: adapter.allreduce(comm, x, op, backend.algorithm),
+            "allgather": lambda: comm.allgather(out, x),
+            "reduce_scatter": lambda: comm.reduce_scatter(out, x, op),
+            "broadcast": lambda: comm.broadcast(x, root=0),
+            "alltoall": lambda: comm.alltoall(out, x),
+        }[collective]
+    rop = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}.get(op or "sum")
+    # torch 2.13 renamed the flat-tensor variants; older versions have only the old names
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    run = {
+        "allreduce": lambda: dist.all_reduce(x, op=rop, group=group),
+        "allgather": lambda: gather(out, x, group=group),
+        "reduce_scatter": lambda: scatter(out, x, op=rop, group=group),
+        "broadcast": lambda: dist.broadcast(x, src=0, group=group),
+        "alltoall": lambda: dist.all_to_all_single(out, x, group=group),
+    }[collective]
+    return run
+
+
+def _timed(run: Any, iters: int, sync: Any) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank: int,
+             world: int, s: Settings, comm: Any, nccl_group: Any) -> list[dict] | None:
+    """Check, warm up, time interleaved and check again every backend at one size."""
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, dtype_name)
+    itemsize = dtype.itemsize
+    count = nbytes // itemsize
+    if collective in BLOCKED:
+        count -= count % world
+    if count == 0:
+        return None
+    backends = _backends_for(collective, op, s)
+    ref = Reference(world, dtype, op if collective in REDUCING else None)
+    cpu = Buffers(collective, rank, world, count, dtype, ref)
+    gpu = Buffers(collective, rank, world, count, dtype, ref, "cuda") if any(
+        b.library == "nccl" for b in backends) else None
+    nothing = lambda: None  # noqa: E731
+    runs, syncs, bufs_of = [], [], []
+    for b in backends:
+        bufs = gpu if b.library == "nccl" else cpu
+        runs.append(_runner(b, collective, bufs, op, comm, nccl_group))
+        syncs.append(torch.cuda.synchronize if b.library == "nccl" else nothing)
+        bufs_of.append(bufs)
+
+    def checked(i: int) -> int:
+        bufs_of[i].reset()
+        runs[i]()
+        syncs[i]()
+        return bufs_of[i].wrong()
+
+    wrong = [checked(i) for i in range(len(backends))]
+    for i in range(len(backends)):
+        for _ in range(s.warmup):
+            runs[i]()
+        syncs[i]()
+    times = [[0.0] * s.reps for _ in backends]
+    for rep in range(s.reps):
+        for j in range(len(backends)):
+            i = (j + rep) % len(backends)  # rotate who goes first
+            dist.barrier()
+            times[i][rep] = _timed(runs[i], s.iters, syncs[i])
+    wrong = [w + checked(i) for i, w in enumerate(wrong)]
+
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    total_wrong = torch.tensor(wrong, dtype=torch.int64)
+    dist.all_reduce(total_wrong)
+    if rank != 0:
+        return []
+    size = count * itemsize
+    factor = BUSBW_FACTOR[collective](world)
+    rows = []
+    for i, b in enumerate(backends):
+        reps = slowest[i].tolist()
+        median, best = statistics.median(reps), min(reps)
+        chosen = None
+        predicted = None
+        if b.library == "ringcomm":
+            if collective == "allreduce":
+                chosen = b.algorithm or adapter.chosen_algorithm(world, size, itemsize,
+                                                                 comm.segment_bytes)
+            predicted = adapter.predicted_seconds(collective, chosen, world, size, itemsize,
+                                                  comm.segment_bytes)
+        rows.append({
+            "collective": collective, "world_size": world, "backend": b.name,
+            "library": b.library, "algorithm": b.algorithm or ("auto" if chosen else None),
+            "chosen": chosen, "bytes": size, "count": count, "dtype": dtype_name,
+            "op": op if collective in REDUCING else "none",
+            "time_us": median * 1e6, "min_time_us": best * 1e6,
+            "algbw_GBps": size / median / 1e9, "busbw_GBps": size / median / 1e9 * factor,
+            "best_busbw_GBps": size / best / 1e9 * factor,
+            "wrong": int(total_wrong[i]),
+            "predicted_us": None if predicted is None else predicted * 1e6,
+            "rep_times_us": [t * 1e6 for t in reps],
+            "iters": s.iters, "reps": s.reps, "warmup": s.warmup,
+        })
+    return rows
+
+
+def _backends_for(collective: str, op: str | None, s: Settings) -> list[Backend]:
+    """Forced algorithms exist only for allreduce; elsewhere ringcomm is one backend.
+    Gloo has no average; NCCL runs only with a GPU per rank."""
+    out: list[Backend] = []
+    for b in s.backends:
+        if b.library == "ringcomm" and collective != "allreduce":
+            b = Backend("ringcomm", "ringcomm")
+        if b.library == "gloo" and op == "avg" and collective in REDUCING:
+            continue
+        if b.library == "nccl" and not s.nccl:
+            continue
+        if b not in out:
+            out.append(b)
+    return out
+
+
+def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
+    """One rank of a sweep: join every backend, then measure every collective and size."""
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.ports[0]}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=s.timeout))
+    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{s.ports[1]}",
+                         timeout=s.timeout)
+    nccl_group = None
+    if s.nccl:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        nccl_group = dist.new_group(backend="nccl")
+    try:
+        for collective in s.collectives:
+            for dtype in s.dtypes:
+                for op in (s.ops if collective in REDUCING else [None]):
+                    for nbytes in s.sizes:
+                        rows = _measure(collective, nbytes, dtype, op, rank, world, s, comm,
+                                        nccl_group)
+                        if rank == 0:
+                            report("rows", rows or [])
+                            report("progress", (collective, dtype, op, nbytes))
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringcomm bench", description=__doc__.splitlines()[0].strip("` "),
+        epilog="Sizes take K, M, G suffixes (powers of 1024). `ringcomm bench ddp --help` for "
+        "the DDP training benchmark.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-b", "--minbytes", type=parse_size, default=None,
+                   help="first size (default 8; --quick: 1K)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=None,
+                   help="last size (default 128M; --quick: 1M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=None,
+                   help="multiply the size by this each step (default 8; --quick: 32)")
+    p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=None,
+                   help="ranks to spawn, one sweep per value (default 2)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="back-to-back calls per repetition (default 5; --quick: 3)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls per backend and size (default 2; --quick: 1)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="interleaved repetitions; time is their median (default 5; --quick: 3)")
+    p.add_argument("--dtype", nargs="+", default=["float32"],
+                   help=f"element types, spaces or commas between ({', '.join(DTYPES)})")
+    p.add_argument("--op", nargs="+", default=["sum"],
+                   help=f"reductions for allreduce and reduce_scatter ({', '.join(OPS)})")
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES),
+                   help=f"which collectives ({', '.join(COLLECTIVES)}; default all)")
+    p.add_argument("--backends", nargs="+", default=["ringcomm:all", "gloo", "nccl"],
+                   help="ringcomm (automatic choice), ringcomm:ALGO (forced; ALGO one of "
+                   f"{', '.join(adapter.allreduce_algorithms())}), ringcomm:all, gloo, nccl "
+                   "(default: ringcomm:all gloo nccl; nccl only with one GPU per rank)")
+    p.add_argument("--json", type=Path, default=None, help="write every row here")
+    p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run in under a minute: 1K, 32K, 1M at world 2, few repetitions")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds without progress before the run is declared hung")
+    return p
+
+
+def _words(values: list[str]) -> list[str]:
+    return [w.strip().lower() for v in values for w in v.split(",") if w.strip()]
+
+
+def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
+    """Check the options and fill the defaults (``--quick`` has its own)."""
+    quick = args.quick
+    pick = lambda value, full, short: value if value is not None else (short if quick else full)  # noqa: E731
+    begin = pick(args.minbytes, 8, 1 << 10)
+    end = pick(args.maxbytes, 128 << 20, 1 << 20)
+    factor = pick(args.stepfactor, 8, 32)
+    worlds = pick(args.world_sizes, [2], [2])
+    sizes = size_range(begin, end, factor)
+    if any(w < 1 for w in worlds):
+        raise ValueError(f"world sizes must be at least 1, got {worlds}")
+    collectives = _words(args.collectives)
+    for c in collectives:
+        if c not in COLLECTIVES:
+            raise ValueError(f"unknown collective {c!r}; choose from {', '.join(COLLECTIVES)}")
+    dtypes = _words(args.dtype)
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"unsupported dtype {d!r}; choose from {', '.join(DTYPES)}")
+    ops = _words(args.op)
+    for o in ops:
+        if o not in OPS:
+            raise ValueError(f"unknown op {o!r}; choose from {', '.join(OPS)}")
+        if o == "avg" and any(not d.startswith(("float", "bfloat")) for d in dtypes):
+            raise ValueError("--op avg needs floating-point dtypes only")
+    s = Settings(
+        sizes=sizes, collectives=collectives, backends=parse_backends(args.backends),
+        dtypes=dtypes, ops=ops, iters=pick(args.iters, 5, 3), warmup=pick(args.warmup, 2, 1),
+        reps=pick(args.reps, 5, 3), timeout=args.timeout)
+    if s.iters < 1 or s.reps < 1 or s.warmup < 0:
+        raise ValueError("--iters and --reps must be at least 1 and --warmup not negative")
+    return s, worlds
+
+
+def _nccl_usable(world: int) -> str | None:
+    """None if NCCL can run ``world`` ranks here, else why not."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    gpus = torch.cuda.device_count()
+    if gpus < world:
+        return f"{gpus} GPU(s) for {world} ranks (NCCL needs one GPU per rank)"
+    return None
+
+
+def run(s: Settings, worlds: list[int], console: Any = None) -> tuple[list[dict], list[str]]:
+    """Every world size in turn, with a progress bar; the rows and any notes."""
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = console or Console(stderr=True)
+    rows: list[dict] = []
+    notes: list[str] = []
+    per_world = sum(len(s.dtypes) * (len(s.ops) if c in REDUCING else 1) * len(s.sizes)
+                    for c in s.collectives)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("starting ranks", total=per_world * len(worlds))
+        for world in worlds:
+            nccl = any(b.library == "nccl" for b in s.backends)
+            if nccl and (why := _nccl_usable(world)):
+                notes.append(f"nccl skipped at world size {world}: {why}")
+                progress.console.print(f"[yellow]{notes[-1]}[/]")
+                nccl = False
+            ws = replace(s, ports=(free_port(), free_port()), nccl=nccl)
+            progress.update(task, description=f"world {world}: starting ranks")
+            for kind, _rank, payload in launch(world, rank_main, (ws,), s.timeout):
+                if kind == "rows":
+                    rows += payload
+                elif kind == "progress":
+                    collective, dtype, op, nbytes = payload
+                    progress.update(task, advance=1, description=(
+                        f"world {world}: {collective} {dtype} {op or ''} "
+                        f"{format_size(nbytes)}".replace("  ", " ")))
+    skipped = sorted({(r, c) for r in worlds for c in s.collectives} -
+                     {(r["world_size"], r["collective"]) for r in rows})
+    for world, c in skipped:
+        notes.append(f"{c} at world size {world}: every size was too small to split")
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ringcomm bench``; returns the exit status."""
+    from rich.console import Console
+
+    from . import report
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        s, worlds = settings_from(args)
+    except ValueError as err:
+        parser.error(str(err))
+    out = Console(width=None if sys.stdout.isatty() else 180)
+    err_console = Console(stderr=True)
+    if os.environ.get("RINGCOMM_ALGO"):
+        err_console.print(f"[yellow]RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']} is set: the "
+                          "'ringcomm' rows use it instead of the automatic choice[/]")
+    started = time.time()
+    try:
+        rows, notes = run(s, worlds, err_console)
+    except RankFailed as err:
+        err_console.print(f"[red]ringcomm bench: {err}[/]", markup=False, highlight=False)
+        return 1
+    report.print_tables(rows, out)
+    for note in notes:
+        out.print(f"note: {note}")
+    wrong = sum(r["wrong"] for r in rows)
+    if args.json:
+        report.write_json(args.json, rows, {
+            "benchmark": "ringcomm bench",
+            "command": shlex.join(["ringcomm", "bench", *argv]),
+            "argv": argv,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - started, 1),
+            "machine": machine_info(),
+            "settings": {**asdict(s), "world_sizes": worlds,
+                         "backends": [b.name for b in s.backends]},
+            "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
+            "notes": notes,
+        })
+        out.print(f"wrote {args.json}")
+    if args.plot_dir:
+        for path in report.plot(rows, args.plot_dir):
+            out.print(f"wrote {path}")
+    if wrong:
+        err_console.print(f"[red]{wrong} wrong elements: see the #wrong column[/]")
+        return 1
+    return 0
