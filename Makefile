@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench lint setup clean
+.PHONY: demo test bench bench-quick lint setup clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,18 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The figures the README quotes: allreduce 8 B..256 MiB with every ringcomm algorithm and its
+# automatic choice against gloo, the other collectives, and DDP training, at worlds 2 and 4.
+RESULTS := bench/results
 bench: $(STAMP)
-	$(PY) bench/allreduce_vs_gloo.py --world-sizes 2 4 --sizes 1M 16M 64M
+	$(VENV)/bin/ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 256M -f 2 \
+		--json $(RESULTS)/allreduce.json --plot-dir $(RESULTS)/plots
+	$(VENV)/bin/ringcomm bench --collectives allgather reduce_scatter broadcast alltoall \
+		-n 2 4 -b 8 -e 64M -f 8 --json $(RESULTS)/collectives.json --plot-dir $(RESULTS)/plots
+	$(VENV)/bin/ringcomm bench ddp -n 2 4 --json $(RESULTS)/ddp.json
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/ringcomm bench --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,242 @@
+"""``ringcomm bench ddp``: training step time of torch's DistributedDataParallel over ringcomm
+against the same over Gloo, in the same processes.
+
+    ringcomm bench ddp                       # a small MLP and a small convnet, world 2
+    ringcomm bench ddp -n 2 4 --json ddp.json
+
+Why this and not only the sweep: DDP is what data-parallel training actually runs. It cuts
+the gradients into buckets and all-reduces each one asynchronously while backward is still
+computing the rest, so what counts is how the backend shares the cores with autograd, not
+only its bandwidth. Every rank joins Gloo as the default group and ringcomm through
+``dist.new_group(backend="ringcomm")``; the same model, starting from the same weights,
+is wrapped once per group. Repetitions take turns (the order rotates), each ``--steps``
+steps of forward, backward (with DDP's all-reduces) and SGD; a repetition's time is the
+slowest rank's, and the step time is the median over repetitions. The ``local`` row runs
+the same step without DDP: the compute alone, the floor for both backends.
+
+Every replica sees the same batches, so after the run the ringcomm-trained and the
+Gloo-trained weights must agree (up to the order of floating-point additions);
+``max diff`` is the largest difference, and a run where they disagree fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from .common import RankFailed, free_port, launch, machine_info
+
+MODELS = ("mlp", "convnet")
+BACKENDS = ("ringcomm", "gloo")
+
+
+def build_model(kind: str) -> tuple[Any, Any]:
+    """A small model and a function giving one rank's batch: ``(inputs, targets)``."""
+    import torch
+    from torch import nn
+
+    if kind == "mlp":  # MNIST-sized: 1.9 M parameters, 7.1 MiB of gradients
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(),
+                              nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        shape, batch = (1, 28, 28), 64
+    elif kind == "convnet":  # CIFAR-sized: 1.1 M parameters, mostly in the first linear layer
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+        shape, batch = (3, 32, 32), 32
+    else:
+        raise ValueError(f"unknown model {kind!r}; choose from {', '.join(MODELS)}")
+
+    def batch_for(rank: int, step: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return (torch.randn(batch, *shape, generator=g),
+                torch.randint(0, 10, (batch,), generator=g))
+    return model, batch_for
+
+
+def rank_main(rank: int, world: int, report: Any, args: argparse.Namespace) -> None:
+    """One rank: both process groups, then every model on every backend, interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm  # noqa: F401 - registers the "ringcomm" backend with torch.distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=args.timeout))
+    groups = {"gloo": dist.group.WORLD,
+              "ringcomm": dist.new_group(backend="ringcomm",
+                                         timeout=timedelta(seconds=args.timeout))}
+    for kind in args.models:
+        rows = _bench_model(kind, rank, world, args, groups, report)
+        if rank == 0:
+            report("rows", rows)
+    dist.destroy_process_group()
+
+
+class _Replica:
+    """One copy of the model (DDP over one group, or plain), its optimizer and its batches."""
+
+    def __init__(self, model: Any, batches: list, lr: float = 0.01) -> None:
+        import torch
+        from torch import nn
+
+        self.model, self.batches, self.done = model, batches, 0
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def step(self) -> None:
+        x, y = self.batches[self.done % len(self.batches)]
+        self.done += 1
+        self.opt.zero_grad(set_to_none=True)
+        self.loss_fn(self.model(x), y).backward()  # DDP all-reduces buckets during this
+        self.opt.step()
+
+
+def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
+                 groups: dict[str, Any], report: Any) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base, batch_for = build_model(kind)
+    batches = [batch_for(rank, i) for i in range(8)]
+    replicas = {"local": _Replica(copy.deepcopy(base), batches)}
+    for name in args.backends:
+        replicas[name] = _Replica(DDP(copy.deepcopy(base), process_group=groups[name]),
+                                  batches)
+    names = list(replicas)
+    for replica in replicas.values():
+        for _ in range(args.warmup):
+            replica.step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(args.reps):
+        for j in range(len(names)):
+            name = names[(j + rep) % len(names)]  # rotate who goes first
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                replicas[name].step()
+            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps],
+                                   dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed))
+        if rank == 0:
+            report("progress", (kind, rep))
+    # same batches, same start, same number of steps: the DDP replicas must agree
+    flat = [torch.cat([p.detach().reshape(-1) for p in replicas[name].model.parameters()])
+            for name in args.backends]
+    diff = torch.tensor([max(float((f - flat[0]).abs().max()) for f in flat)],
+                        dtype=torch.float64)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    params = sum(p.numel() for p in base.parameters())
+    return [{
+        "model": kind, "world_size": world, "backend": name, "params": params,
+        "grad_MiB": params * 4 / 2**20, "step_ms": statistics.median(t) * 1e3,
+        "min_step_ms": min(t) * 1e3, "rep_step_ms": [v * 1e3 for v in t],
+        "max_weight_diff": float(diff) if name != "local" else None,
+        "steps": args.steps, "reps": args.reps, "warmup": args.warmup,
+    } for name, t in times.items()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringcomm bench ddp", description=__doc__.splitlines()[0]
+                                .strip("` ") + " " + __doc__.splitlines()[1].strip())
+    p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--steps", type=int, default=10, help="training steps per repetition")
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per replica")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds without progress before the run is declared hung")
+    return p
+
+
+def print_table(rows: list[dict], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="DDP training step (median over repetitions, slowest rank)",
+                  title_justify="left", show_edge=False, pad_edge=False)
+    for name in ("model", "world", "params", "grads (MiB)", "backend", "step (ms)",
+                 "min (ms)", "vs gloo", "max diff"):
+        table.add_column(name, justify="left" if name in ("model", "backend") else "right")
+    for r in rows:
+        gloo = next((g for g in rows if g["backend"] == "gloo" and g["model"] == r["model"]
+                     and g["world_size"] == r["world_size"]), None)
+        table.add_row(r["model"], str(r["world_size"]), f"{r['params']:,}",
+                      f"{r['grad_MiB']:.1f}", r["backend"], f"{r['step_ms']:.2f}",
+                      f"{r['min_step_ms']:.2f}",
+                      f"{r['step_ms'] / gloo['step_ms']:.2f}x" if gloo else "-",
+                      "-" if r["max_weight_diff"] is None else f"{r['max_weight_diff']:.1e}")
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ringcomm bench ddp``; returns the exit status."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.reps, args.warmup = min(args.steps, 4), min(args.reps, 3), 1
+    if args.steps < 1 or args.reps < 1 or args.warmup < 0:
+        parser.error("--steps and --reps must be at least 1 and --warmup not negative")
+    if any(w < 1 for w in args.world_sizes):
+        parser.error(f"world sizes must be at least 1, got {args.world_sizes}")
+    args.models = list(dict.fromkeys(args.models))
+    args.backends = list(dict.fromkeys(args.backends))
+    err = Console(stderr=True)
+    rows: list[dict] = []
+    started = time.time()
+    try:
+        with Progress(*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err) as progress:
+            task = progress.add_task("DDP", total=len(args.world_sizes) * len(args.models)
+                                     * args.reps)
+            for world in args.world_sizes:
+                args.port = free_port()
+                for kind, _rank, payload in launch(world, rank_main, (args,), args.timeout):
+                    if kind == "rows":
+                        rows += payload
+                    else:
+                        progress.update(task, advance=1,
+                                        description=f"world {world}: {payload[0]}")
+    except RankFailed as failure:
+        err.print(f"ringcomm bench ddp: {failure}", markup=False, highlight=False)
+        return 1
+    out = Console(width=None if sys.stdout.isatty() else 140)
+    print_table(rows, out)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "benchmark": "ringcomm bench ddp",
+            "command": shlex.join(["ringcomm", "bench", "ddp", *argv]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - started, 1),
+            "machine": machine_info(),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "port")},
+            "rows": rows,
+        }, indent=1) + "\n")
+        out.print(f"wrote {args.json}")
+    bad = [r for r in rows if r["max_weight_diff"] is not None and r["max_weight_diff"] > 1e-3]
+    if bad:
+        err.print(f"the ringcomm- and gloo-trained weights differ by up to "
+                  f"{max(r['max_weight_diff'] for r in bad):.2e}: one backend computed wrong "
+                  "gradients")
+        return 1
+    return 0
