@@ -84,6 +84,16 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def turn_order(n: int, rep: int) -> list[int]:
+    """The order ``n`` backends take turns in repetition ``rep``: shuffled, the same on every
+    rank (seeded by ``rep``). A fixed rotation would give each backend the same predecessor
+    every time, and whatever one backend leaves behind (busy threads, cold caches) would be
+    charged to the same neighbour in every repetition."""
+    import random
+
+    return random.Random(rep).sample(range(n), n)
+
+
 class RankFailed(RuntimeError):
     """A benchmark rank raised or died; the message names the rank and carries its error."""
 

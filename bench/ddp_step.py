@@ -9,10 +9,11 @@ the gradients into buckets and all-reduces each one asynchronously while backwar
 computing the rest, so what counts is how the backend shares the cores with autograd, not
 only its bandwidth. Every rank joins Gloo as the default group and ringcomm through
 ``dist.new_group(backend="ringcomm")``; the same model, starting from the same weights,
-is wrapped once per group. Repetitions take turns (the order rotates), each ``--steps``
-steps of forward, backward (with DDP's all-reduces) and SGD; a repetition's time is the
-slowest rank's, and the step time is the median over repetitions. The ``local`` row runs
-the same step without DDP: the compute alone, the floor for both backends.
+is wrapped once per group. Repetitions take turns (in a new shuffled order each time),
+each ``--steps`` steps of forward, backward (with DDP's all-reduces) and SGD; a
+repetition's time is the slowest rank's, and the step time is the median over
+repetitions. The ``local`` row runs the same step without DDP: the compute alone, the
+floor for both backends.
 
 Every replica sees the same batches, so after the run the ringcomm-trained and the
 Gloo-trained weights must agree (up to the order of floating-point additions);
@@ -32,7 +33,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from .common import RankFailed, free_port, launch, machine_info
+from .common import RankFailed, free_port, launch, machine_info, turn_order
 
 MODELS = ("mlp", "convnet")
 BACKENDS = ("ringcomm", "gloo")
@@ -121,8 +122,7 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
             replica.step()
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.reps):
-        for j in range(len(names)):
-            name = names[(j + rep) % len(names)]  # rotate who goes first
+        for name in (names[i] for i in turn_order(len(names), rep)):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                         progress.update(task, advance=1,
                                         description=f"world {world}: {payload[0]}")
     except RankFailed as failure:
-        err.print(f"ringcomm bench ddp: {failure}", markup=False, highlight=False)
+        err.print(f"ringcomm bench ddp: {failure}", style="red", markup=False,
+                  highlight=False)
         return 1
     out = Console(width=None if sys.stdout.isatty() else 140)
     print_table(rows, out)

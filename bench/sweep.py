@@ -11,8 +11,8 @@ in the same processes, on the same buffers, taking turns. For every world size t
 spawns that many ranks on 127.0.0.1; each joins a Gloo process group (which is also the
 benchmark's own control channel: barriers, gathering times and error counts), a ringcomm
 communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
-``k`` runs ``--iters`` back-to-back calls of each backend in turn (the order rotates every
-repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
+``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
+every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
 repetitions (``min`` the best), per call.
 
 Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from . import adapter
-from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size
+from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
 REDUCING = ("allreduce", "reduce_scatter")
@@ -298,7 +298,8 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     runs, syncs, bufs_of = [], [], []
     for b in backends:
         bufs = gpu if b.library == "nccl" else cpu
-        runs.append(_runner(b, collective, bufs, op, comm, nccl_group))
+        group = nccl_group if b.library == "nccl" else None  # None: the default, gloo
+        runs.append(_runner(b, collective, bufs, op, comm, group))
         syncs.append(torch.cuda.synchronize if b.library == "nccl" else nothing)
         bufs_of.append(bufs)
 
@@ -315,8 +316,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         syncs[i]()
     times = [[0.0] * s.reps for _ in backends]
     for rep in range(s.reps):
-        for j in range(len(backends)):
-            i = (j + rep) % len(backends)  # rotate who goes first
+        for i in turn_order(len(backends), rep):
             dist.barrier()
             times[i][rep] = _timed(runs[i], s.iters, syncs[i])
     wrong = [w + checked(i) for i, w in enumerate(wrong)]
@@ -566,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows, notes = run(s, worlds, err_console)
     except RankFailed as err:
-        err_console.print(f"[red]ringcomm bench: {err}[/]", markup=False, highlight=False)
+        err_console.print(f"ringcomm bench: {err}", style="red", markup=False,
+                          highlight=False)
         return 1
     report.print_tables(rows, out)
     for note in notes:
