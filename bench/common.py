@@ -72,6 +72,8 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
         info["memory_GiB"] = next((round(int(line.split()[1]) / (1 << 20), 1) for line in f
                                    if line.startswith("MemTotal")), None)
+    with contextlib.suppress(OSError, AttributeError):
+        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]  # others' work skews times
     if info["cuda_devices"]:
         info["cuda_device_names"] = [torch.cuda.get_device_name(i)
                                      for i in range(info["cuda_devices"])]

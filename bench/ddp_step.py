@@ -150,8 +150,8 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ringcomm bench ddp", description=__doc__.splitlines()[0]
-                                .strip("` ") + " " + __doc__.splitlines()[1].strip())
+    p = argparse.ArgumentParser(prog="ringcomm bench ddp", description=" ".join(
+        __doc__.split("\n\n")[0].replace("``", "").split()))
     p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)

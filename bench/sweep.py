@@ -224,6 +224,13 @@ class Buffers:
         if self.out is not self.inp:
             self.out.zero_()
 
+    def steady(self, op: str | None) -> None:
+        """Make repeated in-place allreduces leave the data as it is: sums of zeros and
+        products of ones, instead of values that grow by ``world_size`` every call until
+        they overflow. (min, max and avg settle after one call.)"""
+        if self.collective == "allreduce" and op in ("sum", "prod"):
+            self.inp.fill_(0 if op == "sum" else 1)
+
     def wrong(self) -> int:
         """Elements of this rank's result that differ from the expected values."""
         out, ref, c, r, b = self._host(self.out), self.ref, self.collective, self.rank, self.block
@@ -310,6 +317,8 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         return bufs_of[i].wrong()
 
     wrong = [checked(i) for i in range(len(backends))]
+    for bufs in {id(b): b for b in bufs_of}.values():
+        bufs.steady(op)
     for i in range(len(backends)):
         for _ in range(s.warmup):
             runs[i]()
@@ -407,14 +416,21 @@ def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ringcomm bench", description=__doc__.splitlines()[0].strip("` "),
+        prog="ringcomm bench", description=__doc__.splitlines()[0].replace("``", ""),
         epilog="Sizes take K, M, G suffixes (powers of 1024). `ringcomm bench ddp --help` for "
         "the DDP training benchmark.", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-b", "--minbytes", type=parse_size, default=None,
+    p.add_argument("-b", "--minbytes", type=_size_arg, default=None,
                    help="first size (default 8; --quick: 1K)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=None,
+    p.add_argument("-e", "--maxbytes", type=_size_arg, default=None,
                    help="last size (default 128M; --quick: 1M)")
     p.add_argument("-f", "--stepfactor", type=int, default=None,
                    help="multiply the size by this each step (default 8; --quick: 32)")
@@ -544,6 +560,13 @@ def run(s: Settings, worlds: list[int], console: Any = None) -> tuple[list[dict]
     return rows, notes
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ringcomm bench``; returns the exit status."""
     from rich.console import Console
@@ -562,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RINGCOMM_ALGO"):
         err_console.print(f"[yellow]RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']} is set: the "
                           "'ringcomm' rows use it instead of the automatic choice[/]")
-    started = time.time()
+    started, load_before = time.time(), _loadavg()
     try:
         rows, notes = run(s, worlds, err_console)
     except RankFailed as err:
@@ -580,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             "argv": argv,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "duration_s": round(time.time() - started, 1),
-            "machine": machine_info(),
+            "machine": {**machine_info(), "loadavg_before": load_before},
             "settings": {**asdict(s), "world_sizes": worlds,
                          "backends": [b.name for b in s.backends]},
             "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
