@@ -30,6 +30,8 @@ _SCHEDULES: dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]]
                          lambda r, n, c, s, root: ALLREDUCE["dbtree"](r, n, c, s)),
     "allreduce_hd": ("recursive halving then doubling (Rabenseifner)",
                      lambda r, n, c, s, root: ALLREDUCE["hd"](r, n, c, s)),
+    "allreduce_rd": ("recursive doubling: log2 n exchanges of everything (small messages)",
+                     lambda r, n, c, s, root: ALLREDUCE["rd"](r, n, c, s)),
     "reduce_scatter": ("ring reduce-scatter; rank r ends with chunk r (count per rank)",
                        lambda r, n, c, s, root: ring.reduce_scatter(r, n, c, s)),
     "allgather": ("ring all-gather (count per rank)",

@@ -134,6 +134,7 @@ class Communicator:
         self.world_size = transport.world_size
         self.timeout = float(timeout)
         self.segment_bytes = int(segment_bytes)
+        self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
         self.trace: list[TraceEvent] | None = None
         self._on_close = list(on_close)
         self._seq = itertools.count()
@@ -155,7 +156,7 @@ class Communicator:
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``) forces one, as does the
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``) forces one, as does the
         environment variable ``RINGCOMM_ALGO``; by default the cost model picks the cheapest
         for this size (``ringcomm.cost``). Every rank must make the same choice: the
         automatic one does, since it depends only on the size, the dtype and the world.
@@ -181,8 +182,13 @@ class Communicator:
                     f"allreduce algorithm {forced!r} (from {source}) is unknown; use one of "
                     f"{', '.join(ALLREDUCE)}, or leave it unset for the automatic choice")
             return name
-        return cost.choose("allreduce", self.world_size, data.nbytes, data.itemsize,
-                           segment_bytes=self.segment_bytes)
+        key = (data.nbytes, data.itemsize)
+        name = self._chosen.get(key)
+        if name is None:  # the model costs tens of microseconds: ask once per size
+            name = self._chosen[key] = cost.choose(
+                "allreduce", self.world_size, data.nbytes, data.itemsize,
+                segment_bytes=self.segment_bytes)
+        return name
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:

@@ -41,7 +41,7 @@ class CostParams:
 
     alpha: float = 270e-6  # `ringcomm tune` on 2 cores, worlds 2 and 4 (median error 15%)
     beta: float = 0.2e-9
-    gamma: float = 0.05e-9
+    gamma: float = 0.25e-9  # segment-wise float32 sum over buffers beyond the cache
 
 
 @dataclass
@@ -236,8 +236,8 @@ def choose(collective: str, world_size: int, nbytes: int, itemsize: int = 4, *,
 @lru_cache(maxsize=4096)
 def _choose(collective: str, world_size: int, nbytes: int, itemsize: int, segment: int,
             params: CostParams, share: float) -> str:
-    if world_size <= 2 or nbytes == 0:
-        return "ring"  # every algorithm is the same exchange between two ranks
+    if world_size <= 1 or nbytes == 0:
+        return "ring"  # nothing moves
     count = nbytes // itemsize
     times = {name: allreduce_cost(name, world_size, count, itemsize, segment).time(params, share)
              for name in ALLREDUCE}

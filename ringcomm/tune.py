@@ -65,14 +65,19 @@ def fit(samples: list[Sample], gamma: float, start: cost.CostParams | None = Non
     return p
 
 
-def measure_gamma(nbytes: int = 2 << 20, reps: int = 50) -> float:
-    """Seconds per byte of an in-place float32 sum, as the executor does it."""
+def measure_gamma(nbytes: int = 64 << 20, segment_bytes: int = cost.DEFAULT_SEGMENT_BYTES,
+                  reps: int = 5) -> float:
+    """Seconds per byte of an in-place float32 sum, as the executor does it: segment by
+    segment over buffers too big for the cache, as in the large allreduces where gamma
+    matters (cache-resident data reduces several times faster and would hide its cost)."""
     a = np.ones(nbytes // 4, np.float32)
     b = np.ones(nbytes // 4, np.float32)
+    step = max(1, segment_bytes // 4)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        np.add(a, b, out=a)
+        for lo in range(0, a.size, step):
+            np.add(a[lo:lo + step], b[lo:lo + step], out=a[lo:lo + step])
         times.append(time.perf_counter() - start)
     return statistics.median(times) / nbytes
 

@@ -17,6 +17,7 @@ import torch
 
 from bench import sweep
 from bench.common import format_size, parse_size
+from ringcomm.algorithms import ALLREDUCE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +38,7 @@ def test_sizes_parse_like_nccl_tests():
 def test_backends_parse_and_unknown_ones_are_named():
     names = [b.name for b in sweep.parse_backends(["ringcomm:all,gloo", "nccl"])]
     assert names == ["ringcomm", "ringcomm:ring", "ringcomm:tree", "ringcomm:dbtree",
-                     "ringcomm:hd", "gloo", "nccl"]
+                     "ringcomm:hd", "ringcomm:rd", "gloo", "nccl"]
     assert [b.algorithm for b in sweep.parse_backends(["ringcomm:tree"])] == ["tree"]
     with pytest.raises(ValueError, match="ringcomm:bogus"):
         sweep.parse_backends(["ringcomm:bogus"])
@@ -102,8 +103,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert result["machine"]["cpus"] >= 1 and result["machine"]["torch"]
     rows = result["rows"]
     sizes = result["settings"]["sizes"]
-    allreduce = {"ringcomm", "ringcomm:ring", "ringcomm:tree", "ringcomm:dbtree", "ringcomm:hd",
-                 "gloo"}
+    allreduce = {"ringcomm", "gloo"} | {f"ringcomm:{a}" for a in ALLREDUCE}
     for collective in sweep.COLLECTIVES:
         mine = [r for r in rows if r["collective"] == collective]
         want = allreduce if collective == "allreduce" else {"ringcomm", "gloo"}
@@ -121,7 +121,7 @@ def test_quick_run_end_to_end(tmp_path):
             if r["library"] == "ringcomm":
                 assert r["predicted_us"] > 0, r
             if collective == "allreduce" and r["library"] == "ringcomm":
-                assert r["chosen"] in {"ring", "tree", "dbtree", "hd"}
+                assert r["chosen"] in ALLREDUCE
     if not torch.cuda.is_available():
         assert any("nccl skipped" in note for note in result["notes"])
     pngs = sorted(p.name for p in plots.glob("*.png"))

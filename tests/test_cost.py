@@ -74,16 +74,18 @@ def test_fit_recovers_the_constants_that_produced_the_timings():
 
 
 def test_the_choice_follows_the_profile(no_profile):
-    def write(alpha, beta):
+    def write(alpha, beta, gamma=1e-10):
         no_profile.write_text(json.dumps({"params": {"8": {"alpha": alpha, "beta": beta,
-                                                           "gamma": 1e-10}}}))
+                                                           "gamma": gamma}}}))
         cost._choose.cache_clear()
 
     write(alpha=1e-3, beta=1e-12)  # messages are everything: fewest hops wins
     assert cost.choose("allreduce", 8, 4096) != "ring"
     write(alpha=1e-9, beta=1e-9)  # bytes are everything: the ring's bandwidth wins
     assert cost.choose("allreduce", 8, 64 << 20) in ("ring", "hd")
-    assert cost.choose("allreduce", 2, 4096) == "ring"  # two ranks: all algorithms agree
+    assert cost.choose("allreduce", 2, 8) == "rd"  # one exchange instead of two
+    write(alpha=1e-9, beta=1e-9, gamma=1e-9)  # two ranks: rd reduces twice what a ring does
+    assert cost.choose("allreduce", 2, 64 << 20) == "ring"
 
 
 def test_an_unreadable_profile_falls_back_to_the_defaults(no_profile):
@@ -94,7 +96,7 @@ def test_an_unreadable_profile_falls_back_to_the_defaults(no_profile):
 
 def test_a_forced_algorithm_must_exist(monkeypatch):
     def fn(comm):
-        with pytest.raises(ArgumentError, match="'rign'.*use one of ring, tree, dbtree, hd"):
+        with pytest.raises(ArgumentError, match="'rign'.*use one of ring, tree, dbtree, hd, rd"):
             comm.allreduce(np.ones(4), algorithm="rign")
         monkeypatch.setenv("RINGCOMM_ALGO", "treee")
         with pytest.raises(ArgumentError, match="from RINGCOMM_ALGO"):

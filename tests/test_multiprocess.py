@@ -126,7 +126,7 @@ def test_ranks_that_disagree_all_raise_typed_errors(cluster, transport, world, c
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("algorithm", ["tree", "dbtree", "hd"])
+@pytest.mark.parametrize("algorithm", ["tree", "dbtree", "hd", "rd"])
 @pytest.mark.parametrize("world", [3, 4])
 def test_ranks_in_different_collectives_find_out_by_probing_while_they_stall(
         cluster, world, algorithm):

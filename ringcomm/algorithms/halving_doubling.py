@@ -48,29 +48,51 @@ def _exchange(steps: StepList, partner: int, send: tuple[int, int], keep: tuple[
             steps.recv(partner, region, segment=k, **label)
 
 
+def fold(steps: StepList, rank: int, n: int, count: int, segment: int) -> int | None:
+    """Step 1 for any ``n``: fold the ranks beyond the largest power of two ``p <= n`` into
+    their even neighbours. Returns this rank's number ``v`` among the ``p`` taking part, or
+    None for a folded-away rank (whose schedule, send then wait for the result, is done)."""
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    if rank >= 2 * extra:
+        return rank - extra
+    if rank % 2:
+        for k, (o, c) in enumerate(segments(0, count, segment)):
+            steps.send(rank - 1, Region(DATA, o, c), phase="fold", segment=k)
+        for k, (o, c) in enumerate(segments(0, count, segment)):
+            steps.recv(rank - 1, Region(DATA, o, c), phase="unfold", segment=k)
+        return None
+    for k, (o, c) in enumerate(segments(0, count, segment)):
+        region = Region(DATA, o, c)
+        steps.recv_reduce(rank + 1, region, region, final=False, phase="fold", segment=k)
+    return rank // 2
+
+
+def unfold(steps: StepList, rank: int, n: int, count: int, segment: int) -> None:
+    """The last step: a rank that stood for a folded neighbour sends it the result."""
+    extra = n - (1 << (n.bit_length() - 1))
+    if rank < 2 * extra:
+        for k, (o, c) in enumerate(segments(0, count, segment)):
+            steps.send(rank + 1, Region(DATA, o, c), phase="unfold", segment=k)
+
+
+def real_rank(v: int, n: int) -> int:
+    """The rank behind number ``v`` of the ranks that remain after ``fold``."""
+    extra = n - (1 << (n.bit_length() - 1))
+    return 2 * v if v < extra else v + extra
+
+
 @lru_cache(maxsize=512)
 def allreduce(rank: int, world_size: int, count: int, segment: int) -> Schedule:
     """In-place allreduce of ``count`` elements of ``data``."""
     n, steps = world_size, StepList()
     p = 1 << (n.bit_length() - 1)
-    extra = n - p
-    if rank < 2 * extra:  # fold pairs
-        if rank % 2:
-            label = dict(phase="fold", round=0)
-            for k, (o, c) in enumerate(segments(0, count, segment)):
-                steps.send(rank - 1, Region(DATA, o, c), segment=k, **label)
-            for k, (o, c) in enumerate(segments(0, count, segment)):
-                steps.recv(rank - 1, Region(DATA, o, c), phase="unfold", segment=k)
-            return steps.build("allreduce", "hd", rank, n)
-        for k, (o, c) in enumerate(segments(0, count, segment)):
-            region = Region(DATA, o, c)
-            steps.recv_reduce(rank + 1, region, region, final=False, phase="fold", segment=k)
-        v = rank // 2
-    else:
-        v = rank - extra
+    v = fold(steps, rank, n, count, segment)
+    if v is None:
+        return steps.build("allreduce", "hd", rank, n)
 
     def real(u: int) -> int:
-        return 2 * u if u < extra else u + extra
+        return real_rank(u, n)
 
     blocks = Partition(count, p)
 
@@ -92,7 +114,5 @@ def allreduce(rank: int, world_size: int, count: int, segment: int) -> Schedule:
     for step, (partner, mine, theirs) in enumerate(reversed(history)):
         _exchange(steps, real(partner), span(*mine), span(*theirs), segment, reduce=False,
                   final=False, label=dict(phase="doubling", round=step))
-    if rank < 2 * extra:
-        for k, (o, c) in enumerate(segments(0, count, segment)):
-            steps.send(rank + 1, Region(DATA, o, c), phase="unfold", segment=k)
+    unfold(steps, rank, n, count, segment)
     return steps.build("allreduce", "hd", rank, n)

@@ -3,6 +3,7 @@
     python -m tests.torch_suite.run --world-size 2              # both backends, all tests
     python -m tests.torch_suite.run -w 2 3 4 -b ringcomm -k allreduce -k broadcast
     python -m tests.torch_suite.run -w 2 --reuse                # keep saved gloo results
+    python -m tests.torch_suite.run -w 3 4 --resume             # finish interrupted runs
     python -m tests.torch_suite.run -w 2 -b ringcomm -t test_barrier    # one test, exactly
 
 Each (backend, world size) runs in its own process, one test after another, every test in
@@ -37,11 +38,12 @@ OUTCOMES = ("passed", "failed", "errors", "skipped")
 class _Recorder(unittest.TextTestResult):
     """Records every test's outcome and writes the lot to ``path`` after each test."""
 
-    def __init__(self, path: Path, meta: dict, *args, **kwargs) -> None:
+    def __init__(self, path: Path, meta: dict, saved: dict[str, dict], *args,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.path = path
         self.meta = meta
-        self.records: dict[str, dict] = {}
+        self.records: dict[str, dict] = dict(saved)
         self._started = 0.0
 
     def startTest(self, test):  # noqa: N802 - unittest's name
@@ -98,10 +100,11 @@ def _child(args: argparse.Namespace) -> int:
     out = Path(args.out)
     meta = {"backend": TARGET, "world_size": int(os.environ["WORLD_SIZE"]),
             "selected": len(names)}
-    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    saved = _load(out).get("tests", {}) if args.resume else {}
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names if n not in saved)
     runner = unittest.TextTestRunner(
         verbosity=2, stream=sys.stdout,
-        resultclass=lambda *a, **kw: _Recorder(out, meta, *a, **kw))
+        resultclass=lambda *a, **kw: _Recorder(out, meta, saved, *a, **kw))
     try:
         runner.run(suite)
     except Exception:  # noqa: BLE001 - keep what was recorded; say why it stopped
@@ -129,10 +132,12 @@ def _run_one(backend: str, world: int, args: argparse.Namespace) -> Path:
         cmd += ["-k", k]
     for name in args.exact or ():
         cmd += ["--test", name]
+    if args.resume:
+        cmd.append("--resume")
     log = path.with_suffix(".log")
     print(f"== {backend}, world size {world}: log in {log}", flush=True)
     started = time.monotonic()
-    with open(log, "w") as f:
+    with open(log, "a" if args.resume else "w") as f:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
     print(f"   done in {time.monotonic() - started:.0f} s: {_counts_line(_load(path))}",
           flush=True)
@@ -147,7 +152,7 @@ def _retry(backend: str, world: int, args: argparse.Namespace) -> None:
               if rec["outcome"] in ("failed", "errors")]
     if not failed:
         return
-    retry = argparse.Namespace(**{**vars(args), "k": None, "exact": failed,
+    retry = argparse.Namespace(**{**vars(args), "k": None, "exact": failed, "resume": False,
                                   "results": str(path.parent / "retry")})
     fresh = _load(_run_one(backend, world, retry))
     saved["tests"].update(fresh.get("tests", {}))
@@ -219,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retry", action="store_true",
                         help="rerun only the tests that failed in the saved results, and "
                              "merge the new outcomes into them")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the saved outcomes and run only the tests not yet recorded "
+                             "(an interrupted run picks up where it stopped)")
     parser.add_argument("--test-timeout", type=int, default=180,
                         help="seconds before one test's ranks are declared hung")
     parser.add_argument("--summary", action="store_true", help="only print saved results")
