@@ -9,6 +9,8 @@ one thread that handles its steps in order, so it is modelled as one clock:
   the receiver when the sender's clock has advanced past it;
 - ``recv`` waits for the message, then costs ``alpha / 2 + m * beta`` (copy it out);
 - ``recv+reduce`` waits, then costs ``alpha / 2 + m * gamma`` (read both, write one);
+- ``recv+reduce+send`` (fused) waits, then costs ``alpha + m * gamma``: the sum is written
+  into the outgoing message, so it has no copy of its own;
 - ``copy`` costs ``m * beta``.
 
 The predicted time is the slowest rank's clock at the end, or, when ranks outnumber cores
@@ -189,8 +191,14 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams) -> Sc
                 m = step.dst.count * itemsize
                 if step.kind is Kind.RECV:
                     advance(clock, 0.5, m, 0)
-                else:
+                elif step.kind is Kind.RECV_REDUCE:
                     advance(clock, 0.5, 0, m)
+                else:  # fused: the reduction writes the outgoing message, no copy of its own
+                    advance(clock, 1.0, 0, m)
+                    links.setdefault((r, step.to), deque()).append(tuple(clock))
+                    woken = waiting.pop((r, step.to), None)
+                    if woken is not None:
+                        runnable.append(woken)
             cursor[r] += 1
     if blocked:
         raise RuntimeError(f"schedules deadlock: ranks {sorted(blocked)} wait forever")

@@ -7,6 +7,10 @@ bytes are out, so before a step writes a region the executor waits for any pendi
 that reads overlapping memory, and before the op returns it waits for all of them: the
 caller may then reuse its buffers at once.
 
+A fused receive-reduce-send asks the transport for the outgoing buffer first (shared
+memory, where it has some) and reduces into it, so a partial sum is written once instead of
+being written here and then copied out.
+
 Every message gets a header (op, sequence number, dtype, size, index) that the receiver
 checks, and every receive runs against the op's one deadline.
 """
@@ -109,6 +113,14 @@ def run_schedule(
         pending.wait_overlapping(lo, lo + region.count * itemsize)
         return view(region)
 
+    def track(handle: SendHandle | None, region: Region, peer: int) -> None:
+        """Keep a send's handle until it is out; it blocks writes to ``region`` meanwhile
+        if it still reads it."""
+        if handle is not None:
+            lo = addresses[region.buf] + region.offset * itemsize
+            hi = lo + region.count * itemsize if handle.reads_buffer else lo
+            pending.add(lo, hi, peer, handle)
+
     def expect(peer: int, count: int) -> Header:
         header = Header(ctx.seq, count * itemsize, peer, received[peer], ctx.arg, ctx.kind, code)
         received[peer] += 1
@@ -123,11 +135,7 @@ def run_schedule(
                 header = Header(ctx.seq, src.count * itemsize, rank, sent[peer], ctx.arg,
                                 ctx.kind, code)
                 sent[peer] += 1
-                handle = transport.send(peer, header, view(src) if src.count else None)
-                if handle is not None:
-                    lo = addresses[src.buf] + src.offset * itemsize
-                    hi = lo + src.count * itemsize if handle.reads_buffer else lo
-                    pending.add(lo, hi, peer, handle)
+                track(transport.send(peer, header, view(src) if src.count else None), src, peer)
             elif kind is Kind.RECV:
                 dst = claim(step.dst)
                 transport.recv_into(peer, expect(peer, step.dst.count), dst, ctx.deadline,
@@ -139,6 +147,20 @@ def run_schedule(
                 reduce_into(dst, view(step.src), payload, ctx.reduce)
                 if step.final:
                     finish_reduction(dst, ctx.reduce, world)
+            elif kind is Kind.RECV_REDUCE_SEND:
+                payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
+                                         ctx.name)
+                to, nbytes = step.to, step.src.count * itemsize
+                header = Header(ctx.seq, nbytes, rank, sent[to], ctx.arg, ctx.kind, code)
+                sent[to] += 1
+                slot = transport.reserve(to, nbytes)
+                if slot is not None:  # the sum goes straight into the outgoing message
+                    reduce_into(slot.view(ctx.dtype), view(step.src), payload, ctx.reduce)
+                    track(transport.send_reserved(to, header), step.dst, to)
+                else:
+                    dst = claim(step.dst)
+                    reduce_into(dst, view(step.src), payload, ctx.reduce)
+                    track(transport.send(to, header, dst), step.dst, to)
             else:
                 np.copyto(claim(step.dst), view(step.src))
         except CommTimeout as err:

@@ -240,8 +240,10 @@ def test_every_send_has_a_matching_receive(world):
             for step in make(r).steps:
                 if step.kind is Kind.SEND:
                     sends[(r, step.peer)].append(step.src.count)
-                elif step.kind in (Kind.RECV, Kind.RECV_REDUCE):
+                if step.kind in (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND):
                     recvs[(step.peer, r)].append(step.dst.count)
+                if step.kind is Kind.RECV_REDUCE_SEND:
+                    sends[(r, step.to)].append(step.src.count)
         assert sends == recvs, name
 
 

@@ -26,6 +26,10 @@ slice is being reduced, the next is already on the wire, and at most about
 bounded by a few segments, whatever the message size. Every rank uses the same order, so
 the messages on each link arrive in exactly the order they are expected.
 
+Partial sums (reduce-scatter rounds before the last) are never read again on the rank that
+forwards them, so those receives are fused with the next send (``recv_reduce_send``): with
+shared memory the sum is written straight into the outgoing message.
+
 Cost (alpha-beta-gamma, ``N`` bytes, ``S`` slices): ``(2(n-1) + stride (S-1)) alpha +
 2 (n-1)/n N beta + (n-1)/n N gamma``, bandwidth-optimal: each rank sends and receives
 ``2 (n-1)/n N`` bytes, hence nccl-tests' busbw factor ``2 (n-1)/n``.
@@ -88,9 +92,13 @@ def allreduce(rank: int, world_size: int, count: int, segment: int) -> Schedule:
         if not region.count:
             continue
         label = dict(chunk=c, segment=j)
-        if t < n - 1:
-            steps.recv_reduce(left, region, region, final=(t == n - 2), phase=phase(t),
-                              round=t, **label)
+        if t < n - 2:  # a partial sum: the all-gather overwrites it here, so fuse
+            steps.recv_reduce_send(left, right, region, region, phase=phase(t), round=t,
+                                   **label)
+            continue
+        if t == n - 2:
+            steps.recv_reduce(left, region, region, final=True, phase=phase(t), round=t,
+                              **label)
         else:
             steps.recv(left, region, phase=phase(t), round=t, **label)
         if t + 1 < rounds:
@@ -123,11 +131,13 @@ def reduce_scatter(rank: int, world_size: int, count: int, segment: int) -> Sche
             continue
         block = (rank - t - 2) % n
         last = t == n - 2
-        dst = Region(OUTPUT, o, c) if last else Region(SCRATCH, (t % 2) * count + o, c)
         src = Region(INPUT, block * count + o, c)
-        steps.recv_reduce(left, dst, src, final=last, round=t, chunk=block, **label)
-        if not last:
-            steps.send(right, dst, round=t + 1, chunk=block, **label)
+        if last:
+            steps.recv_reduce(left, Region(OUTPUT, o, c), src, final=True, round=t,
+                              chunk=block, **label)
+        else:  # a partial sum, forwarded (fused where the transport can) and never read
+            steps.recv_reduce_send(left, right, Region(SCRATCH, (t % 2) * count + o, c),
+                                   src, round=t, chunk=block, **label)
     return steps.build("reduce_scatter", "ring", rank, n, scratch=2 * count)
 
 

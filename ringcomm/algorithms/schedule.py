@@ -25,6 +25,10 @@ class Kind(Enum):
     SEND = "send"
     RECV = "recv"  # receive and copy into dst
     RECV_REDUCE = "recv+reduce"  # receive, dst = src (op) received
+    # receive, reduce as RECV_REDUCE and send the result on to ``to``; ``dst`` may be left
+    # as it was, because a transport with shared memory reduces straight into the outgoing
+    # message (one memory pass instead of three): only for results nobody reads again
+    RECV_REDUCE_SEND = "recv+reduce+send"
     COPY = "copy"  # local copy src -> dst
 
 
@@ -45,7 +49,8 @@ class Step:
     """One action of one rank. ``final`` marks the receive that completes a reduction.
 
     ``phase``, ``round``, ``chunk`` and ``segment`` exist for people: they label the step in
-    printouts and traces and play no part in execution.
+    printouts and traces and play no part in execution. ``to`` is where a fused
+    ``RECV_REDUCE_SEND`` forwards its result.
     """
 
     kind: Kind
@@ -57,6 +62,7 @@ class Step:
     round: int = 0
     chunk: int = -1
     segment: int = 0
+    to: int = -1
 
     def describe(self) -> str:
         where = f"{self.phase} round {self.round}"
@@ -69,6 +75,9 @@ class Step:
         if self.kind is Kind.RECV_REDUCE:
             fin = ", final" if self.final else ""
             return f"recv from rank {self.peer}, {self.dst} = {self.src} (op) msg   ({where}{fin})"
+        if self.kind is Kind.RECV_REDUCE_SEND:
+            return (f"recv from rank {self.peer}, {self.src} (op) msg -> rank {self.to}   "
+                    f"({where}, fused)")
         return f"copy {self.src} -> {self.dst}   ({where})"
 
 
@@ -94,7 +103,7 @@ class Schedule:
 
     def messages(self) -> tuple[int, int]:
         """(messages sent, elements sent): what the cost model and the teaching views count."""
-        sends = [s for s in self.steps if s.kind is Kind.SEND]
+        sends = [s for s in self.steps if s.kind in (Kind.SEND, Kind.RECV_REDUCE_SEND)]
         return len(sends), sum(s.src.count for s in sends if s.src is not None)
 
 
@@ -112,6 +121,11 @@ class StepList:
 
     def recv_reduce(self, peer: int, dst: Region, src: Region, final: bool, **label) -> None:
         self.steps.append(Step(Kind.RECV_REDUCE, peer, src=src, dst=dst, final=final, **label))
+
+    def recv_reduce_send(self, peer: int, to: int, dst: Region, src: Region, **label) -> None:
+        """Receive from ``peer``, reduce with ``src``, send the result to ``to``. ``dst``
+        receives the result only where the transport cannot fuse: nothing may read it later."""
+        self.steps.append(Step(Kind.RECV_REDUCE_SEND, peer, src=src, dst=dst, to=to, **label))
 
     def copy(self, src: Region, dst: Region, **label) -> None:
         if src.count:

@@ -70,6 +70,16 @@ class Transport(abc.ABC):
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
         """Receive the payload straight into ``out``; return its size in bytes."""
 
+    def reserve(self, peer: int, nbytes: int) -> np.ndarray | None:
+        """A writable ``nbytes`` buffer (uint8) that the next ``send_reserved`` to ``peer``
+        delivers without copying it again, or None where the transport has none (then
+        build the payload in your own memory and ``send`` it)."""
+        return None
+
+    def send_reserved(self, peer: int, header: Header) -> SendHandle | None:
+        """Send the buffer the last ``reserve(peer, ...)`` returned, now filled."""
+        raise NotImplementedError(f"{type(self).__name__} has no reserved buffers")
+
     @abc.abstractmethod
     def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
         """Deliver an abort notice so that ``peer`` wakes up even while it waits on others."""

@@ -112,7 +112,7 @@ def shm_ring_bytes(local_peers: int) -> int:
 class _PeerState:
     __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost", "shm_out",
                  "shm_in", "shm_name_out", "shm_name_in", "shm_capacity_in", "incoming",
-                 "held")
+                 "held", "reserved")
 
     def __init__(self) -> None:
         self.pull: zmq.Socket | None = None
@@ -129,6 +129,7 @@ class _PeerState:
         self.shm_capacity_in = 0
         self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
         self.held: tuple[int, int] | None = None  # a ring payload handed out, not yet released
+        self.reserved: int | None = None  # ring position of a slot handed out to fill
 
 
 class ZmqTransport(Transport):
@@ -265,16 +266,10 @@ class ZmqTransport(Transport):
             push.send_multipart((raw, b""))
             return None
         data = payload.view(np.uint8)
-        if header.nbytes >= SHM_MIN_BYTES and self._peers[peer].shm_name_out is not None:
-            slot = self._reserve_shm(peer, header.nbytes)
-            if slot is None:
-                self.counters["shm_full"] += 1
-            else:
-                self.counters["shm"] += 1
-                start, dst = slot
-                np.copyto(dst, data.reshape(-1))
-                notice = push.send(raw + _SHM_NOTICE.pack(start), copy=False, track=True)
-                return _Tracked(notice, reads_buffer=False)
+        dst = self.reserve(peer, header.nbytes)
+        if dst is not None:
+            np.copyto(dst, data.reshape(-1))
+            return self.send_reserved(peer, header)
         self.counters["socket"] += 1
         if header.nbytes < ZERO_COPY_MIN_BYTES:
             push.send_multipart((raw, data))
@@ -293,6 +288,29 @@ class ZmqTransport(Transport):
                 how += f" + shared memory ({self._shm_capacity >> 20} MiB ring)"
             lines.append(f"rank {self.rank} -> rank {peer}: {how}")
         return "\n".join(lines) or f"rank {self.rank}: no peers"
+
+    def reserve(self, peer: int, nbytes: int) -> np.ndarray | None:
+        """A slot of the shared-memory ring to ``peer`` (payloads of 64 KiB and more)."""
+        state = self._peers[peer]
+        if nbytes < SHM_MIN_BYTES or state.shm_name_out is None:
+            return None
+        slot = self._reserve_shm(peer, nbytes)
+        if slot is None:
+            self.counters["shm_full"] += 1
+            return None
+        state.reserved = slot[0]
+        return slot[1]
+
+    def send_reserved(self, peer: int, header: Header) -> Any:
+        state = self._peers[peer]
+        start, state.reserved = state.reserved, None
+        if start is None:
+            raise CommError(f"send_reserved to rank {peer} without a reserved slot",
+                            rank=self.rank, peer=peer)
+        self.counters["shm"] += 1
+        notice = state.push.send(header.pack() + _SHM_NOTICE.pack(start), copy=False,
+                                 track=True)
+        return _Tracked(notice, reads_buffer=False)
 
     def _reserve_shm(self, peer: int, nbytes: int) -> tuple[int, np.ndarray] | None:
         state = self._peers[peer]
