@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable
 from itertools import groupby
 from pathlib import Path
@@ -79,6 +80,78 @@ def print_tables(rows: list[dict], console: Any) -> None:
                 table.add_row(*cells)
         console.print(table)
         console.print()
+
+
+# The issue's targets for allreduce against Gloo on one host: (what, sizes, bound, kind)
+# with kind "speedup" (Gloo's time / ours: at least bound) or "auto" (the automatic
+# choice's time / the best forced algorithm's: at most bound).
+TARGETS = [
+    ("busbw vs gloo, 1 MiB-256 MiB", (1 << 20, 256 << 20), 1.5, "speedup"),
+    ("busbw vs gloo, 64 KiB", (64 << 10, 64 << 10), 1.2, "speedup"),
+    ("latency vs gloo, 8 B-4 KiB (time ratio)", (8, 4 << 10), 2.0, "speedup"),
+    ("auto vs best algorithm (time ratio)", (0, 1 << 62), 1.1, "auto"),
+]
+
+
+def target_summary(rows: list[dict]) -> list[dict]:
+    """How the allreduce rows measure up to ``TARGETS``: per world size and dtype, the
+    worst ratio over the target's sizes, at which size, and whether the bound holds.
+    Latency is reported as a speedup too (time ratio <= 0.5x is a speedup >= 2x)."""
+    out = []
+    for (collective, world, dtype, op), group in groups(rows).items():
+        if collective != "allreduce":
+            continue
+        by_size: dict[int, list[dict]] = {}
+        for r in group:
+            by_size.setdefault(r["bytes"], []).append(r)
+        for what, (lo, hi), bound, kind in TARGETS:
+            ratios = {}
+            for nbytes, same in by_size.items():
+                if not lo <= nbytes <= hi:
+                    continue
+                auto = next((r for r in same if r["library"] == "ringcomm"
+                             and r["algorithm"] in (None, "auto")), None)
+                gloo = next((r for r in same if r["library"] == "gloo"), None)
+                forced = [r["time_us"] for r in same if r["library"] == "ringcomm"
+                          and r["algorithm"] not in (None, "auto")]
+                if auto is None:
+                    continue
+                if kind == "speedup" and gloo is not None:
+                    ratios[nbytes] = gloo["time_us"] / auto["time_us"]
+                elif kind == "auto" and forced:
+                    ratios[nbytes] = auto["time_us"] / min(forced)
+            if not ratios:
+                continue
+            pick = min if kind == "speedup" else max
+            worst = pick(ratios, key=ratios.get)
+            met = ratios[worst] >= bound if kind == "speedup" else ratios[worst] <= bound
+            out.append({"world_size": world, "dtype": dtype, "op": op, "target": what,
+                        "bound": bound, "kind": kind, "worst": round(ratios[worst], 3),
+                        "at_bytes": worst, "met": met,
+                        "sizes_met": sum(1 for v in ratios.values()
+                                         if (v >= bound if kind == "speedup" else v <= bound)),
+                        "sizes": len(ratios)})
+    return out
+
+
+def print_targets(summary: list[dict], console: Any) -> None:
+    """The target summary as a table (nothing when no allreduce row had a peer)."""
+    if not summary:
+        return
+    from rich.table import Table
+
+    table = Table(title="allreduce targets (worst size)", title_justify="left",
+                  show_edge=False, pad_edge=False)
+    for name in ("world", "dtype", "target", "bound", "worst", "at size", "sizes met", ""):
+        table.add_column(name, justify="left" if name in ("target", "dtype") else "right")
+    for t in summary:
+        sign = ">=" if t["kind"] == "speedup" else "<="
+        table.add_row(str(t["world_size"]), t["dtype"], t["target"],
+                      f"{sign} {t['bound']:.2f}x", f"{t['worst']:.2f}x",
+                      format_size(t["at_bytes"]), f"{t['sizes_met']}/{t['sizes']}",
+                      "[green]met[/]" if t["met"] else "[red]missed[/]")
+    console.print(table)
+    console.print()
 
 
 def write_json(path: Path, rows: list[dict], meta: dict) -> None:
@@ -167,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot-dir", type=Path, default=None)
     args = p.parse_args(argv)
     rows = json.loads(args.json.read_text())["rows"]
-    print_tables(rows, Console())
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    print_tables(rows, console)
+    print_targets(target_summary(rows), console)
     if args.plot_dir:
         for path in plot(rows, args.plot_dir):
             print(f"wrote {path}")

@@ -593,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                           highlight=False)
         return 1
     report.print_tables(rows, out)
+    targets = report.target_summary(rows)
+    report.print_targets(targets, out)
     for note in notes:
         out.print(f"note: {note}")
     wrong = sum(r["wrong"] for r in rows)
@@ -608,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                          "backends": [b.name for b in s.backends]},
             "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
             "notes": notes,
+            "targets": targets,
         })
         out.print(f"wrote {args.json}")
     if args.plot_dir:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import sweep
+from bench import report, sweep
 from bench.common import format_size, parse_size
 from ringcomm.algorithms import ALLREDUCE
 
@@ -33,6 +33,32 @@ def test_sizes_parse_like_nccl_tests():
     with pytest.raises(ValueError, match="-f"):
         sweep.size_range(8, 64, 1)
     assert format_size(256 << 20) == "256 MiB" and format_size(100) == "100 B"
+
+
+def _row(backend, algorithm, nbytes, time_us):
+    library = backend.split(":")[0]
+    return {"collective": "allreduce", "world_size": 2, "dtype": "float32", "op": "sum",
+            "backend": backend, "library": library, "bytes": nbytes,
+            "algorithm": algorithm if library == "ringcomm" else None, "time_us": time_us}
+
+
+def test_the_target_summary_finds_the_worst_size_of_each_target():
+    rows = []
+    for nbytes, gloo, auto, ring, rd in [(8, 100.0, 40.0, 60.0, 40.0),
+                                         (64 << 10, 300.0, 200.0, 200.0, 260.0),
+                                         (1 << 20, 2000.0, 1000.0, 1000.0, 1300.0),
+                                         (16 << 20, 20000.0, 14000.0, 12000.0, 16000.0)]:
+        rows += [_row("ringcomm", "auto", nbytes, auto),
+                 _row("ringcomm:ring", "ring", nbytes, ring),
+                 _row("ringcomm:rd", "rd", nbytes, rd), _row("gloo", None, nbytes, gloo)]
+    got = {t["target"]: t for t in report.target_summary(rows)}
+    busbw = got["busbw vs gloo, 1 MiB-256 MiB"]
+    assert (busbw["at_bytes"], busbw["met"], busbw["sizes_met"]) == (16 << 20, False, 1)
+    assert busbw["worst"] == pytest.approx(20000 / 14000, rel=1e-3)
+    assert got["busbw vs gloo, 64 KiB"]["met"] is True  # 1.5x >= 1.2x
+    assert got["latency vs gloo, 8 B-4 KiB (time ratio)"]["worst"] == pytest.approx(2.5)
+    auto = got["auto vs best algorithm (time ratio)"]
+    assert (auto["at_bytes"], auto["met"]) == (16 << 20, False)  # 14000 / 12000 > 1.1
 
 
 def test_backends_parse_and_unknown_ones_are_named():
