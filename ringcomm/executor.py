@@ -103,6 +103,7 @@ def run_schedule(
     sent = [0] * world
     received = [0] * world
     pending = _PendingSends(transport, ctx)
+    transport.waiting_op = ctx.name  # errors raised below a send name the op too
 
     def view(region: Region) -> np.ndarray:
         return buffers[region.buf][region.offset: region.offset + region.count]

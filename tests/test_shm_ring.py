@@ -1,6 +1,7 @@
-"""The shared-memory payload path: the ring itself, and two ranks that use it (threads of one
-process, real ZeroMQ sockets and a real /dev/shm ring), including a ring too small for the
-traffic, which must fall back to the socket without losing or reordering anything."""
+"""The local fast path: the shared-memory ring and the pipes, on their own and between two
+ranks that use them (threads of one process, real ZeroMQ sockets, real FIFOs and a real
+/dev/shm ring), including a ring too small for the traffic, which must fall back without
+losing or reordering anything, and pipes too full to take a send, which must not block."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mp_helpers import free_port
 
 import ringcomm
 from ringcomm.channels import shm_ring
+from ringcomm.channels.pipe import Flusher, PipeReader, PipeWriter
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -47,6 +49,30 @@ def test_a_full_ring_refuses_until_the_reader_releases_and_never_wraps_a_payload
     assert writer.reserve(300) is not None
     writer.close()
     reader.close()
+
+
+def test_a_pipe_takes_more_than_it_holds_without_blocking_and_ends_with_eof(tmp_path):
+    reader = PipeReader(str(tmp_path / "fifo"))
+    flusher = Flusher()
+    writer = PipeWriter(reader.path, flusher)
+    frames = [bytes([i % 251]) * 50_000 for i in range(100)]  # 5 MB, the pipe holds ~1 MB
+    for frame in frames:
+        writer.write(frame)  # returns at once: what does not fit waits for the flusher
+    assert writer.pending
+    got = []
+    while len(got) < len(frames):
+        chunk = reader.take(50_000)
+        if chunk is None:
+            threading.Event().wait(0.001)
+            continue
+        got.append(chunk)
+    assert got == frames  # whole and in order
+    writer.close()
+    flusher.stop()
+    with pytest.raises(EOFError):
+        reader.take(1)
+    reader.close()
+    assert not os.path.exists(reader.path)
 
 
 def _run_pair(fn, **init_kw):
@@ -99,7 +125,37 @@ def test_local_ranks_send_large_payloads_through_shared_memory(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_a_ring_too_small_for_the_traffic_falls_back_to_the_socket(monkeypatch):
+def test_local_ranks_send_headers_and_small_payloads_through_pipes(monkeypatch):
+    monkeypatch.delenv("RINGCOMM_SHM", raising=False)
+    counters, text = _check_sums(_run_pair(_allreduce_many))
+    assert counters["pipe"] > 0 and counters["socket"] == 0, counters
+    assert "pipe" in text
+
+
+def _exchange_before_receiving(comm):
+    """Both ranks send 200 x 32 KiB (6 MiB, several times what a pipe holds) before either
+    receives: only sends that never block let this finish."""
+    peer = 1 - comm.rank
+    sent = [np.full(8192, comm.rank * 1000.0 + i, np.float32) for i in range(200)]
+    works = [comm.send(x, peer, async_op=True) for x in sent]
+    got = [np.empty(8192, np.float32) for _ in sent]
+    for x in got:
+        comm.recv(x, peer)
+    for w in works:
+        w.wait()
+    return [float(x[0]) for x in got if (x == x[0]).all()]
+
+
+@pytest.mark.timeout(60)
+def test_sends_to_a_full_pipe_do_not_block(monkeypatch):
+    monkeypatch.delenv("RINGCOMM_SHM", raising=False)
+    a, b = _run_pair(_exchange_before_receiving)
+    assert a == [1000.0 + i for i in range(200)]
+    assert b == [float(i) for i in range(200)]
+
+
+@pytest.mark.timeout(60)
+def test_a_ring_too_small_for_the_traffic_falls_back_to_the_pipe(monkeypatch):
     monkeypatch.setenv("RINGCOMM_SHM_BYTES", str(300 * 1024))  # one 256 KiB segment fits
     counters, _ = _check_sums(_run_pair(_allreduce_many, segment_bytes=256 * 1024))
     assert counters["shm"] > 0 and counters["shm_full"] > 0, counters
@@ -116,4 +172,4 @@ def test_shared_memory_can_be_turned_off(monkeypatch):
 @pytest.mark.timeout(60)
 def test_tcp_between_local_ranks_uses_no_shared_memory():
     counters, _ = _check_sums(_run_pair(_allreduce_many, transport="tcp"))
-    assert counters["shm"] == 0, counters
+    assert counters["shm"] == 0 and counters["pipe"] == 0, counters

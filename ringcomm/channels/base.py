@@ -46,7 +46,7 @@ class Transport(abc.ABC):
         # stash[peer][is_p2p]: messages of the other stream that arrived first
         self._stash: list[tuple[deque, deque]] = [(deque(), deque()) for _ in range(world_size)]
         self.waiting_for: Header | None = None  # the message a receive waits for, if any
-        self.waiting_op = ""  # and the op it belongs to, for errors raised below the receive
+        self.waiting_op = ""  # the op running, for errors raised below a send or receive
 
     # ---------------------------------------------------------------- for subclasses
     @abc.abstractmethod

@@ -51,12 +51,16 @@ from . import shm_ring
 from .base import Transport
 from .header import SIZE as HEADER_SIZE
 from .header import Header, OpKind
+from .pipe import Flusher, PipeReader, PipeWriter
 
 log = logging.getLogger("ringcomm")
 
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
 SHM_MIN_BYTES = 64 * 1024  # payloads this big go through shared memory between local ranks
 _SHM_NOTICE = struct.Struct("<q")  # follows the header: the payload's position in the ring
+# Pipe frames open with a tag: the payload follows inline, or it waits in shared memory.
+_INLINE, _IN_SHM = b"I", b"S"
+_PAYLOAD_GRACE_S = 30.0  # the rest of a frame whose header arrived is on its way
 _POLL_SLICE_MS = 1000
 _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
@@ -112,7 +116,7 @@ def shm_ring_bytes(local_peers: int) -> int:
 class _PeerState:
     __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost", "shm_out",
                  "shm_in", "shm_name_out", "shm_name_in", "shm_capacity_in", "incoming",
-                 "held", "reserved")
+                 "held", "reserved", "pipe_in", "pipe_out", "inline")
 
     def __init__(self) -> None:
         self.pull: zmq.Socket | None = None
@@ -130,6 +134,10 @@ class _PeerState:
         self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
         self.held: tuple[int, int] | None = None  # a ring payload handed out, not yet released
         self.reserved: int | None = None  # ring position of a slot handed out to fill
+        # local peers: a FIFO each way carries headers, small payloads and ring notices
+        self.pipe_in: PipeReader | None = None
+        self.pipe_out: PipeWriter | None = None
+        self.inline: int | None = None  # bytes of the pipe payload after the header read
 
 
 class ZmqTransport(Transport):
@@ -163,7 +171,8 @@ class ZmqTransport(Transport):
         self._shm_capacity = 0
         self._token = uuid.uuid4().hex[:12]
         # payloads sent, by path: what a user checks to see shared memory at work
-        self.counters = {"shm": 0, "socket": 0, "shm_full": 0}
+        self.counters = {"shm": 0, "pipe": 0, "socket": 0, "shm_full": 0}
+        self._flusher = Flusher()
         self._ctx = zmq.Context(io_threads=io_threads)
         self._peers = [_PeerState() for _ in range(world_size)]
         self._ipc_dir: str | None = None
@@ -223,6 +232,9 @@ class ZmqTransport(Transport):
         # Shared memory with peers on this host that use ipc: offered by both sides or not used.
         local = [r for r in range(n) if r != me and use_ipc[r] and hosts[r] == hosts[me]]
         self._shm_capacity = shm_ring_bytes(len(local)) if self.shm and local else 0
+        if self._shm_capacity:  # a pipe from each local peer, used if it offers shm too
+            for r in local:
+                self._peers[r].pipe_in = PipeReader(f"{self._ipc_dir}/pipe-from-{r}")
         endpoints.append(f"shm {self._token if self._shm_capacity else '-'} "
                          f"{self._shm_capacity}")
         store.set(self._key(prefix, "ep", me), "\n".join(endpoints).encode())
@@ -242,13 +254,31 @@ class ZmqTransport(Transport):
                 state.shm_capacity_in = int(capacity)
             control = theirs[peer].split(" ")
             # our messages to `peer` go to the socket it bound for us; aborts to its control
-            state.poller = zmq.Poller()
-            state.poller.register(state.pull, zmq.POLLIN)
-            state.poller.register(state.monitor, zmq.POLLIN)
-            state.poller.register(self._peers[me].pull, zmq.POLLIN)
             self._control_endpoints[peer] = next(
                 (e for e in control if e.startswith("ipc") == use_ipc[peer]), control[-1]
             )
+            if state.pipe_in is not None and state.shm_name_in is None:
+                state.pipe_in.close()  # the peer has no shared memory: sockets only
+                state.pipe_in = None
+            elif state.pipe_in is not None:
+                their_dir = theirs[me][len("ipc://"):].rsplit("/", 1)[0]
+                state.pipe_out = PipeWriter(f"{their_dir}/pipe-from-{me}", self._flusher)
+        piped = [r for r in range(n) if self._peers[r].pipe_out is not None]
+        if piped:  # a pipe's reader sees end-of-file until its writer has opened it
+            store.set(self._key(prefix, "pipes", me), b"open")
+            store.wait([self._key(prefix, "pipes", r) for r in piped], timeout)
+        for peer in range(n):
+            if peer == me:
+                continue
+            state = self._peers[peer]
+            state.poller = zmq.Poller()
+            if state.pipe_in is not None:
+                state.pipe_in.unlink()
+                state.poller.register(state.pipe_in.fd, zmq.POLLIN)
+            else:
+                state.poller.register(state.pull, zmq.POLLIN)
+                state.poller.register(state.monitor, zmq.POLLIN)
+            state.poller.register(self._peers[me].pull, zmq.POLLIN)
 
     def _push_socket(self, endpoint: str) -> zmq.Socket:
         push = self._ctx.socket(zmq.PUSH)
@@ -260,16 +290,24 @@ class ZmqTransport(Transport):
 
     # ------------------------------------------------------------------ sending
     def _send(self, peer: int, header: Header, payload: np.ndarray | None) -> Any:
-        push = self._peers[peer].push
+        state = self._peers[peer]
+        push = state.push
         raw = header.pack()
         if payload is None or header.nbytes == 0:
-            push.send_multipart((raw, b""))
+            if state.pipe_out is not None:
+                self._pipe_write(peer, state, _INLINE + raw)
+            else:
+                push.send_multipart((raw, b""))
             return None
         data = payload.view(np.uint8)
         dst = self.reserve(peer, header.nbytes)
         if dst is not None:
             np.copyto(dst, data.reshape(-1))
             return self.send_reserved(peer, header)
+        if state.pipe_out is not None:
+            self.counters["pipe"] += 1
+            self._pipe_write(peer, state, b"".join((_INLINE, raw, data.reshape(-1))))
+            return None
         self.counters["socket"] += 1
         if header.nbytes < ZERO_COPY_MIN_BYTES:
             push.send_multipart((raw, data))
@@ -284,6 +322,8 @@ class ZmqTransport(Transport):
             if peer == self.rank or state.push is None:
                 continue
             how = state.push.getsockopt_string(zmq.LAST_ENDPOINT)
+            if state.pipe_out is not None:
+                how = "pipe"
             if state.shm_name_out is not None:
                 how += f" + shared memory ({self._shm_capacity >> 20} MiB ring)"
             lines.append(f"rank {self.rank} -> rank {peer}: {how}")
@@ -308,9 +348,19 @@ class ZmqTransport(Transport):
             raise CommError(f"send_reserved to rank {peer} without a reserved slot",
                             rank=self.rank, peer=peer)
         self.counters["shm"] += 1
+        if state.pipe_out is not None:
+            self._pipe_write(peer, state, _IN_SHM + header.pack() + _SHM_NOTICE.pack(start))
+            return None
         notice = state.push.send(header.pack() + _SHM_NOTICE.pack(start), copy=False,
                                  track=True)
         return _Tracked(notice, reads_buffer=False)
+
+    def _pipe_write(self, peer: int, state: _PeerState, frame: bytes) -> None:
+        try:
+            state.pipe_out.write(frame)
+        except BrokenPipeError:
+            self._peer_lost(peer, self.waiting_op, f"rank {peer} closed its pipe while this "
+                            "rank still had data to send to it")
 
     def _reserve_shm(self, peer: int, nbytes: int) -> tuple[int, np.ndarray] | None:
         state = self._peers[peer]
@@ -327,9 +377,14 @@ class ZmqTransport(Transport):
     def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
         # Also down the data pipe: there it arrives before this rank's connection closes, so
         # a peer that sees the close has read the abort first and reports its real cause.
-        push = self._peers[peer].push
-        if push is not None:
-            push.send_multipart((header.pack(), text))
+        state = self._peers[peer]
+        if state.pipe_out is not None:
+            sized = Header(header.seq, len(text), header.sender, header.index, header.arg,
+                           header.kind, header.dtype)
+            with contextlib.suppress(OSError, CommError):
+                self._pipe_write(peer, state, _INLINE + sized.pack() + text)
+        elif state.push is not None:
+            state.push.send_multipart((header.pack(), text))
         self._control(peer).send_multipart((header.pack(), text))
 
     def _control(self, peer: int) -> zmq.Socket:
@@ -369,10 +424,13 @@ class ZmqTransport(Transport):
         if state.held is not None:  # the previous payload has been used by now
             state.shm_in.release(*state.held)
             state.held = None
+        if state.pipe_in is not None:
+            return self._pipe_header(peer, state, deadline, op)
         try:
             raw = state.pull.recv(zmq.NOBLOCK)
         except zmq.Again:
-            raw = self._wait_header(peer, state, deadline, op)
+            self._wait_readable(peer, state, deadline, op)
+            raw = state.pull.recv(zmq.NOBLOCK)
         if len(raw) == HEADER_SIZE + _SHM_NOTICE.size and state.shm_name_in is not None:
             header = Header.unpack(raw[:HEADER_SIZE])
             state.incoming = (_SHM_NOTICE.unpack_from(raw, HEADER_SIZE)[0], header.nbytes)
@@ -382,25 +440,59 @@ class ZmqTransport(Transport):
                             peer=peer)
         return Header.unpack(raw)
 
-    def _wait_header(self, peer: int, state: _PeerState, deadline: float, op: str) -> bytes:
+    def _pipe_header(self, peer: int, state: _PeerState, deadline: float, op: str) -> Header:
+        frame = self._pipe_take(peer, state, 1 + HEADER_SIZE, deadline, op)
+        header = Header.unpack(frame[1:])
+        if frame[:1] == _IN_SHM:
+            notice = self._pipe_take(peer, state, _SHM_NOTICE.size, deadline, op, rest=True)
+            state.incoming = (_SHM_NOTICE.unpack(notice)[0], header.nbytes)
+        elif frame[:1] == _INLINE:
+            state.inline = header.nbytes
+        else:
+            raise CommError(f"malformed message from rank {peer}", rank=self.rank, op=op,
+                            peer=peer)
+        return header
+
+    def _pipe_take(self, peer: int, state: _PeerState, nbytes: int, deadline: float,
+                   op: str, *, rest: bool = False) -> bytes:
+        """``nbytes`` from the pipe of ``peer``; ``rest`` for the remainder of a frame whose
+        header was read, which is given more time than the caller's deadline (a short one,
+        when point-to-point polls) since its writer is writing it."""
+        if rest:
+            deadline = max(deadline, time.monotonic() + _PAYLOAD_GRACE_S)
+        while True:
+            try:
+                data = state.pipe_in.take(nbytes)
+            except EOFError:
+                self._peer_lost(peer, op)
+            if data is not None:
+                return data
+            self._wait_readable(peer, state, deadline, op)
+
+    def _peer_lost(self, peer: int, op: str, what: str = "") -> None:
+        """Raise PeerLostError, unless an abort from some rank explains it better: a peer
+        may close because another rank failed and aborted it."""
+        control = self._peers[self.rank].pull
+        grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
+        while control.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
+            self._on_control(control, op)
+        what = what or (f"the connection from rank {peer} closed while this rank waited for "
+                        "its data")
+        raise PeerLostError(f"{what}: rank {peer} died or left the group early",
+                            rank=self.rank, op=op, peer=peer)
+
+    def _wait_readable(self, peer: int, state: _PeerState, deadline: float, op: str) -> None:
+        """Wait until ``peer``'s socket or pipe has data, handling aborts, probes, a lost
+        connection and the deadline meanwhile."""
         control = self._peers[self.rank].pull
         probe_at = time.monotonic() + STALL_PROBE_S
         while True:
-            if state.lost:  # checked every time: the event may have been read by an earlier wait
-                try:
-                    return state.pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                # The peer may have closed because another rank failed and aborted it; that
-                # rank's abort (on a younger connection) explains this better than "lost".
-                grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
-                while control.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
-                    self._on_control(control, op)
-                raise PeerLostError(
-                    f"the connection from rank {peer} closed while this rank waited "
-                    f"for its data: rank {peer} died or left the group early",
-                    rank=self.rank, op=op, peer=peer,
-                )
+            # checked every time: the event may have been read by an earlier wait. A pipe
+            # reports its writer's end itself (end-of-file after the last data).
+            if state.lost and state.pipe_in is None:
+                if state.pull.poll(0):
+                    return
+                self._peer_lost(peer, op)
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -414,10 +506,11 @@ class ZmqTransport(Transport):
                     self._send_probe(peer, self.waiting_for, op)
             wake = left if probe_at is None else min(left, probe_at - now)
             events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
-            if state.pull in events:
-                return state.pull.recv(zmq.NOBLOCK)
             if control in events:
                 self._on_control(control, op)
+            if state.pull in events or (state.pipe_in is not None
+                                        and state.pipe_in.fd in events):
+                return
             if state.monitor in events:
                 self._monitor_event(peer, state)
 
@@ -497,6 +590,9 @@ class ZmqTransport(Transport):
         if state.incoming is not None:
             view, state.held = self._shm_payload(peer, state)
             return view
+        if state.inline is not None:
+            nbytes, state.inline = state.inline, None
+            return self._pipe_take(peer, state, nbytes, 0.0, self.waiting_op, rest=True)
         return state.pull.recv(copy=False).buffer
 
     def _discard_payload(self, peer: int) -> None:
@@ -505,7 +601,7 @@ class ZmqTransport(Transport):
         if state.incoming is not None:
             state.incoming = None
         else:
-            state.pull.recv()
+            self._recv_payload(peer)
 
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
         state = self._peers[peer]
@@ -513,6 +609,13 @@ class ZmqTransport(Transport):
             view, slot = self._shm_payload(peer, state)
             np.copyto(out, view)
             state.shm_in.release(*slot)
+            return out.nbytes
+        if state.inline is not None:
+            data = self._recv_payload(peer)
+            if len(data) != out.nbytes:
+                raise CommError(f"payload of {len(data)} B from rank {peer}, expected "
+                                f"{out.nbytes} B", rank=self.rank, peer=peer)
+            out[:] = np.frombuffer(data, dtype=np.uint8)
             return out.nbytes
         n = state.pull.recv_into(out)
         if n != out.nbytes:
@@ -525,7 +628,13 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        for state in self._peers:  # queued frames first: live peers may still read them
+            if state.pipe_out is not None:
+                state.pipe_out.close()
+        self._flusher.stop()
         for state in self._peers:
+            if state.pipe_in is not None:
+                state.pipe_in.close()
             if state.monitor is not None and state.pull is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     state.pull.disable_monitor()
