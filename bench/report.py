@@ -154,6 +154,45 @@ def print_targets(summary: list[dict], console: Any) -> None:
     console.print()
 
 
+def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
+    """The README's tables: per collective and world size, ringcomm's own choice against
+    Gloo (and NCCL where measured) at each size, then the target summary."""
+    out = []
+    for (collective, world, dtype, op), group in groups(rows).items():
+        peers = [b for b in ("gloo", "nccl") if any(r["library"] == b for r in group)]
+        head = ["size", "ringcomm (us)", "algorithm", "busbw (GB/s)"]
+        for b in peers:
+            head += [f"{b} (us)", f"{b} busbw", f"{b} time / ringcomm"]
+        out += [f"{collective}, world size {world}, {dtype}" + ("" if op == "none" else f" {op}")
+                + ":", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for nbytes, same in groupby(group, key=lambda r: r["bytes"]):
+            if sizes is not None and nbytes not in sizes:
+                continue
+            same = list(same)
+            mine = next((r for r in same if r["library"] == "ringcomm"
+                         and r["algorithm"] in (None, "auto")), None)
+            if mine is None:
+                continue
+            cells = [format_size(nbytes), _us(mine["time_us"]), mine["chosen"] or "-",
+                     f"{mine['busbw_GBps']:.2f}"]
+            for b in peers:
+                peer = next((r for r in same if r["library"] == b), None)
+                cells += (["-"] * 3 if peer is None else
+                          [_us(peer["time_us"]), f"{peer['busbw_GBps']:.2f}",
+                           f"{peer['time_us'] / mine['time_us']:.2f}x"])
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    summary = target_summary(rows)
+    if summary:
+        out += ["| world | target | bound | worst (at size) | sizes met |", "|---|---|---|---|---|"]
+        for t in summary:
+            sign = ">=" if t["kind"] == "speedup" else "<="
+            out.append(f"| {t['world_size']} | {t['target']} | {sign} {t['bound']:.2f}x | "
+                       f"{t['worst']:.2f}x ({format_size(t['at_bytes'])}) | "
+                       f"{t['sizes_met']}/{t['sizes']} |")
+    return "\n".join(out)
+
+
 def write_json(path: Path, rows: list[dict], meta: dict) -> None:
     """The run's facts first (command, machine, settings), then every row."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,8 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("json", type=Path)
     p.add_argument("--plot-dir", type=Path, default=None)
+    p.add_argument("--markdown", action="store_true", help="print the README's tables")
     args = p.parse_args(argv)
     rows = json.loads(args.json.read_text())["rows"]
+    if args.markdown:
+        print(markdown(rows))
+        return
     console = Console(width=None if sys.stdout.isatty() else 180)
     print_tables(rows, console)
     print_targets(target_summary(rows), console)
