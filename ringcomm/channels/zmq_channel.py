@@ -10,9 +10,11 @@ Why this shape:
   tracking. Payloads are received straight into their destination (``recv_into``) or, when
   they are to be reduced, as a ZeroMQ frame that the reduction reads in place.
 - Between ranks on one host, payloads of ``SHM_MIN_BYTES`` or more travel through a
-  shared-memory ring (``shm_ring``) and only a small notice goes through the socket: one
-  copy instead of three. ``RINGCOMM_SHM=0`` turns that off; a full ring or a failure to
-  create one falls back to the socket, never blocks.
+  shared-memory ring (``shm_ring``): one copy instead of three. The headers, the small
+  payloads and the ring's notices then go through a named pipe per pair (``pipe``), not the
+  socket: a pipe wakes the receiver straight from the sender's write, where ZeroMQ needs
+  two I/O threads in between. ``RINGCOMM_SHM=0`` turns both off; a full ring falls back to
+  the pipe, a failure to create one to the socket; nothing blocks.
 - A socket monitor on each receiving pipe notices a peer's connection closing, so a dead
   peer becomes a ``PeerLostError`` at once rather than a timeout; a control pipe per rank
   carries abort notices, so a failure on one rank wakes every rank that waits.
