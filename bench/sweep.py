@@ -13,7 +13,9 @@ benchmark's own control channel: barriers, gathering times and error counts), a 
 communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
 ``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
 every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
-repetitions (``min`` the best), per call.
+repetitions (``min`` the best), per call. Below 256 KiB a repetition runs up to eight times
+``--iters`` calls (see ``iters_at``): a call there takes a fraction of a millisecond, and a
+single wake-up delay on a busy core would otherwise decide the figure.
 
 Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
 (allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
@@ -275,6 +277,15 @@ def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, co
     return run
 
 
+SMALL_BYTES = 256 << 10
+MAX_ITERS_SCALE = 8
+
+
+def iters_at(nbytes: int, iters: int) -> int:
+    """Calls per repetition at ``nbytes``: ``iters``, times ``SMALL_BYTES / nbytes`` up to 8x."""
+    return iters * max(1, min(MAX_ITERS_SCALE, SMALL_BYTES // max(1, nbytes)))
+
+
 def _timed(run: Any, iters: int, sync: Any) -> float:
     start = time.perf_counter()
     for _ in range(iters):
@@ -324,10 +335,11 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             runs[i]()
         syncs[i]()
     times = [[0.0] * s.reps for _ in backends]
+    iters = iters_at(count * itemsize, s.iters)
     for rep in range(s.reps):
         for i in turn_order(len(backends), rep):
             dist.barrier()
-            times[i][rep] = _timed(runs[i], s.iters, syncs[i])
+            times[i][rep] = _timed(runs[i], iters, syncs[i])
     wrong = [w + checked(i) for i, w in enumerate(wrong)]
 
     slowest = torch.tensor(times, dtype=torch.float64)
@@ -361,7 +373,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             "wrong": int(total_wrong[i]),
             "predicted_us": None if predicted is None else predicted * 1e6,
             "rep_times_us": [t * 1e6 for t in reps],
-            "iters": s.iters, "reps": s.reps, "warmup": s.warmup,
+            "iters": iters, "reps": s.reps, "warmup": s.warmup,
         })
     return rows
 
@@ -437,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=None,
                    help="ranks to spawn, one sweep per value (default 2)")
     p.add_argument("--iters", type=int, default=None,
-                   help="back-to-back calls per repetition (default 5; --quick: 3)")
+                   help="back-to-back calls per repetition (default 5; --quick: 3); "
+                   "up to 8x as many below 256 KiB")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls per backend and size (default 2; --quick: 1)")
     p.add_argument("--reps", type=int, default=None,

@@ -35,6 +35,13 @@ def test_sizes_parse_like_nccl_tests():
     assert format_size(256 << 20) == "256 MiB" and format_size(100) == "100 B"
 
 
+def test_small_messages_get_more_calls_per_repetition():
+    assert sweep.iters_at(8, 5) == 40  # capped at 8x
+    assert sweep.iters_at(64 << 10, 5) == 20
+    assert sweep.iters_at(256 << 10, 5) == 5
+    assert sweep.iters_at(256 << 20, 5) == 5
+
+
 def _row(backend, algorithm, nbytes, time_us):
     library = backend.split(":")[0]
     return {"collective": "allreduce", "world_size": 2, "dtype": "float32", "op": "sum",

@@ -35,17 +35,32 @@ from .schedule import Region, Schedule, StepList
 DATA = "data"
 
 
-def _exchange(steps: StepList, partner: int, send: tuple[int, int], keep: tuple[int, int],
-              segment: int, *, reduce: bool, final: bool, label: dict) -> None:
-    """Send the element range ``send`` to ``partner`` and receive its data for ``keep``."""
-    for k, (o, c) in enumerate(segments(send[0], send[1] - send[0], segment)):
-        steps.send(partner, Region(DATA, o, c), segment=k, **label)
-    for k, (o, c) in enumerate(segments(keep[0], keep[1] - keep[0], segment)):
-        region = Region(DATA, o, c)
+EXCHANGE_WINDOW = 8  # segments sent ahead of the first receive; bounds what a channel holds
+
+
+def exchange(steps: StepList, partner: int, send: tuple[int, int], keep: tuple[int, int],
+             segment: int, *, reduce: bool, final: bool, label: dict) -> None:
+    """Send the element range ``send`` to ``partner`` and receive its data for ``keep``.
+
+    Segments go ``EXCHANGE_WINDOW`` ahead of the receives, then one more after each receive:
+    both partners run the same order, so neither waits on a segment the other has not sent,
+    and the channel never holds more than the window (a whole half of a large message sent
+    at once would overflow shared memory onto the slower socket). ``send`` and ``keep`` may
+    be the same range (recursive doubling): segment ``k`` is sent before it is reduced into."""
+    sends = [Region(DATA, o, c) for o, c in segments(send[0], send[1] - send[0], segment)]
+    keeps = [Region(DATA, o, c) for o, c in segments(keep[0], keep[1] - keep[0], segment)]
+    for k, region in enumerate(sends[:EXCHANGE_WINDOW]):
+        steps.send(partner, region, segment=k, **label)
+    for k, region in enumerate(keeps):
         if reduce:
             steps.recv_reduce(partner, region, region, final=final, segment=k, **label)
         else:
             steps.recv(partner, region, segment=k, **label)
+        ahead = k + EXCHANGE_WINDOW
+        if ahead < len(sends):
+            steps.send(partner, sends[ahead], segment=ahead, **label)
+    for k in range(len(keeps) + EXCHANGE_WINDOW, len(sends)):
+        steps.send(partner, sends[k], segment=k, **label)
 
 
 def fold(steps: StepList, rank: int, n: int, count: int, segment: int) -> int | None:
@@ -107,12 +122,12 @@ def allreduce(rank: int, world_size: int, count: int, segment: int) -> Schedule:
         mid = (lo + hi) // 2
         mine, theirs = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
         history.append((partner, mine, theirs))
-        _exchange(steps, real(partner), span(*theirs), span(*mine), segment, reduce=True,
+        exchange(steps, real(partner), span(*theirs), span(*mine), segment, reduce=True,
                   final=(d == 1), label=dict(phase="halving", round=len(history) - 1))
         lo, hi = mine
         d >>= 1
     for step, (partner, mine, theirs) in enumerate(reversed(history)):
-        _exchange(steps, real(partner), span(*mine), span(*theirs), segment, reduce=False,
+        exchange(steps, real(partner), span(*mine), span(*theirs), segment, reduce=False,
                   final=False, label=dict(phase="doubling", round=step))
     unfold(steps, rank, n, count, segment)
     return steps.build("allreduce", "hd", rank, n)

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..buffers import segments
-from .halving_doubling import DATA, fold, real_rank, unfold
-from .schedule import Region, Schedule, StepList
+from .halving_doubling import exchange, fold, real_rank, unfold
+from .schedule import Schedule, StepList
 
 
 @lru_cache(maxsize=512)
@@ -38,13 +37,8 @@ def allreduce(rank: int, world_size: int, count: int, segment: int) -> Schedule:
     d, rounds = 1, p.bit_length() - 1
     for r in range(rounds):
         partner = real_rank(v ^ d, n)
-        pieces = list(segments(0, count, segment))
-        for k, (o, c) in enumerate(pieces):
-            steps.send(partner, Region(DATA, o, c), phase="doubling", round=r, segment=k)
-        for k, (o, c) in enumerate(pieces):
-            region = Region(DATA, o, c)
-            steps.recv_reduce(partner, region, region, final=(r == rounds - 1),
-                              phase="doubling", round=r, segment=k)
+        exchange(steps, partner, (0, count), (0, count), segment, reduce=True,
+                 final=(r == rounds - 1), label=dict(phase="doubling", round=r))
         d <<= 1
     unfold(steps, rank, n, count, segment)
     return steps.build("allreduce", "rd", rank, n)
