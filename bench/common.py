@@ -86,14 +86,15 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def turn_order(n: int, rep: int) -> list[int]:
+def turn_order(n: int, rep: int, salt: int = 0) -> list[int]:
     """The order ``n`` backends take turns in repetition ``rep``: shuffled, the same on every
-    rank (seeded by ``rep``). A fixed rotation would give each backend the same predecessor
-    every time, and whatever one backend leaves behind (busy threads, cold caches) would be
-    charged to the same neighbour in every repetition."""
+    rank (seeded by ``rep`` and ``salt``, e.g. the message size). A fixed rotation would give
+    each backend the same predecessor every time, and whatever one backend leaves behind
+    (busy threads, cold caches) would be charged to the same neighbour in every repetition;
+    the salt keeps one size's orders from repeating at the next."""
     import random
 
-    return random.Random(rep).sample(range(n), n)
+    return random.Random(rep * 1_000_003 + salt).sample(range(n), n)
 
 
 class RankFailed(RuntimeError):

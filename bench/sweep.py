@@ -13,9 +13,10 @@ benchmark's own control channel: barriers, gathering times and error counts), a 
 communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
 ``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
 every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
-repetitions (``min`` the best), per call. Below 256 KiB a repetition runs up to eight times
-``--iters`` calls (see ``iters_at``): a call there takes a fraction of a millisecond, and a
-single wake-up delay on a busy core would otherwise decide the figure.
+repetitions (``min`` the best), per call. A repetition runs at least ``--iters`` calls, and
+more for a fast backend, enough to last about 20 ms (``iters_for``, from the warm-up's pace):
+a small call takes a fraction of a millisecond, and one late wake-up on a busy core would
+otherwise decide the figure.
 
 Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
 (allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
@@ -277,13 +278,15 @@ def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, co
     return run
 
 
-SMALL_BYTES = 256 << 10
-MAX_ITERS_SCALE = 8
+REP_SECONDS = 0.02
+MAX_ITERS = 400
 
 
-def iters_at(nbytes: int, iters: int) -> int:
-    """Calls per repetition at ``nbytes``: ``iters``, times ``SMALL_BYTES / nbytes`` up to 8x."""
-    return iters * max(1, min(MAX_ITERS_SCALE, SMALL_BYTES // max(1, nbytes)))
+def iters_for(seconds_per_call: float, iters: int) -> int:
+    """Calls per repetition: enough to last ``REP_SECONDS``, at least ``iters``."""
+    if seconds_per_call <= 0:
+        return max(iters, MAX_ITERS)
+    return max(iters, min(MAX_ITERS, int(REP_SECONDS / seconds_per_call) + 1))
 
 
 def _timed(run: Any, iters: int, sync: Any) -> float:
@@ -330,16 +333,16 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     wrong = [checked(i) for i in range(len(backends))]
     for bufs in {id(b): b for b in bufs_of}.values():
         bufs.steady(op)
+    pace = torch.zeros(len(backends), dtype=torch.float64)
     for i in range(len(backends)):
-        for _ in range(s.warmup):
-            runs[i]()
-        syncs[i]()
+        pace[i] = _timed(runs[i], s.warmup, syncs[i]) if s.warmup else 0.0
+    dist.all_reduce(pace, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
+    iters = [iters_for(p, s.iters) if s.warmup else s.iters for p in pace.tolist()]
     times = [[0.0] * s.reps for _ in backends]
-    iters = iters_at(count * itemsize, s.iters)
     for rep in range(s.reps):
-        for i in turn_order(len(backends), rep):
+        for i in turn_order(len(backends), rep, salt=nbytes):
             dist.barrier()
-            times[i][rep] = _timed(runs[i], iters, syncs[i])
+            times[i][rep] = _timed(runs[i], iters[i], syncs[i])
     wrong = [w + checked(i) for i, w in enumerate(wrong)]
 
     slowest = torch.tensor(times, dtype=torch.float64)
@@ -373,7 +376,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             "wrong": int(total_wrong[i]),
             "predicted_us": None if predicted is None else predicted * 1e6,
             "rep_times_us": [t * 1e6 for t in reps],
-            "iters": iters, "reps": s.reps, "warmup": s.warmup,
+            "iters": iters[i], "reps": s.reps, "warmup": s.warmup,
         })
     return rows
 
@@ -449,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=None,
                    help="ranks to spawn, one sweep per value (default 2)")
     p.add_argument("--iters", type=int, default=None,
-                   help="back-to-back calls per repetition (default 5; --quick: 3); "
-                   "up to 8x as many below 256 KiB")
+                   help="back-to-back calls per repetition at least (default 5; --quick: 3); "
+                   "fast backends run more, to fill about 20 ms")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls per backend and size (default 2; --quick: 1)")
     p.add_argument("--reps", type=int, default=None,

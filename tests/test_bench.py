@@ -35,11 +35,11 @@ def test_sizes_parse_like_nccl_tests():
     assert format_size(256 << 20) == "256 MiB" and format_size(100) == "100 B"
 
 
-def test_small_messages_get_more_calls_per_repetition():
-    assert sweep.iters_at(8, 5) == 40  # capped at 8x
-    assert sweep.iters_at(64 << 10, 5) == 20
-    assert sweep.iters_at(256 << 10, 5) == 5
-    assert sweep.iters_at(256 << 20, 5) == 5
+def test_fast_calls_get_more_calls_per_repetition():
+    assert sweep.iters_for(100e-6, 5) == 201  # about 20 ms of calls
+    assert sweep.iters_for(1e-9, 5) == sweep.MAX_ITERS
+    assert sweep.iters_for(0.0, 5) == sweep.MAX_ITERS
+    assert sweep.iters_for(0.5, 5) == 5  # never fewer than asked
 
 
 def _row(backend, algorithm, nbytes, time_us):
