@@ -42,11 +42,12 @@ def test_fast_calls_get_more_calls_per_repetition():
     assert sweep.iters_for(0.5, 5) == 5  # never fewer than asked
 
 
-def _row(backend, algorithm, nbytes, time_us):
+def _row(backend, algorithm, nbytes, time_us, chosen=None):
     library = backend.split(":")[0]
     return {"collective": "allreduce", "world_size": 2, "dtype": "float32", "op": "sum",
             "backend": backend, "library": library, "bytes": nbytes,
-            "algorithm": algorithm if library == "ringcomm" else None, "time_us": time_us}
+            "algorithm": algorithm if library == "ringcomm" else None, "time_us": time_us,
+            "chosen": chosen}
 
 
 def test_the_target_summary_finds_the_worst_size_of_each_target():
@@ -55,7 +56,7 @@ def test_the_target_summary_finds_the_worst_size_of_each_target():
                                          (64 << 10, 300.0, 200.0, 200.0, 260.0),
                                          (1 << 20, 2000.0, 1000.0, 1000.0, 1300.0),
                                          (16 << 20, 20000.0, 14000.0, 12000.0, 16000.0)]:
-        rows += [_row("ringcomm", "auto", nbytes, auto),
+        rows += [_row("ringcomm", "auto", nbytes, auto, chosen="ring"),
                  _row("ringcomm:ring", "ring", nbytes, ring),
                  _row("ringcomm:rd", "rd", nbytes, rd), _row("gloo", None, nbytes, gloo)]
     got = {t["target"]: t for t in report.target_summary(rows)}
@@ -66,6 +67,10 @@ def test_the_target_summary_finds_the_worst_size_of_each_target():
     assert got["latency vs gloo, 8 B-4 KiB (time ratio)"]["worst"] == pytest.approx(2.5)
     auto = got["auto vs best algorithm (time ratio)"]
     assert (auto["at_bytes"], auto["met"]) == (16 << 20, False)  # 14000 / 12000 > 1.1
+    choice = got["chosen vs best algorithm, forced runs"]  # ring chosen; rd 1.5x faster at 8 B
+    assert (choice["at_bytes"], choice["worst"], choice["sizes_met"]) == (8, 1.5, 3)
+    same = got["noise: auto vs its own algorithm forced"]  # auto 40 against ring 60 at 8 B
+    assert (same["at_bytes"], same["worst"], same["sizes_met"]) == (8, 1.5, 2)  # 16 MiB: 1.17x
 
 
 def test_backends_parse_and_unknown_ones_are_named():
