@@ -14,7 +14,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from .common import format_size
+from .common import format_size, parse_size
 
 GroupKey = tuple[str, int, str, str]
 
@@ -288,10 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("json", type=Path)
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument("--markdown", action="store_true", help="print the README's tables")
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=None,
+                   help="only these sizes in the markdown tables (e.g. 8 64K 1M)")
     args = p.parse_args(argv)
     rows = json.loads(args.json.read_text())["rows"]
     if args.markdown:
-        print(markdown(rows))
+        print(markdown(rows, None if args.sizes is None else set(args.sizes)))
         return
     console = Console(width=None if sys.stdout.isatty() else 180)
     print_tables(rows, console)

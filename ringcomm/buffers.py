@@ -52,7 +52,8 @@ def dtype_name(code_or_dtype: int | np.dtype) -> str:
     if isinstance(code_or_dtype, int):
         known = 0 <= code_or_dtype < len(_DTYPES)
         return _DTYPES[code_or_dtype][0] if known else f"?{code_or_dtype}"
-    return DTYPE_NAMES.get(np.dtype(code_or_dtype), str(code_or_dtype))
+    name = DTYPE_NAMES.get(np.dtype(code_or_dtype))  # no str() unless unknown: it is slow
+    return name if name is not None else str(code_or_dtype)
 
 
 # --------------------------------------------------------------------------- reductions

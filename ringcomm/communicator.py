@@ -487,8 +487,9 @@ class Communicator:
                 "any more: create a new one", rank=self.rank, op=name,
             )
         schedule = make_schedule()
-        log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
-                  schedule.algorithm, dtype_name(dtype))
+        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
+            log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
+                      schedule.algorithm, dtype_name(dtype))
         if schedule.scratch:
             buffers = dict(buffers, scratch=self._scratch(dtype, schedule.scratch))
         ctx = OpContext(int(kind), seq, name, dtype, time.monotonic() + self.timeout, rop, arg)
