@@ -13,10 +13,12 @@ benchmark's own control channel: barriers, gathering times and error counts), a 
 communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
 ``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
 every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
-repetitions (``min`` the best), per call. A repetition runs at least ``--iters`` calls, and
-more for a fast backend, enough to last about 20 ms (``iters_for``, from the warm-up's pace):
-a small call takes a fraction of a millisecond, and one late wake-up on a busy core would
-otherwise decide the figure.
+repetitions (``min`` the best), per call. Each repetition starts with one untimed call of
+the backend itself: ranks leave the Gloo barrier before it up to milliseconds apart, and the
+first rank out would otherwise time the others' lateness. A repetition runs at least
+``--iters`` calls, and more for a fast backend, enough to last about 20 ms (``iters_for``,
+from the warm-up's pace): a small call takes a fraction of a millisecond, and one late
+wake-up on a busy core would otherwise decide the figure.
 
 Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
 (allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
@@ -342,6 +344,8 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     for rep in range(s.reps):
         for i in turn_order(len(backends), rep, salt=nbytes):
             dist.barrier()
+            runs[i]()  # lines the ranks up: they leave Gloo's barrier up to milliseconds apart
+            syncs[i]()
             times[i][rep] = _timed(runs[i], iters[i], syncs[i])
     wrong = [w + checked(i) for i, w in enumerate(wrong)]
 
