@@ -14,6 +14,7 @@ import pytest
 from mp_helpers import free_port
 
 import ringcomm
+from ringcomm import ArgumentError
 from ringcomm.channels import shm_ring
 from ringcomm.channels.pipe import Flusher, PipeReader, PipeWriter
 
@@ -173,3 +174,18 @@ def test_shared_memory_can_be_turned_off(monkeypatch):
 def test_tcp_between_local_ranks_uses_no_shared_memory():
     counters, _ = _check_sums(_run_pair(_allreduce_many, transport="tcp"))
     assert counters["shm"] == 0 and counters["pipe"] == 0, counters
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin_us", ["0", "2000"])
+def test_receives_are_right_without_a_spin_and_with_a_long_one(monkeypatch, spin_us):
+    monkeypatch.setenv("RINGCOMM_SPIN_US", spin_us)
+    counters, _ = _check_sums(_run_pair(_allreduce_many))
+    assert counters["pipe"] > 0, counters
+
+
+@pytest.mark.parametrize("bad", ["fast", "-5", "1e9"])
+def test_a_bad_spin_setting_is_refused_with_what_to_do(monkeypatch, bad):
+    monkeypatch.setenv("RINGCOMM_SPIN_US", bad)
+    with pytest.raises(ArgumentError, match="RINGCOMM_SPIN_US.*microseconds.*unset it"):
+        ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", timeout=10)

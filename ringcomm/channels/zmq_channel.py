@@ -68,6 +68,7 @@ _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an a
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
+DEFAULT_SPIN_US = 50  # a receive polls this long before it sleeps; RINGCOMM_SPIN_US overrides
 
 
 def host_identity() -> str:
@@ -104,6 +105,26 @@ class _Tracked:
         except zmq.NotDone:
             return False
         return True
+
+
+def spin_seconds() -> float:
+    """How long a receive polls without sleeping before it blocks in ``poll``. Waking a
+    process that sleeps costs tens of microseconds (more on a virtual machine, whose idle
+    CPU halts); a message that arrives within the spin is taken at once. The spin yields the
+    CPU on every turn, so ranks that share a core still run. ``RINGCOMM_SPIN_US`` sets it
+    (0 turns it off)."""
+    env = os.environ.get("RINGCOMM_SPIN_US")
+    if env is None or env == "":
+        return DEFAULT_SPIN_US / 1e6
+    try:
+        value = float(env)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise ArgumentError(f"RINGCOMM_SPIN_US={env!r} is not a number of microseconds "
+                            "from 0 to 1000000; unset it for the default "
+                            f"({DEFAULT_SPIN_US})")
+    return value / 1e6
 
 
 def shm_ring_bytes(local_peers: int) -> int:
@@ -170,6 +191,7 @@ class ZmqTransport(Transport):
         if shm is None:
             shm = os.environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
         self.shm = shm and shm_ring.available()
+        self.spin_s = spin_seconds()
         self._shm_capacity = 0
         self._token = uuid.uuid4().hex[:12]
         # payloads sent, by path: what a user checks to see shared memory at work
@@ -488,6 +510,7 @@ class ZmqTransport(Transport):
         connection and the deadline meanwhile."""
         control = self._peers[self.rank].pull
         probe_at = time.monotonic() + STALL_PROBE_S
+        spin_until = time.monotonic() + self.spin_s
         while True:
             # checked every time: the event may have been read by an earlier wait. A pipe
             # reports its writer's end itself (end-of-file after the last data).
@@ -507,7 +530,13 @@ class ZmqTransport(Transport):
                 if self.waiting_for is not None and not self.waiting_for.is_p2p:
                     self._send_probe(peer, self.waiting_for, op)
             wake = left if probe_at is None else min(left, probe_at - now)
-            events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
+            if now < spin_until:
+                events = dict(state.poller.poll(0))
+                if not events:
+                    os.sched_yield()
+                    continue
+            else:
+                events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
             if control in events:
                 self._on_control(control, op)
             if state.pull in events or (state.pipe_in is not None
