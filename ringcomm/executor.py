@@ -5,7 +5,8 @@ reduces segment ``k`` the channel is already moving segment ``k + 1``; receives 
 their message arrives. Zero-copy sends leave the buffer in the channel's hands until the
 bytes are out, so before a step writes a region the executor waits for any pending send
 that reads overlapping memory, and before the op returns it waits for all of them: the
-caller may then reuse its buffers at once.
+caller may then reuse its buffers at once. Independent receives from several peers (an
+all-to-all's blocks) are taken in the order their messages arrive.
 
 A fused receive-reduce-send asks the transport for the outgoing buffer first (shared
 memory, where it has some) and reduces into it, so a partial sum is written once instead of
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,7 +129,9 @@ def run_schedule(
         received[peer] += 1
         return header
 
-    for index, step in enumerate(schedule.steps):
+    steps, runs = schedule.steps, schedule.receive_runs
+    for index in _step_order(steps, runs, transport) if runs else range(len(steps)):
+        step = steps[index]
         started = time.perf_counter() if trace is not None else 0.0
         kind, peer = step.kind, step.peer
         try:
@@ -167,7 +171,7 @@ def run_schedule(
         except CommTimeout as err:
             raise CommTimeout(
                 f"{err.detail}; the step was: {step.describe()} "
-                f"(step {index} of {len(schedule.steps)} of {schedule.algorithm} "
+                f"(step {index} of {len(steps)} of {schedule.algorithm} "
                 f"{schedule.collective}). Check that every rank runs this op, or raise the "
                 "timeout.",
                 rank=rank, op=ctx.name, peer=err.peer,
@@ -183,3 +187,31 @@ def run_schedule(
             "Check that every rank runs this op, or raise the timeout.",
             rank=rank, op=ctx.name, peer=err.peer,
         ) from None
+
+
+def _step_order(steps: tuple[Step, ...], runs: dict[int, int],
+                transport: Transport) -> Iterator[int]:
+    """Step indices in the order to run them: schedule order, except that within a run of
+    independent receives (``Schedule.receive_runs``) the next one taken is from a peer whose
+    message is already here, each peer's receives kept in their order. When none is here
+    it waits in schedule order, as without runs. Consumed lazily, so every choice sees
+    what arrived while the previous step ran."""
+    index = 0
+    while index < len(steps):
+        end = runs.get(index)
+        if end is None:
+            yield index
+            index += 1
+            continue
+        by_peer: dict[int, deque[int]] = {}
+        for i in range(index, end):
+            by_peer.setdefault(steps[i].peer, deque()).append(i)
+        while by_peer:
+            first = min(by_peer, key=lambda p: by_peer[p][0])
+            others = (p for p in by_peer if p != first)
+            peer = next((p for p in (first, *others) if transport.ready(p)), first)
+            queue = by_peer[peer]
+            yield queue.popleft()
+            if not queue:
+                del by_peer[peer]
+        index = end

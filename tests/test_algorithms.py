@@ -366,3 +366,55 @@ def test_a_rank_that_never_joins_gives_timeouts_not_hangs():
     for err in results[:2]:
         assert isinstance(err, (CommTimeout, RemoteError)), err
     assert any(isinstance(e, CommTimeout) and "rank" in str(e) for e in results[:2])
+
+
+def test_independent_receives_form_runs_and_dependent_ones_do_not():
+    # all-to-all and a gather's root: every receive is independent of the others
+    a2a = direct.alltoall(0, 4, (4,) * 4, (4,) * 4, 2)
+    assert a2a.receive_runs == {7: 13}  # 3 peers x 2 segments, after 6 sends and the copy
+    assert direct.gather(2, 4, 2, 5, 100).receive_runs == {1: 4}
+    # a lone peer's segments, or schedules with no two receives in a row: nothing to reorder
+    assert direct.recv(0, 2, 1, 10, 2).receive_runs == {}
+    for schedule in (ring.allreduce(1, 4, 40, 3), ring.allgather(1, 4, (5,) * 4, 2),
+                     direct.gather(1, 4, 2, 5, 100)):
+        assert schedule.receive_runs == {}, schedule
+
+
+def test_overlapping_receives_keep_their_order():
+    from ringcomm.algorithms.schedule import Region, StepList
+
+    steps = StepList()
+    steps.recv(1, Region("output", 0, 4))
+    steps.recv(2, Region("output", 2, 4))  # overlaps the first: order matters
+    assert steps.build("x", "y", 0, 3).receive_runs == {}
+    steps = StepList()
+    steps.recv(1, Region("output", 0, 4))
+    steps.recv(2, Region("output", 4, 4))
+    assert steps.build("x", "y", 0, 3).receive_runs == {0: 2}
+    assert "steps 0-1: receives taken in the order they arrive" in str(steps.build("x", "y", 0, 3))
+
+
+def test_alltoall_takes_blocks_in_the_order_they_arrive():
+    """Rank 0 reads rank 3's block first in schedule order; with rank 3 late, it takes the
+    blocks of ranks 1 and 2 meanwhile instead of waiting, and the result is the same."""
+    import time
+
+    trace = []
+
+    def fn(comm):
+        if comm.rank == 0:
+            time.sleep(0.2)  # ranks 1 and 2 have sent by now
+        if comm.rank == 3:
+            time.sleep(0.6)
+        x = data(comm.rank, 4 * 6)
+        out = np.empty(4 * 6)
+        comm.alltoall(out, x)
+        return out
+
+    results = run_group(4, fn, segment_bytes=16, trace=trace)
+    for rank, out in enumerate(results):
+        expected = np.concatenate([data(src, 24)[rank * 6:(rank + 1) * 6] for src in range(4)])
+        np.testing.assert_array_equal(out, expected)
+    order = [e.step.peer for e in trace if e.rank == 0 and e.step.kind is Kind.RECV]
+    assert sorted(order) == [1] * 3 + [2] * 3 + [3] * 3  # 6 elements in segments of 2
+    assert order[-3:] == [3, 3, 3], order  # the late rank's segments come last

@@ -76,6 +76,23 @@ def test_a_pipe_takes_more_than_it_holds_without_blocking_and_ends_with_eof(tmp_
     assert not os.path.exists(reader.path)
 
 
+def test_a_pipe_says_whether_data_is_waiting_without_taking_it(tmp_path):
+    reader = PipeReader(str(tmp_path / "fifo"))
+    flusher = Flusher()
+    writer = PipeWriter(reader.path, flusher)
+    assert not reader.has(1)
+    writer.write(b"abc")
+    assert reader.has(3) and not reader.has(4)
+    assert reader.take(3) == b"abc"  # nothing was consumed by looking
+    assert not reader.has(1)
+    writer.close()
+    flusher.stop()
+    assert reader.has(1)  # the writer is gone: a take would say so at once
+    with pytest.raises(EOFError):
+        reader.take(1)
+    reader.close()
+
+
 def _run_pair(fn, **init_kw):
     """Run ``fn(comm)`` on ranks 0 and 1 (threads) and return their results."""
     port = free_port()

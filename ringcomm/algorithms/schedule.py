@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
+from itertools import pairwise
 
 
 class Kind(Enum):
@@ -99,7 +101,27 @@ class Schedule:
             f"{len(self.steps)} steps"
         )
         lines = [head] + [f"  {i:4d}  {s.describe()}" for i, s in enumerate(self.steps)]
+        lines += [f"  steps {i}-{j - 1}: receives taken in the order they arrive"
+                  for i, j in self.receive_runs.items()]
         return "\n".join(lines)
+
+    @cached_property
+    def receive_runs(self) -> dict[int, int]:
+        """Runs of plain receives that may complete in any order: start index -> end index
+        (exclusive). A run is two or more consecutive ``RECV`` steps from more than one peer
+        into regions that do not overlap (the blocks of an all-to-all, a gather's root). The
+        executor takes such receives in the order their messages arrive, keeping each
+        peer's own order, so a rank is not held up by the one peer that is late."""
+        runs, steps, i = {}, self.steps, 0
+        while i < len(steps):
+            j = i
+            while j < len(steps) and steps[j].kind is Kind.RECV:
+                j += 1
+            if j - i >= 2 and len({s.peer for s in steps[i:j]}) > 1 and \
+                    _disjoint([s.dst for s in steps[i:j]]):
+                runs[i] = j
+            i = max(j, i + 1)
+        return runs
 
     def messages(self) -> tuple[int, int]:
         """(messages sent, elements sent): what the cost model and the teaching views count."""
@@ -135,3 +157,9 @@ class StepList:
         self, collective: str, algorithm: str, rank: int, world_size: int, scratch: int = 0
     ) -> Schedule:
         return Schedule(collective, algorithm, rank, world_size, tuple(self.steps), scratch)
+
+
+def _disjoint(regions: list[Region]) -> bool:
+    """Whether no two of ``regions`` share an element."""
+    spans = sorted((r.buf, r.offset, r.offset + r.count) for r in regions)
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in pairwise(spans))

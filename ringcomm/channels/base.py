@@ -70,6 +70,11 @@ class Transport(abc.ABC):
     def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
         """Receive the payload straight into ``out``; return its size in bytes."""
 
+    def _peek(self, peer: int) -> bool:
+        """Whether a message from ``peer`` can be read without waiting; False where the
+        transport cannot tell cheaply (receives then go in schedule order)."""
+        return False
+
     def reserve(self, peer: int, nbytes: int) -> np.ndarray | None:
         """A writable ``nbytes`` buffer (uint8) that the next ``send_reserved`` to ``peer``
         delivers without copying it again, or None where the transport has none (then
@@ -108,6 +113,12 @@ class Transport(abc.ABC):
             self._recv_payload_into(peer, target)
         else:
             self._recv_payload(peer)
+
+    def ready(self, peer: int, p2p: bool = False) -> bool:
+        """Whether a receive from ``peer`` would find a message waiting: a hint for taking
+        independent receives in arrival order, never a promise (the message may belong to
+        the other stream, or be an abort that the receive then raises)."""
+        return bool(self._stash[peer][int(p2p)]) or self._peek(peer)
 
     def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer. Transports

@@ -74,6 +74,10 @@ class InMemoryTransport(Transport):
                                       op=op, peer=peer)
                 box.cond.wait(left)
 
+    def _peek(self, peer: int) -> bool:
+        with self._box.cond:
+            return bool(self._box.queues[peer])
+
     def _recv_payload(self, peer: int) -> Any:
         data, self._current[peer] = self._current[peer], None
         return data

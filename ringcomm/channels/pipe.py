@@ -69,6 +69,20 @@ class PipeReader:
             self._off = 0
         return out
 
+    def has(self, n: int) -> bool:
+        """Whether ``take(n)`` would return data now (or raise: the writer is gone). Reads
+        what has arrived into the buffer without consuming any of it."""
+        buf = self._buf
+        while len(buf) - self._off < n:
+            try:
+                chunk = os.read(self.fd, max(_READ_BYTES, n - (len(buf) - self._off)))
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            buf += chunk
+        return True
+
     def unlink(self) -> None:
         """Remove the name once both ends are open; the pipe lives on until they close."""
         with contextlib.suppress(OSError):

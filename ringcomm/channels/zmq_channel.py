@@ -353,6 +353,12 @@ class ZmqTransport(Transport):
             lines.append(f"rank {self.rank} -> rank {peer}: {how}")
         return "\n".join(lines) or f"rank {self.rank}: no peers"
 
+    def _peek(self, peer: int) -> bool:
+        state = self._peers[peer]
+        if state.pipe_in is not None:
+            return state.pipe_in.has(1 + HEADER_SIZE)
+        return state.pull is not None and bool(state.pull.poll(0))
+
     def reserve(self, peer: int, nbytes: int) -> np.ndarray | None:
         """A slot of the shared-memory ring to ``peer`` (payloads of 64 KiB and more)."""
         state = self._peers[peer]
