@@ -52,6 +52,22 @@ def test_a_full_ring_refuses_until_the_reader_releases_and_never_wraps_a_payload
     reader.close()
 
 
+def test_a_drained_ring_starts_over_at_the_front_so_it_reuses_warm_pages():
+    writer, reader = _pair(4096)
+    for value in range(20):  # 20 x 1 KiB through a 4 KiB ring, each read before the next
+        start, view = writer.reserve(1000)
+        assert start % 4096 == 0, start  # always the same, already mapped, memory
+        view[:] = value
+        assert (reader.view(start, 1000) == value).all()
+        reader.release(start, 1000)
+    first, _ = writer.reserve(1000)  # not drained: the next payload goes after it
+    second, _ = writer.reserve(1000)
+    assert second % 4096 == 1024 and second - first == 1024
+    assert writer.reserve(4000) is None  # and the one in flight is not overwritten
+    writer.close()
+    reader.close()
+
+
 def test_a_pipe_takes_more_than_it_holds_without_blocking_and_ends_with_eof(tmp_path):
     reader = PipeReader(str(tmp_path / "fifo"))
     flusher = Flusher()
