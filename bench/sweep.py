@@ -17,8 +17,10 @@ repetitions (``min`` the best), per call. Each repetition starts with one untime
 the backend itself: ranks leave the Gloo barrier before it up to milliseconds apart, and the
 first rank out would otherwise time the others' lateness. A repetition runs at least
 ``--iters`` calls, and more for a fast backend, enough to last about 20 ms (``iters_for``,
-from the warm-up's pace): a small call takes a fraction of a millisecond, and one late
-wake-up on a busy core would otherwise decide the figure.
+from the pace of a second warm-up round): a small call takes a fraction of a millisecond,
+and one late wake-up on a busy core would otherwise decide the figure. ringcomm's automatic
+choice and its forced algorithms run the same number of calls (``iters_per_backend``), so
+they are compared like for like.
 
 Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one rank holds
 (allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
@@ -291,6 +293,19 @@ def iters_for(seconds_per_call: float, iters: int) -> int:
     return max(iters, min(MAX_ITERS, int(REP_SECONDS / seconds_per_call) + 1))
 
 
+def iters_per_backend(libraries: list[str], paces: list[float], iters: int) -> list[int]:
+    """Calls per repetition for each backend, from its warmed-up time per call (``paces``).
+    Backends of one library (ringcomm's automatic choice and its forced algorithms) share
+    one count, from their median pace: what a repetition costs beyond its calls (the last
+    rank to arrive, the final sync) is then spread over the same number of calls, and an
+    algorithm is not charged more of it for having been measured slower while warming up."""
+    shared = {}
+    for lib in set(libraries):
+        mine = sorted(p for p, other in zip(paces, libraries, strict=True) if other == lib)
+        shared[lib] = iters_for(mine[len(mine) // 2], iters)
+    return [shared[lib] for lib in libraries]
+
+
 def _timed(run: Any, iters: int, sync: Any) -> float:
     start = time.perf_counter()
     for _ in range(iters):
@@ -336,10 +351,14 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     for bufs in {id(b): b for b in bufs_of}.values():
         bufs.steady(op)
     pace = torch.zeros(len(backends), dtype=torch.float64)
-    for i in range(len(backends)):
-        pace[i] = _timed(runs[i], s.warmup, syncs[i]) if s.warmup else 0.0
+    if s.warmup:
+        for i in range(len(backends)):  # the first calls after the checks run cold
+            _timed(runs[i], s.warmup, syncs[i])
+        for i in range(len(backends)):
+            pace[i] = _timed(runs[i], s.warmup, syncs[i])
     dist.all_reduce(pace, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
-    iters = [iters_for(p, s.iters) if s.warmup else s.iters for p in pace.tolist()]
+    iters = (iters_per_backend([b.library for b in backends], pace.tolist(), s.iters)
+             if s.warmup else [s.iters] * len(backends))
     times = [[0.0] * s.reps for _ in backends]
     for rep in range(s.reps):
         for i in turn_order(len(backends), rep, salt=nbytes):

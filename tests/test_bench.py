@@ -42,6 +42,14 @@ def test_fast_calls_get_more_calls_per_repetition():
     assert sweep.iters_for(0.5, 5) == 5  # never fewer than asked
 
 
+def test_backends_of_one_library_share_their_calls_per_repetition():
+    libraries = ["ringcomm", "ringcomm", "ringcomm", "gloo"]
+    paces = [400e-6, 100e-6, 100e-6, 2e-3]  # the automatic choice warmed up slowly
+    iters = sweep.iters_per_backend(libraries, paces, 5)
+    assert iters[0] == iters[1] == iters[2] == sweep.iters_for(100e-6, 5)
+    assert iters[3] == sweep.iters_for(2e-3, 5)
+
+
 def _row(backend, algorithm, nbytes, time_us, chosen=None):
     library = backend.split(":")[0]
     return {"collective": "allreduce", "world_size": 2, "dtype": "float32", "op": "sum",
