@@ -50,15 +50,9 @@ class PipeReader:
     def take(self, n: int) -> bytes | None:
         """The next ``n`` bytes, or None if they have not all arrived yet (what has is kept).
         Raises EOFError once the writer is gone and everything it wrote has been read."""
+        if not self._fill(n):
+            return None
         buf = self._buf
-        while len(buf) - self._off < n:
-            try:
-                chunk = os.read(self.fd, max(_READ_BYTES, n - (len(buf) - self._off)))
-            except BlockingIOError:
-                return None
-            if not chunk:
-                raise EOFError(self.path)
-            buf += chunk
         out = bytes(buf[self._off:self._off + n])
         self._off += n
         if self._off == len(buf):
@@ -72,6 +66,14 @@ class PipeReader:
     def has(self, n: int) -> bool:
         """Whether ``take(n)`` would return data now (or raise: the writer is gone). Reads
         what has arrived into the buffer without consuming any of it."""
+        try:
+            return self._fill(n)
+        except EOFError:
+            return True
+
+    def _fill(self, n: int) -> bool:
+        """Read what has arrived until ``n`` bytes are buffered; False if they are not all
+        here yet, EOFError if the writer is gone before they are."""
         buf = self._buf
         while len(buf) - self._off < n:
             try:
@@ -79,7 +81,7 @@ class PipeReader:
             except BlockingIOError:
                 return False
             if not chunk:
-                return True
+                raise EOFError(self.path)
             buf += chunk
         return True
 
