@@ -543,11 +543,14 @@ class ZmqTransport(Transport):
                     continue
             else:
                 events = dict(state.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
-            if control in events:
-                self._on_control(control, op)
+            # data first: a peer's message sent before another rank's abort may arrive with
+            # it, and the op it belongs to can still finish (the abort stays queued for the
+            # next wait, so the op after it raises)
             if state.pull in events or (state.pipe_in is not None
                                         and state.pipe_in.fd in events):
                 return
+            if control in events:
+                self._on_control(control, op)
             if state.monitor in events:
                 self._monitor_event(peer, state)
 
