@@ -114,11 +114,11 @@ class Transport(abc.ABC):
         else:
             self._recv_payload(peer)
 
-    def ready(self, peer: int, p2p: bool = False) -> bool:
-        """Whether a receive from ``peer`` would find a message waiting: a hint for taking
-        independent receives in arrival order, never a promise (the message may belong to
-        the other stream, or be an abort that the receive then raises)."""
-        return bool(self._stash[peer][int(p2p)]) or self._peek(peer)
+    def ready(self, peer: int) -> bool:
+        """Whether a collective's receive from ``peer`` would find a message waiting: a hint
+        for taking independent receives in arrival order, never a promise (the message may
+        be point-to-point, or an abort that the receive then raises)."""
+        return bool(self._stash[peer][0]) or self._peek(peer)
 
     def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer. Transports

@@ -73,22 +73,20 @@ class RingWriter:
     def reserve(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         """Room for ``nbytes``: its ring position and a writable view, or None if full."""
         size = -(-nbytes // _ALIGN) * _ALIGN
-        start, pos = self._head, self._head % self.capacity
-        if pos and start == int(self._tail[0]):
-            # drained: start over at the front, whose pages this process and the reader
-            # have mapped already (a first touch costs microseconds per 4 KiB page)
-            start += self.capacity - pos
-            if size > self.capacity:
-                return None
-            # the skipped end is owed by nobody: the reader has released everything and
-            # writes ``tail`` again only after it has read a payload sent after this one
-            self._tail[0] = start
-            self._head = start + size
-            return start, self._data[:nbytes]
-        if pos + size > self.capacity:  # skip the end of the ring rather than wrap
+        if size > self.capacity:
+            return None
+        start, pos, tail = self._head, self._head % self.capacity, int(self._tail[0])
+        drained = start == tail
+        # skip the end of the ring rather than wrap; a drained ring skips it too, to start
+        # over at the front, whose pages both processes have mapped already
+        if pos and (drained or pos + size > self.capacity):
             start += self.capacity - pos
             pos = 0
-        if start + size - int(self._tail[0]) > self.capacity:
+            if drained:
+                # the skipped end is owed by nobody: the reader has released everything and
+                # writes ``tail`` again only after it has read a payload sent after this one
+                self._tail[0] = tail = start
+        if start + size - tail > self.capacity:
             return None
         self._head = start + size
         return start, self._data[pos: pos + nbytes]

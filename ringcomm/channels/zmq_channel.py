@@ -515,8 +515,8 @@ class ZmqTransport(Transport):
         """Wait until ``peer``'s socket or pipe has data, handling aborts, probes, a lost
         connection and the deadline meanwhile."""
         control = self._peers[self.rank].pull
-        probe_at = time.monotonic() + STALL_PROBE_S
-        spin_until = time.monotonic() + self.spin_s
+        started = time.monotonic()
+        probe_at, spin_until = started + STALL_PROBE_S, started + self.spin_s
         while True:
             # checked every time: the event may have been read by an earlier wait. A pipe
             # reports its writer's end itself (end-of-file after the last data).
