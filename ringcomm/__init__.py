@@ -6,14 +6,18 @@
 
 A collective is a *schedule* (``ringcomm.algorithms``), executed over *channels*
 (``ringcomm.channels``) by the executor; ``print(schedule)`` shows it step by step.
+
+``import ringcomm`` is cheap on purpose: it loads only the errors. ``Communicator``, ``Work``
+and ``init`` (which need numpy, pyzmq and ml_dtypes) load on first use, so importing
+ringcomm never imports torch or zmq, no import order forms a cycle, and a missing dependency
+is reported by name when it is needed (``MissingDependencyError``), not by a failed import.
 """
 
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .communicator import Communicator, Work
 from .errors import (
     ArgumentError,
     CommAborted,
@@ -25,9 +29,38 @@ from .errors import (
     StoreError,
     StoreTimeout,
 )
-from .rendezvous import init
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from .communicator import Communicator, Work
+    from .rendezvous import init
+
+from ._version import __version__ as __version__  # noqa: E402 - written in one place
+
+# names loaded on first use (PEP 562) -> the module that defines them
+_LAZY = {"Communicator": "communicator", "Work": "communicator", "init": "rendezvous"}
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``Communicator``, ``Work`` and ``init`` (and submodules) on first access.
+
+    Why lazily: they import numpy and zmq, which ``import ringcomm`` (and so the torch entry
+    point) must not. A missing dependency raises ``MissingDependencyError`` naming it.
+    """
+    from ._support import import_core
+
+    if name in _LAZY:
+        value = getattr(import_core(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    # `import ringcomm; ringcomm.algorithms` worked when the package imported everything
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return import_core(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """List the lazy names too, as if they were loaded."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _register_torch_backend() -> None:
@@ -36,10 +69,11 @@ def _register_torch_backend() -> None:
     Registering needs torch.distributed, and importing torch costs seconds that users of
     the core alone should not pay. So: register now if torch is already loaded, else right
     after it loads (the ``torch.backends`` entry point does that too, where ringcomm is
-    installed and autoloading is on; registering twice is harmless).
+    installed and autoloading is on; registering twice is harmless). Both go through
+    ``ringcomm.torch_entry``, which loads the backend itself only when a group is created.
     """
-    if "torch.distributed" in sys.modules:
-        from .torch_backend import _autoload
+    if sys.modules.get("torch") is not None:
+        from .torch_entry import _autoload
 
         _autoload()
     elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):

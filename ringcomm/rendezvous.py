@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 
+from ._support import check_platform
 from .channels.zmq_channel import ZmqTransport
 from .communicator import Communicator, env_int
 from .errors import ArgumentError, CommError
@@ -41,6 +42,7 @@ def init(
     ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
     the local end of a route to the store's host).
     """
+    check_platform()  # Linux only: say so before anything else
     rank = rank if rank is not None else env_int("RANK")
     world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
     if rank is None or world_size is None:

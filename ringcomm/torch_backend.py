@@ -690,17 +690,19 @@ def _create(opts: Any, backend_options: Any = None) -> RingcommProcessGroup:
 
 
 def register() -> None:
-    """Make ``"ringcomm"`` a ``torch.distributed`` backend (idempotent)."""
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                  devices=["cpu", "cuda"])
+    """Make ``"ringcomm"`` a ``torch.distributed`` backend (idempotent).
+
+    Through ``ringcomm.torch_entry``, so every registration (import, entry point, this) installs
+    the same light creator, which loads this module only when a group is created.
+    """
+    from .torch_entry import register
+
+    register()
 
 
 def _autoload() -> None:
-    """Entry point in the ``torch.backends`` group, called by ``import torch``.
+    """The old ``torch.backends`` entry point, kept for installs whose metadata still names it
+    (reinstall to switch to ``ringcomm.torch_entry:_autoload``). Never raises."""
+    from .torch_entry import _autoload
 
-    It must never raise: torch turns an exception here into a failed ``import torch``."""
-    try:
-        register()
-    except Exception:  # noqa: BLE001 - see the docstring
-        log.warning("could not register the ringcomm torch.distributed backend",
-                    exc_info=True)
+    _autoload()

@@ -43,7 +43,7 @@ def ranks():
 def test_registered_by_import_and_by_the_entry_point_without_it(tmp_path):
     assert "RINGCOMM" in dist.Backend._plugins  # this module imported ringcomm
     installed = [e.value for e in entry_points(group="torch.backends") if e.name == "ringcomm"]
-    assert installed == ["ringcomm.torch_backend:_autoload"], (
+    assert installed == ["ringcomm.torch_entry:_autoload"], (
         "the torch.backends entry point is not installed: reinstall ringcomm "
         "(pip install -e .), pyproject.toml declares it")
 

@@ -1,0 +1,191 @@
+"""Importing torch never breaks because of ringcomm, in any import order.
+
+Every order runs in a fresh interpreter: torch calls the ``torch.backends`` entry point from
+inside ``import torch``, once per process, so only a new process shows what a user sees. The
+entry point (``ringcomm.torch_entry``) must load nothing heavy and must never raise; the
+backend itself (``ringcomm.torch_backend``) loads when a group is created, and a missing
+dependency or an unsupported platform is reported there, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+import ringcomm
+from ringcomm import _support, torch_entry
+
+# a `-c` prelude that makes one top-level package unimportable, as if it were not installed
+BLOCK = """
+import importlib.abc, sys
+class _Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == {top!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, _Missing())
+"""
+
+# registered, through the light creator, and the heavy backend module not loaded yet
+CHECK_REGISTERED = """
+import sys, torch.distributed as dist
+plugin = dist.Backend._plugins["RINGCOMM"]
+assert "ringcomm" in dist.Backend.backend_list, dist.Backend.backend_list
+assert plugin.creator_fn.__module__ == "ringcomm.torch_entry", plugin.creator_fn
+assert "ringcomm.torch_backend" not in sys.modules or {backend_loaded!r}
+print("registered")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(code: str, tmp_path, autoload: str = "1") -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (outside the checkout, so the installed ringcomm
+    and its entry point are what is imported); fail with its output if it fails."""
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "could not register" not in proc.stderr, proc.stderr
+    return proc
+
+
+# --------------------------------------------------------------------------- import orders
+
+
+@pytest.mark.timeout(70)
+def test_importing_the_backend_module_first(tmp_path):
+    """Was an import cycle: the entry point ran on a half-initialised torch_backend and
+    ``import torch`` raised "Failed to load the backend extension: ringcomm"."""
+    code = "import ringcomm.torch_backend\n" + CHECK_REGISTERED.format(backend_loaded=True)
+    assert _run(code, tmp_path).stdout.split() == ["registered"]
+
+
+@pytest.mark.timeout(70)
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_torch_then_ringcomm(tmp_path, autoload):
+    """Registered by the entry point, or (autoload off) by ``import ringcomm`` itself."""
+    code = "import torch\nimport ringcomm\n" + CHECK_REGISTERED.format(backend_loaded=False)
+    assert _run(code, tmp_path, autoload).stdout.split() == ["registered"]
+
+
+@pytest.mark.timeout(70)
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_ringcomm_then_torch(tmp_path, autoload):
+    """``import ringcomm`` loads no torch; the hook registers right after ``import torch``."""
+    code = ("import sys, ringcomm\nassert 'torch' not in sys.modules\nimport torch\n"
+            + CHECK_REGISTERED.format(backend_loaded=False))
+    assert _run(code, tmp_path, autoload).stdout.split() == ["registered"]
+
+
+@pytest.mark.timeout(70)
+def test_the_entry_point_registers_without_importing_ringcomm(tmp_path):
+    installed = [e.value for e in entry_points(group="torch.backends") if e.name == "ringcomm"]
+    assert installed == ["ringcomm.torch_entry:_autoload"], (
+        "the installed torch.backends entry point is stale: reinstall ringcomm "
+        "(pip install -e .), pyproject.toml declares it")
+    code = (CHECK_REGISTERED.format(backend_loaded=False)
+            + "print(sorted(m for m in ('zmq', 'ml_dtypes') if m in sys.modules))")
+    assert _run(code, tmp_path).stdout.split() == ["registered", "[]"]
+
+
+@pytest.mark.timeout(70)
+def test_import_ringcomm_is_cheap(tmp_path):
+    """No zmq, torch or numpy on ``import ringcomm``; the lazy names still resolve."""
+    code = """
+import sys, ringcomm
+print(sorted(m for m in ("zmq", "torch", "numpy", "ml_dtypes") if m in sys.modules))
+assert {"Communicator", "Work", "init"} <= set(dir(ringcomm)), dir(ringcomm)
+assert ringcomm.Communicator.__module__ == "ringcomm.communicator"
+assert ringcomm.Work.__module__ == "ringcomm.communicator"
+assert ringcomm.init.__module__ == "ringcomm.rendezvous"
+assert ringcomm.algorithms.__name__ == "ringcomm.algorithms"  # submodules as before
+from ringcomm import *  # noqa
+assert init is ringcomm.init
+try:
+    ringcomm.no_such_name
+except AttributeError:
+    print("ok")
+"""
+    assert _run(code, tmp_path).stdout.split() == ["[]", "ok"]
+
+
+# --------------------------------------------------------------------------- a missing dependency
+
+
+@pytest.mark.timeout(70)
+@pytest.mark.parametrize("top,package", [("zmq", "pyzmq"), ("numpy", "numpy"),
+                                         ("ml_dtypes", "ml_dtypes")])
+def test_a_missing_dependency_leaves_import_torch_clean(tmp_path, top, package):
+    """``import torch`` works and registers the backend; ``ringcomm.init`` and
+    ``init_process_group("ringcomm")`` say which package to install."""
+    port, port2 = _free_port(), _free_port()
+    code = BLOCK.format(top=top) + f"""
+import json, sys
+import torch
+import torch.distributed as dist
+import ringcomm
+assert "RINGCOMM" in dist.Backend._plugins
+errors = []
+try:
+    ringcomm.init(rank=0, world_size=1, store="127.0.0.1:{port}")
+except ImportError as e:
+    errors.append([type(e).__name__, str(e)])
+try:
+    dist.init_process_group("ringcomm", rank=0, world_size=1,
+                            init_method="tcp://127.0.0.1:{port2}")
+except ImportError as e:
+    errors.append([type(e).__name__, str(e)])
+print(json.dumps(errors))
+"""
+    proc = _run(code, tmp_path)
+    assert "Failed to load the backend extension" not in proc.stderr, proc.stderr
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errors) == 2, proc.stdout
+    for kind, message in errors:
+        assert kind == "MissingDependencyError"
+        assert f"ringcomm needs {package}" in message and f"pip install {package}" in message
+        assert "pip install ringcomm" in message
+
+
+# --------------------------------------------------------------------------- in process
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("platform", ["darwin", "win32"])
+def test_an_unsupported_platform_is_named_before_anything_else(monkeypatch, platform):
+    monkeypatch.setattr(sys, "platform", platform)
+    port = _free_port()
+    with pytest.raises(_support.UnsupportedPlatformError, match="Linux only") as info:
+        ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{port}")
+    assert isinstance(info.value, ringcomm.CommError) and platform in str(info.value)
+    with socket.socket() as s:  # nothing was started: the store's port is still free
+        s.bind(("127.0.0.1", port))
+    with pytest.raises(_support.UnsupportedPlatformError):  # torch's creator: the same
+        torch_entry._create(object())
+
+
+@pytest.mark.timeout(20)
+def test_the_entry_point_never_raises(monkeypatch, caplog):
+    import torch.distributed as dist
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("registry is broken")
+
+    monkeypatch.setattr(dist.Backend, "register_backend", broken)
+    torch_entry._autoload()  # an exception here would break every `import torch`
+    assert "could not register" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    torch_entry._autoload()  # torch without distributed: nothing to register, nothing said
+    assert caplog.text == ""
