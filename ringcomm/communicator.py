@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,13 +39,14 @@ import numpy as np
 from . import cost
 from .algorithms import ALLREDUCE, direct, ring, rooted
 from .algorithms.schedule import Schedule
-from .buffers import ReduceOp, dtype_name, flat_view, reduce_op
+from .buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
 from .channels.base import Transport
-from .channels.header import OpKind
-from .cost import DEFAULT_SEGMENT_BYTES
+from .channels.header import OpDescriptor, OpKind, algorithm_code, reduce_code
 from .errors import ArgumentError, CommAborted, CommError, CommTimeout, RemoteError
 from .executor import OpContext, TraceEvent, run_schedule
 from .p2p import P2PEngine, P2POp
+from .settings import Settings
+from .topology import Topology
 
 log = logging.getLogger("ringcomm")
 
@@ -110,11 +112,32 @@ def _names_bad_input(method: Callable) -> Callable:
     return checked
 
 
+@dataclass(frozen=True, slots=True)
+class _Collective:
+    """A collective on its way to the worker: the op as the wire sees it (less the
+    algorithm, which the schedule names), its buffers, and how to build its schedule."""
+
+    kind: OpKind
+    dtype: np.dtype
+    buffers: dict[str, np.ndarray]
+    result: Any
+    make_schedule: Callable[[], Schedule]
+    reduce: ReduceOp | None = None
+    arg: int = -1
+    count: int = 0
+    segment: int = 0  # bytes: the agreed setting, whatever the dtype makes of it
+    send_counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
+
+
 class Communicator:
     """A group of ``world_size`` ranks, seen from ``rank``, over a ``Transport``.
 
-    Build one with ``ringcomm.init`` (which does the rendezvous); tests build them directly
-    over in-memory transports.
+    Build one with ``ringcomm.init``, which does the rendezvous and hands it the
+    ``settings`` and the ``topology`` that every rank agreed on there. Groups inside one
+    process (tests, ``ringcomm.local``) build them directly over in-memory transports,
+    where every rank reads the same environment; ``segment_bytes`` overrides the agreed
+    segment size (every rank must pass the same).
     """
 
     def __init__(
@@ -122,16 +145,21 @@ class Communicator:
         transport: Transport,
         *,
         timeout: float = 300.0,
+        settings: Settings | None = None,
+        topology: Topology | None = None,
         segment_bytes: int | None = None,
         on_close: Sequence[Callable[[], None]] = (),
     ) -> None:
-        if segment_bytes is None:  # the tuned size if `ringcomm tune` has run here
-            segment_bytes = cost.load_profile().segment_bytes or DEFAULT_SEGMENT_BYTES
+        settings = settings or Settings.local(segment_bytes=segment_bytes)
+        if segment_bytes is None:
+            segment_bytes = settings.segment_bytes
         if segment_bytes <= 0:
             raise ArgumentError(f"segment_bytes must be positive, got {segment_bytes}")
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
+        self.settings = settings
+        self.topology = topology or Topology.single_host(self.world_size)
         self.timeout = float(timeout)
         self.segment_bytes = int(segment_bytes)
         self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
@@ -156,38 +184,44 @@ class Communicator:
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``) forces one, as does the
-        environment variable ``RINGCOMM_ALGO``; by default the cost model picks the cheapest
-        for this size (``ringcomm.cost``). Every rank must make the same choice: the
-        automatic one does, since it depends only on the size, the dtype and the world.
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``) forces one for this
+        call, as ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all; by
+        default the cost model picks the cheapest for this size (``ringcomm.cost``). The
+        automatic choice is a function of the size, the dtype, the settings agreed at init
+        and the table of every rank's host and cores, so it is the same on every rank; a
+        forced one that differs between ranks is caught at the first message.
         """
         data = flat_view(x, name="x")
         rop = reduce_op(op, data.dtype)
         seg = self._segment(data)
-        name = self._allreduce_algorithm(algorithm, data)
-        make = ALLREDUCE[name]
-        return self._submit(
-            OpKind.ALLREDUCE, data.dtype, {"data": data}, x, async_op, rop,
+        make = ALLREDUCE[self.allreduce_algorithm(data.nbytes, data.itemsize, algorithm)]
+        return self._submit(_Collective(
+            OpKind.ALLREDUCE, data.dtype, {"data": data}, x,
             lambda: make(self.rank, self.world_size, data.size, seg),
-        )
+            rop, count=data.size, segment=self.segment_bytes), async_op)
 
-    def _allreduce_algorithm(self, forced: str | None, data: np.ndarray) -> str:
-        source = "argument"
-        if forced is None:
-            forced, source = os.environ.get("RINGCOMM_ALGO") or None, "RINGCOMM_ALGO"
+    def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
+                            forced: str | None = None) -> str:
+        """The allreduce algorithm this communicator runs for ``nbytes`` of ``itemsize``-byte
+        elements: ``forced``, else the agreed ``RINGCOMM_ALGO``, else the cost model's
+        choice from the agreed settings and topology (the same on every rank)."""
         if forced is not None:
-            name = forced.lower()
+            name = forced.lower() if isinstance(forced, str) else forced
             if name not in ALLREDUCE:
                 raise ArgumentError(
-                    f"allreduce algorithm {forced!r} (from {source}) is unknown; use one of "
+                    f"allreduce algorithm {forced!r} is unknown; use one of "
                     f"{', '.join(ALLREDUCE)}, or leave it unset for the automatic choice")
             return name
-        key = (data.nbytes, data.itemsize)
+        if self.settings.algorithm is not None:
+            return self.settings.algorithm
+        key = (nbytes, itemsize)
         name = self._chosen.get(key)
         if name is None:  # the model costs tens of microseconds: ask once per size
             name = self._chosen[key] = cost.choose(
-                "allreduce", self.world_size, data.nbytes, data.itemsize,
-                segment_bytes=self.segment_bytes)
+                "allreduce", self.world_size, nbytes, itemsize,
+                segment_bytes=self.segment_bytes,
+                params=self.settings.cost_params(self.world_size),
+                share=self.topology.cores_per_rank)
         return name
 
     @_names_bad_input
@@ -200,8 +234,9 @@ class Communicator:
             make = lambda: rooted.broadcast_binomial(self.rank, self.world_size, root, data.size)  # noqa: E731
         else:
             make = lambda: rooted.broadcast_chain(self.rank, self.world_size, root, data.size, seg)  # noqa: E731
-        return self._submit(OpKind.BROADCAST, data.dtype, {"data": data}, x, async_op, None,
-                            make, arg=root)
+        return self._submit(_Collective(OpKind.BROADCAST, data.dtype, {"data": data}, x, make,
+                                        arg=root, count=data.size,
+                                        segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -210,11 +245,10 @@ class Communicator:
         self._check_rank(root, "root")
         rop = reduce_op(op, data.dtype)
         seg = self._segment(data)
-        return self._submit(
-            OpKind.REDUCE, data.dtype, {"data": data}, x, async_op, rop,
+        return self._submit(_Collective(
+            OpKind.REDUCE, data.dtype, {"data": data}, x,
             lambda: rooted.reduce_chain(self.rank, self.world_size, root, data.size, seg),
-            arg=root,
-        )
+            rop, arg=root, count=data.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
@@ -224,10 +258,10 @@ class Communicator:
         self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
         sizes = (data.size,) * self.world_size
         seg = self._segment(data)
-        return self._submit(
-            OpKind.ALLGATHER, data.dtype, {"input": data, "output": result}, out, async_op,
-            None, lambda: ring.allgather(self.rank, self.world_size, sizes, seg),
-        )
+        return self._submit(_Collective(
+            OpKind.ALLGATHER, data.dtype, {"input": data, "output": result}, out,
+            lambda: ring.allgather(self.rank, self.world_size, sizes, seg),
+            count=data.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,
@@ -238,11 +272,10 @@ class Communicator:
         self._check_size(data, result.size * self.world_size, "x", "world_size * out.size")
         rop = reduce_op(op, data.dtype)
         seg = self._segment(data)
-        return self._submit(
+        return self._submit(_Collective(
             OpKind.REDUCE_SCATTER, data.dtype, {"input": data, "output": result}, out,
-            async_op, rop,
             lambda: ring.reduce_scatter(self.rank, self.world_size, result.size, seg),
-        )
+            rop, count=result.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def gather(self, out: Any | None, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
@@ -258,10 +291,10 @@ class Communicator:
             self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
             buffers["output"] = result
         seg = self._segment(data)
-        return self._submit(
-            OpKind.GATHER, data.dtype, buffers, out, async_op, None,
-            lambda: direct.gather(self.rank, self.world_size, root, data.size, seg), arg=root,
-        )
+        return self._submit(_Collective(
+            OpKind.GATHER, data.dtype, buffers, out,
+            lambda: direct.gather(self.rank, self.world_size, root, data.size, seg),
+            arg=root, count=data.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def scatter(self, x: Any, inputs: Any | None = None, root: int = 0, *,
@@ -291,11 +324,10 @@ class Communicator:
                                  "world_size * x.size")
             buffers["input"] = source
         seg = self._segment(result)
-        return self._submit(
-            OpKind.SCATTER, result.dtype, buffers, x, async_op, None,
+        return self._submit(_Collective(
+            OpKind.SCATTER, result.dtype, buffers, x,
             lambda: direct.scatter(self.rank, self.world_size, root, result.size, seg),
-            arg=root,
-        )
+            arg=root, count=result.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def alltoall(
@@ -315,18 +347,18 @@ class Communicator:
         send_counts = self._splits(in_splits, data, "in_splits", "x")
         recv_counts = self._splits(out_splits, result, "out_splits", "out")
         seg = self._segment(data)
-        return self._submit(
-            OpKind.ALLTOALL, data.dtype, {"input": data, "output": result}, out, async_op,
-            None,
+        return self._submit(_Collective(
+            OpKind.ALLTOALL, data.dtype, {"input": data, "output": result}, out,
             lambda: direct.alltoall(self.rank, self.world_size, send_counts, recv_counts, seg),
-        )
+            segment=self.segment_bytes, send_counts=send_counts, recv_counts=recv_counts), async_op)
 
     @_names_bad_input
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
         empty = np.zeros(0, np.uint8)
-        return self._submit(OpKind.BARRIER, empty.dtype, {"data": empty}, None, async_op, None,
-                            lambda: direct.barrier(self.rank, self.world_size))
+        return self._submit(_Collective(OpKind.BARRIER, empty.dtype, {"data": empty}, None,
+                                        lambda: direct.barrier(self.rank, self.world_size)),
+                            async_op)
 
     @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
@@ -391,27 +423,12 @@ class Communicator:
         return f"<ringcomm.Communicator rank {self.rank} of {self.world_size}>"
 
     # ------------------------------------------------------------------ internals
-    def _submit(
-        self,
-        kind: OpKind,
-        dtype: np.dtype,
-        buffers: dict[str, np.ndarray],
-        result: Any,
-        async_op: bool,
-        rop: ReduceOp | None,
-        make_schedule: Callable[[], Schedule],
-        *,
-        arg: int = -1,
-        seq: int | None = None,
-        name: str | None = None,
-    ) -> Any:
+    def _submit(self, op: _Collective, async_op: bool) -> Any:
         if self._closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
-        if seq is None:
-            seq = next(self._seq)
-        name = name or f"{kind.name.lower()} #{seq}"
-        item = (kind, seq, name, np.dtype(dtype), buffers, result, rop, make_schedule, arg)
-        return self._enqueue(item, name, async_op)
+        seq = next(self._seq)
+        name = f"{op.kind.name.lower()} #{seq}"
+        return self._enqueue((op, seq, name), name, async_op)
 
     def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
         if self._closed:
@@ -480,25 +497,30 @@ class Communicator:
         if not isinstance(err, RemoteError):
             self.transport.abort(seq, f"{type(err).__name__}: {err}")
 
-    def _run(self, kind, seq, name, dtype, buffers, result, rop, make_schedule, arg) -> Any:
+    def _run(self, op: _Collective, seq: int, name: str) -> Any:
         if self._failure is not None:
             raise CommAborted(
                 f"an earlier op failed ({self._failure}); this communicator cannot be used "
                 "any more: create a new one", rank=self.rank, op=name,
             )
-        schedule = make_schedule()
+        schedule = op.make_schedule()
+        dtype = np.dtype(op.dtype)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
             log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
                       schedule.algorithm, dtype_name(dtype))
+        buffers = op.buffers
         if schedule.scratch:
             buffers = dict(buffers, scratch=self._scratch(dtype, schedule.scratch))
-        ctx = OpContext(int(kind), seq, name, dtype, time.monotonic() + self.timeout, rop, arg)
+        desc = OpDescriptor(int(op.kind), seq, dtype_code(dtype),
+                            algorithm_code(schedule.algorithm), reduce_code(op.reduce), op.arg,
+                            op.segment, op.count, op.send_counts, op.recv_counts)
+        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, op.reduce)
         try:
             run_schedule(schedule, buffers, self.transport, ctx, self.trace)
         except CommError as err:
             self._fail(err, seq)
             raise
-        return result
+        return op.result
 
     _scratch_buf: np.ndarray | None = None
 

@@ -241,12 +241,22 @@ def predict(collective: str, algorithm: str, world_size: int, nbytes: int, items
 
 
 def choose(collective: str, world_size: int, nbytes: int, itemsize: int = 4, *,
-           segment_bytes: int | None = None, local_ranks: int | None = None) -> str:
-    """The algorithm with the smallest predicted time (ties go to the ring)."""
-    profile = load_profile()
+           segment_bytes: int | None = None, local_ranks: int | None = None,
+           params: CostParams | None = None, share: float | None = None) -> str:
+    """The algorithm with the smallest predicted time (ties go to the ring).
+
+    A communicator passes ``segment_bytes``, ``params`` and ``share`` (cores per rank) as
+    its ranks agreed on them, so the choice reads nothing local and is the same on every
+    rank; what is left out comes from this machine (its profile, its affinity), for
+    predictions made outside a group."""
+    if params is None or segment_bytes is None:
+        profile = load_profile()
+        params = params or profile.for_world(world_size)
+        segment_bytes = segment_bytes or profile.segment_bytes
+    if share is None:
+        share = cores_per_rank(local_ranks or world_size)
     return _choose(collective, world_size, nbytes, itemsize,
-                   _segment_elems(segment_bytes, profile, itemsize),
-                   profile.for_world(world_size), cores_per_rank(local_ranks or world_size))
+                   max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // itemsize), params, share)
 
 
 @lru_cache(maxsize=4096)

@@ -12,8 +12,9 @@ A fused receive-reduce-send asks the transport for the outgoing buffer first (sh
 memory, where it has some) and reduces into it, so a partial sum is written once instead of
 being written here and then copied out.
 
-Every message gets a header (op, sequence number, dtype, size, index) that the receiver
-checks, and every receive runs against the op's one deadline.
+Every message gets a header built from the op's descriptor (collective, sequence number,
+algorithm, dtype, reduce op, root, segment size, the pair's element count) that the
+receiver checks against its own, and every receive runs against the op's one deadline.
 """
 
 from __future__ import annotations
@@ -26,23 +27,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from .algorithms.schedule import Kind, Region, Schedule, Step
-from .buffers import ReduceOp, dtype_code, finish_reduction, reduce_into
+from .buffers import ReduceOp, finish_reduction, reduce_into
 from .channels.base import SendHandle, Transport
-from .channels.header import Header
+from .channels.header import Header, OpDescriptor
 from .errors import CommTimeout
 
 
 @dataclass
 class OpContext:
-    """What identifies one op on the wire, and how long it may take."""
+    """One op as it runs: its descriptor (what goes into every header), its name for
+    errors, its buffers' dtype and reduction, and its deadline."""
 
-    kind: int
-    seq: int
+    desc: OpDescriptor
     name: str
     dtype: np.dtype
     deadline: float
     reduce: ReduceOp | None = None
-    arg: int = -1
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ def run_schedule(
     """Execute ``schedule`` on ``buffers`` (flat arrays of ``ctx.dtype`` keyed by role)."""
     rank, world = transport.rank, transport.world_size
     itemsize = ctx.dtype.itemsize
-    code = dtype_code(ctx.dtype)
+    desc = ctx.desc
     addresses = {name: arr.ctypes.data for name, arr in buffers.items()}
     sent = [0] * world
     received = [0] * world
@@ -125,7 +125,7 @@ def run_schedule(
             pending.add(lo, hi, peer, handle)
 
     def expect(peer: int, count: int) -> Header:
-        header = Header(ctx.seq, count * itemsize, peer, received[peer], ctx.arg, ctx.kind, code)
+        header = desc.incoming(peer, received[peer], count * itemsize)
         received[peer] += 1
         return header
 
@@ -137,8 +137,7 @@ def run_schedule(
         try:
             if kind is Kind.SEND:
                 src = step.src
-                header = Header(ctx.seq, src.count * itemsize, rank, sent[peer], ctx.arg,
-                                ctx.kind, code)
+                header = desc.outgoing(peer, rank, sent[peer], src.count * itemsize)
                 sent[peer] += 1
                 track(transport.send(peer, header, view(src) if src.count else None), src, peer)
             elif kind is Kind.RECV:
@@ -156,7 +155,7 @@ def run_schedule(
                 payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
                                          ctx.name)
                 to, nbytes = step.to, step.src.count * itemsize
-                header = Header(ctx.seq, nbytes, rank, sent[to], ctx.arg, ctx.kind, code)
+                header = desc.outgoing(to, rank, sent[to], nbytes)
                 sent[to] += 1
                 slot = transport.reserve(to, nbytes)
                 if slot is not None:  # the sum goes straight into the outgoing message

@@ -37,7 +37,7 @@ import numpy as np
 from .algorithms import direct
 from .buffers import dtype_code
 from .channels.base import SendHandle
-from .channels.header import Header, OpKind
+from .channels.header import Header, OpKind, algorithm_code
 from .errors import CommAborted, CommError, CommTimeout, PeerLostError
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ringcomm")
 
+_DIRECT = algorithm_code("direct")
 POLL_S = 0.002  # how long an idle worker waits for a posted receive's message at a time
 
 
@@ -178,8 +179,11 @@ class P2PEngine:
 
     # ---------------------------------------------------------------- internals
     def _header(self, op: P2POp, sender: int, index: int, count: int, seq: int) -> Header:
-        return Header(seq, count * op.data.itemsize, sender, index, op.tag, OpKind.P2P,
-                      dtype_code(op.data.dtype))
+        """A message's header: sender and receiver must agree on the tag, the dtype and the
+        whole message's element count, not only on this segment's."""
+        data = op.data
+        return Header(seq, count * data.itemsize, sender, index, op.tag, OpKind.P2P,
+                      dtype_code(data.dtype), _DIRECT, 0, self.comm.segment_bytes, data.size)
 
     def _check_sends(self) -> None:
         if not self.sending:

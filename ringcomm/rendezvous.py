@@ -10,6 +10,11 @@ Where the store comes from:
 
 Every communicator made on one store gets its own key prefix, so re-initialising in the
 same job (or under a torchrun restart) never reads stale addresses.
+
+Before any channel exists the ranks agree (``ringcomm.settings.agree``): each publishes its
+settings and its facts (host, cores), every rank checks the settings that must match and
+takes rank 0's agreed ones, and every rank ends up holding the same table of facts. The
+channels and every later decision are built from that, never from a local look.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ._support import check_platform
 from .channels.zmq_channel import ZmqTransport
 from .communicator import Communicator, env_int
 from .errors import ArgumentError, CommError
+from .settings import agree, propose
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 
 
@@ -55,6 +61,7 @@ def init(
         raise ArgumentError(f"rank {rank} is out of range for world_size {world_size}")
     if timeout <= 0:
         raise ArgumentError(f"timeout must be positive, got {timeout}")
+    proposal = propose(segment_bytes=segment_bytes, transport=transport)  # bad values: now
 
     closers = []
     address = None
@@ -81,14 +88,15 @@ def init(
         # more (or fewer) communicators before must still agree with its peers on the prefix.
         generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
         scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
+        settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal)
         host = host or _reachable_host(address)
-        chans = ZmqTransport(rank, world_size, scoped, host=host, mode=transport,
-                             timeout=timeout)
+        chans = ZmqTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
+                             host=host, mode=settings.transport, timeout=timeout)
     except BaseException:
         for close in closers:
             close()
         raise
-    comm = Communicator(chans, timeout=timeout, segment_bytes=segment_bytes,
+    comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
                         on_close=list(reversed(closers)))
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys

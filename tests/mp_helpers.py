@@ -648,3 +648,99 @@ def job_uneven_history(rank: int, world: int, store: str, stores: list, transpor
         x = np.ones(3)
         comm.allreduce(x)
         return float(x[0])
+
+
+# --------------------------------------------------------------------------- jobs: the hunt
+
+
+def job_hunt(rank: int, world: int, store: str, transport: str, seed: int, n: int,
+             op_timeout: float, **_: Any) -> list[dict]:
+    """The disagreement hunt's cases for this world (``tests/hunt.py``), each on a fresh
+    communicator over one store that rank 0 serves for the whole job. Returns each case's
+    report, its error reduced to what pickles."""
+    import hunt
+
+    from ringcomm.store import StoreClient, StoreServer
+
+    host, port = store.rsplit(":", 1)
+    server = StoreServer(host, int(port)) if rank == 0 else None
+    client = StoreClient(store, timeout=30)
+    reports = []
+    try:
+        for case in hunt.cases(seed, n, worlds=(world,)):
+            comm = ringcomm.init(rank=rank, world_size=world, store=client,
+                                 timeout=op_timeout, transport=transport)
+            try:
+                comm.segment_bytes = case.calls[rank].segment  # as if not agreed
+                report = hunt.play(comm, case.calls[rank])
+            finally:
+                comm.close()
+            if report["error"] is not None:
+                err = report["error"]
+                report["error"] = CommError(str(err)) if isinstance(err, CommError) else repr(err)
+                report["type"] = type(err).__name__
+            reports.append(report)
+    finally:
+        client.close()
+        if server is not None:
+            server.close()
+    return reports
+
+
+# --------------------------------------------------------------------------- jobs: agreement
+
+
+@contextlib.contextmanager
+def _rank_environment(env: dict[str, str | None], cpus: list[int] | None) -> Any:
+    """This rank's own environment variables and CPU affinity for one job, restored after
+    (the process runs later jobs too)."""
+    saved = {k: os.environ.get(k) for k in env}
+    affinity = os.sched_getaffinity(0)
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.sched_setaffinity(0, affinity)
+
+
+def job_agreement(rank: int, world: int, store: str, transport: str,
+                  env: dict[int, dict[str, str | None]], cpus: dict[int, list[int]] | None = None,
+                  sizes: tuple[int, ...] = (), version: dict[int, str] | None = None,
+                  **_: Any) -> dict:
+    """Init with this rank's own settings (``env``, ``cpus``, a faked ``version``); report
+    the init error, or what the communicator agreed on and chose, and whether allreduces of
+    ``sizes`` bytes (float32) came out right."""
+    import ringcomm.settings as settings
+
+    real_version = settings.VERSION
+    with _rank_environment(env.get(rank, {}), (cpus or {}).get(rank)):
+        settings.VERSION = (version or {}).get(rank, real_version)
+        start = time.monotonic()
+        try:
+            comm = init(rank, world, store, transport, timeout=10.0)
+        except ArgumentError as err:
+            return {"init_error": error_info(err, time.monotonic() - start)}
+        finally:
+            settings.VERSION = real_version
+        with comm:
+            out = {"chosen": {n: comm.allreduce_algorithm(n) for n in sizes},
+                   "segment": comm.segment_bytes, "profile": comm.settings.profile_source,
+                   "params": comm.settings.cost_params(world),
+                   "cores_per_rank": comm.topology.cores_per_rank, "right": []}
+            for n in sizes:
+                x = values(rank, n // 4).astype(np.float32)
+                comm.allreduce(x)
+                want = sum(values(r, n // 4) for r in range(world)).astype(np.float32)
+                out["right"].append(x.tobytes() == want.tobytes())
+        return out

@@ -76,18 +76,51 @@ def test_fit_recovers_the_constants_that_produced_the_timings():
 
 
 def test_the_choice_follows_the_profile(no_profile):
+    """The same call gets a different, exact algorithm under each profile."""
     def write(alpha, beta, gamma=1e-10):
         no_profile.write_text(json.dumps({"params": {"8": {"alpha": alpha, "beta": beta,
                                                            "gamma": gamma}}}))
         cost._choose.cache_clear()
 
-    write(alpha=1e-3, beta=1e-12)  # messages are everything: fewest hops wins
-    assert cost.choose("allreduce", 8, 4096) != "ring"
+    write(alpha=1e-3, beta=1e-12)  # messages are everything: fewest rounds wins
+    assert cost.choose("allreduce", 4, 4096, share=1.0) == "rd"
+    assert cost.choose("allreduce", 2, 64 << 20, share=1.0) == "ring"
     write(alpha=1e-9, beta=1e-9)  # bytes are everything: the ring's bandwidth wins
-    assert cost.choose("allreduce", 8, 64 << 20) in ("ring", "hd")
-    assert cost.choose("allreduce", 2, 8) == "rd"  # one exchange instead of two
+    assert cost.choose("allreduce", 4, 4096, share=1.0) == "ring"
+    assert cost.choose("allreduce", 2, 64 << 20, share=1.0) == "rd"  # one exchange, not two
     write(alpha=1e-9, beta=1e-9, gamma=1e-9)  # two ranks: rd reduces twice what a ring does
-    assert cost.choose("allreduce", 2, 64 << 20) == "ring"
+    assert cost.choose("allreduce", 2, 64 << 20, share=1.0) == "ring"
+
+
+def test_a_communicator_chooses_from_the_agreed_settings_and_topology_only(no_profile):
+    """Not from this process's profile or affinity: the agreed constants and the gathered
+    cores decide, so every rank that holds them decides the same."""
+    from ringcomm.channels.inmemory import InMemoryNetwork
+    from ringcomm.communicator import Communicator
+    from ringcomm.settings import Settings
+    from ringcomm.topology import RankFacts, Topology
+
+    no_profile.write_text(json.dumps({"params": {"4": {"alpha": 1e-9, "beta": 1e-9,
+                                                       "gamma": 1e-10}}}))  # says "ring"
+    cost._choose.cache_clear()
+    fewest_rounds = {4: cost.CostParams(alpha=1e-3, beta=1e-12, gamma=1e-10)}
+
+    def chosen(params, cpus_per_host, nbytes):
+        host = RankFacts("h", "h", tuple(range(cpus_per_host)), 1)
+        comm = Communicator(InMemoryNetwork(4).transport(0),
+                            settings=Settings(params=params),
+                            topology=Topology((host,) * 4))
+        try:
+            return comm.allreduce_algorithm(nbytes)
+        finally:
+            comm.close()
+
+    assert chosen(fewest_rounds, 4, 4096) == "rd"
+    assert chosen({}, 4, 4096) == "rd"  # no profile agreed: the defaults, not the local file
+    assert chosen({4: cost.CostParams(alpha=1e-9, beta=1e-9, gamma=1e-10)}, 4, 4096) == "ring"
+    # the gathered cores decide: four ranks on one core each, or sharing two
+    assert chosen({}, 4, 8) == "rd"
+    assert chosen({}, 2, 8) == "hd"
 
 
 def test_an_unreadable_profile_falls_back_to_the_defaults(no_profile):
@@ -100,12 +133,13 @@ def test_a_forced_algorithm_must_exist(monkeypatch):
     def fn(comm):
         with pytest.raises(ArgumentError, match="'rign'.*use one of ring, tree, dbtree, hd, rd"):
             comm.allreduce(np.ones(4), algorithm="rign")
-        monkeypatch.setenv("RINGCOMM_ALGO", "treee")
-        with pytest.raises(ArgumentError, match="from RINGCOMM_ALGO"):
-            comm.allreduce(np.ones(4))
         return True
 
     assert run_group(1, fn) == [True]
+    monkeypatch.setenv("RINGCOMM_ALGO", "treee")  # read once, when the group is made
+    with pytest.raises(ArgumentError, match="RINGCOMM_ALGO='treee' is not an allreduce "
+                                            "algorithm; use one of ring, tree, dbtree, hd, rd"):
+        run_group(1, lambda comm: None)
 
 
 def test_every_call_shows_its_algorithm_in_the_trace_and_the_debug_log(monkeypatch, caplog):

@@ -9,6 +9,7 @@ process that had a group before. The examples are run as the programs they are.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -119,6 +120,25 @@ def test_errors_are_typed_through_work_and_future(ranks):
     assert all(("DesyncError" in r["future"]) or ("RemoteError" in r["future"]) for r in res)
     assert [r["after"] for r in res] == ["CommAborted"] * 2  # a failed group stays failed
     assert all(r["threads"] == [] for r in res)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sizes_that_differ_by_a_little_fail_in_the_call_itself_on_every_rank(ranks, world):
+    """2^20 against 2^20 + 8 floats through dist.all_reduce: the first message between the
+    ranks carries the counts, so the call raises at once, naming both."""
+    res = ranks.run("job_size_mismatch", world)
+    assert all(r["type"] in ("DesyncError", "RemoteError") for r in res), res
+    assert all(r["elapsed"] < 5.0 for r in res), res
+    n = 1 << 20
+    texts = [r["msg"] for r in res if r["type"] == "DesyncError"]
+    assert texts and all(
+        re.search(rf"rank 1 reduces {n + 8} elements, rank [02] {n}\.", t) or
+        re.search(rf"rank [02] reduces {n} elements, rank 1 {n + 8}\.", t)
+        for t in texts), texts
+    for r in res:
+        if r["type"] == "RemoteError":
+            assert "failed and aborted the group: DesyncError" in r["msg"]
 
 
 @pytest.mark.timeout(60)

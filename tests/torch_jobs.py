@@ -644,3 +644,18 @@ def job_ddp(rank: int, world: int, port: int, file: str, **_: Any) -> list[str]:
         _close(list(ddp.module.parameters()), list(ref.parameters()), "Join")
         done.append("Join")
     return done
+
+
+def job_size_mismatch(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
+    """Rank 1 all-reduces 2^20 + 8 floats where the others all-reduce 2^20 (a few MiB, several
+    segments): the all_reduce itself raises on every rank; nobody returns half a sum."""
+    n = (1 << 20) + (8 if rank == 1 else 0)
+    with group(rank, world, port, file, timeout=20):
+        t = torch.full((n,), float(rank + 1))
+        start = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except CommError as err:
+            return {"type": type(err).__name__, "msg": str(err), "peer": err.peer,
+                    "elapsed": time.monotonic() - start}
+        return {"type": None, "right": bool((t == world * (world + 1) / 2).all())}

@@ -1,10 +1,18 @@
 """The header that travels in front of every payload, and the check that catches desyncs.
 
-32 bytes, little-endian: op sequence number, payload bytes, sender, message index (within
-this op, between this pair), an op argument (root or tag, -1 if none), op kind, dtype code.
-A receiver knows exactly what it expects next from each peer; any difference means the
-ranks disagree about the program, and becomes a ``DesyncError`` that says how, instead of
-bytes reduced into the wrong place.
+A header carries the *op descriptor*: everything about the op that sender and receiver
+must both see the same way (collective, sequence number, algorithm, dtype, reduce op, root
+or tag, segment size, and the element count this pair of ranks expects), plus what
+identifies the one message (sender, index within the op between this pair, bytes). A
+receiver knows exactly what it expects next from each peer and compares every field, so
+ranks that disagree about anything that shapes the op raise a ``DesyncError`` at the first
+message they exchange, naming what differs ("rank 1 reduces 1048584 elements, rank 0
+1048576"), instead of reducing bytes into the wrong place.
+
+48 bytes, little-endian:
+
+    seq u64 | nbytes u64 | count u64 | segment bytes u32 | sender u32 | index u32 | arg i32 |
+    kind u8 | dtype u8 | algorithm u8 | reduce u8 | version u8 | 3 bytes padding
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..buffers import dtype_name
+from ..buffers import REDUCE_OPS, dtype_name
 from ..errors import DesyncError
 
-_FORMAT = struct.Struct("<QQIIiBB2x")
+WIRE_VERSION = 2  # bumped whenever the header or the framing changes; agreed at init
+_FORMAT = struct.Struct("<QQQIIIiBBBBB3x")
 SIZE = _FORMAT.size
 
 
@@ -35,6 +44,26 @@ class OpKind(IntEnum):
     ABORT = 255  # a rank failed; the payload is its error message
 
 
+# The wire codes of the schedules' algorithm names (``Schedule.algorithm``); 0 is none.
+ALGORITHMS = ("-", "ring", "tree", "dbtree", "hd", "rd", "chain", "binomial", "direct",
+              "pairwise", "dissemination")
+ALGORITHM_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
+_REDUCE_NAMES = {op.code + 1: name for name, op in REDUCE_OPS.items()}  # 0: no reduction
+
+
+def algorithm_code(name: str) -> int:
+    try:
+        return ALGORITHM_CODES[name]
+    except KeyError:
+        raise ValueError(f"algorithm {name!r} has no wire code: add it to "
+                         "ringcomm.channels.header.ALGORITHMS") from None
+
+
+def reduce_code(op: object | None) -> int:
+    """The wire code of a ``ringcomm.buffers.ReduceOp`` (0 for ops that do not reduce)."""
+    return 0 if op is None else op.code + 1  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     seq: int
@@ -44,47 +73,131 @@ class Header:
     arg: int
     kind: int
     dtype: int
+    algorithm: int = 0
+    reduce: int = 0
+    segment: int = 0
+    count: int = 0
 
     def pack(self) -> bytes:
-        return _FORMAT.pack(self.seq, self.nbytes, self.sender, self.index, self.arg,
-                            self.kind, self.dtype)
+        return _FORMAT.pack(self.seq, self.nbytes, self.count, self.segment, self.sender,
+                            self.index, self.arg, self.kind, self.dtype, self.algorithm,
+                            self.reduce, WIRE_VERSION)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header:
         if len(raw) != SIZE:
             raise DesyncError(f"malformed header of {len(raw)} bytes (expected {SIZE}); "
                               "is every rank running the same ringcomm version?")
-        return cls(*_FORMAT.unpack(raw))
+        (seq, nbytes, count, segment, sender, index, arg, kind, dtype, algorithm, reduce,
+         version) = _FORMAT.unpack(raw)
+        if version != WIRE_VERSION:
+            raise DesyncError(f"a message in wire format {version} reached a rank that speaks "
+                              f"{WIRE_VERSION}; every rank must run the same ringcomm version")
+        return cls(seq, nbytes, sender, index, arg, kind, dtype, algorithm, reduce, segment,
+                   count)
 
     @property
     def is_p2p(self) -> bool:
         return self.kind == OpKind.P2P
 
-    def describe(self) -> str:
+    @property
+    def op_name(self) -> str:
         kind = OpKind(self.kind).name.lower() if self.kind in OpKind._value2member_map_ else "?"
+        return f"{kind} #{self.seq}"
+
+    def describe(self) -> str:
         arg = f" root/tag {self.arg}" if self.arg >= 0 else ""
-        return (f"{kind} #{self.seq}{arg}, message {self.index}, {self.nbytes} B "
+        return (f"{self.op_name}{arg}, message {self.index}, {self.nbytes} B "
                 f"{dtype_name(self.dtype)} from rank {self.sender}")
 
 
+@dataclass(frozen=True, slots=True)
+class OpDescriptor:
+    """One op as both ends of each of its messages must see it.
+
+    ``count`` is the element count every pair agrees on (the whole vector for allreduce and
+    broadcast, one rank's block for all-gather, reduce-scatter, gather and scatter); an
+    all-to-all's pairs each agree on their own block instead: ``send_counts[p]`` elements
+    to rank ``p``, ``recv_counts[p]`` from it.
+    """
+
+    kind: int
+    seq: int
+    dtype: int
+    algorithm: int
+    reduce: int = 0
+    arg: int = -1
+    segment: int = 0
+    count: int = 0
+    send_counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
+
+    def outgoing(self, peer: int, sender: int, index: int, nbytes: int) -> Header:
+        """The header of message ``index`` from ``sender`` (this rank) to ``peer``."""
+        count = self.count if self.send_counts is None else self.send_counts[peer]
+        return Header(self.seq, nbytes, sender, index, self.arg, self.kind, self.dtype,
+                      self.algorithm, self.reduce, self.segment, count)
+
+    def incoming(self, peer: int, index: int, nbytes: int) -> Header:
+        """The header this rank expects on message ``index`` from ``peer``."""
+        count = self.count if self.recv_counts is None else self.recv_counts[peer]
+        return Header(self.seq, nbytes, peer, index, self.arg, self.kind, self.dtype,
+                      self.algorithm, self.reduce, self.segment, count)
+
+
+_VERBS = {OpKind.ALLREDUCE: "reduces", OpKind.REDUCE: "reduces", OpKind.BROADCAST: "broadcasts",
+          OpKind.ALLGATHER: "contributes", OpKind.GATHER: "contributes",
+          OpKind.REDUCE_SCATTER: "keeps blocks of", OpKind.SCATTER: "receives blocks of",
+          OpKind.P2P: "passes"}
+
+
+def differences(mine: Header, theirs: Header, *, rank: int) -> list[str]:
+    """What ``theirs`` (from rank ``theirs.sender``) says about the op that ``mine`` (this
+    rank's view) does not, in words naming both ranks; empty if they agree on the op."""
+    me, other = rank, theirs.sender
+    if theirs.kind != mine.kind or theirs.seq != mine.seq:
+        return [f"rank {other} is in {theirs.op_name}, rank {me} in {mine.op_name}"]
+    found = []
+    if theirs.arg != mine.arg:
+        what = "tag" if mine.is_p2p else "root"
+        found.append(f"rank {other} uses {what} {theirs.arg}, rank {me} {what} {mine.arg}")
+    if theirs.algorithm != mine.algorithm:
+        found.append(f"rank {other} runs {_name(ALGORITHMS, theirs.algorithm)}, rank {me} "
+                     f"{_name(ALGORITHMS, mine.algorithm)}")
+    if theirs.dtype != mine.dtype:
+        found.append(f"rank {other} sends {dtype_name(theirs.dtype)}, rank {me} expects "
+                     f"{dtype_name(mine.dtype)}")
+    if theirs.reduce != mine.reduce:
+        found.append(f"rank {other} reduces with {_REDUCE_NAMES.get(theirs.reduce, '?')}, "
+                     f"rank {me} with {_REDUCE_NAMES.get(mine.reduce, '?')}")
+    if theirs.count != mine.count:
+        if mine.kind == OpKind.ALLTOALL:
+            found.append(f"rank {other} sends {theirs.count} elements to rank {me}, which "
+                         f"expects {mine.count}")
+        else:
+            verb = _VERBS.get(mine.kind, "has")
+            found.append(f"rank {other} {verb} {theirs.count} elements, rank {me} "
+                         f"{mine.count}")
+    if theirs.segment != mine.segment:
+        found.append(f"rank {other} cuts messages into segments of {theirs.segment} B, "
+                     f"rank {me} of {mine.segment} B (their settings were not agreed?)")
+    return found
+
+
+def _name(names: tuple[str, ...], code: int) -> str:
+    return names[code] if 0 <= code < len(names) else f"?{code}"
+
+
 def check(expected: Header, got: Header, *, rank: int, op: str) -> None:
-    """Raise ``DesyncError`` naming every field in which ``got`` differs from ``expected``."""
+    """Raise ``DesyncError`` naming every way in which ``got`` differs from ``expected``."""
     if got == expected:
         return
-    diffs = []
-    if got.kind != expected.kind or got.seq != expected.seq:
-        diffs.append("a different op")
-    if got.arg != expected.arg:
-        diffs.append("a different root or tag")
-    if got.dtype != expected.dtype:
-        diffs.append(f"dtype {dtype_name(got.dtype)} instead of {dtype_name(expected.dtype)}")
-    if got.nbytes != expected.nbytes:
-        diffs.append(f"{got.nbytes} B instead of {expected.nbytes} B (shapes differ?)")
-    if got.index != expected.index or got.sender != expected.sender:
-        diffs.append("an unexpected message")
+    diffs = differences(expected, got, rank=rank)
+    if not diffs:  # the op agrees, the message does not: a bug, or a lost message
+        diffs = [f"expected {expected.describe()}, got {got.describe()}"]
     raise DesyncError(
-        f"expected {expected.describe()}, got {got.describe()}: {'; '.join(diffs)}. "
-        "Every rank must call the same collectives in the same order with the same dtype, "
-        "element count and root.",
+        f"ranks disagree about the op: {'; '.join(diffs)}. Every rank must call the same "
+        "collectives in the same order with the same dtype, element count, reduce op and "
+        "root (and the same settings).",
         rank=rank, op=op, peer=got.sender,
     )

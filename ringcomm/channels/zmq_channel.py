@@ -26,22 +26,23 @@ Why this shape:
 - High-water marks are off: a send never blocks, which is what lets schedules queue sends
   ahead of their receives without deadlock.
 
-Rendezvous is two rounds through the store: every rank publishes its host identity, then,
-knowing who shares its host, binds one receiving socket per peer and publishes the
-addresses.
+Set-up goes through the store: knowing from the caller which ranks share its host (the
+host identities gathered at init), every rank binds one receiving socket per peer and
+publishes the addresses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
-import socket
 import struct
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ from ..errors import ArgumentError, CommError, CommTimeout, DesyncError, PeerLos
 from . import shm_ring
 from .base import Transport
 from .header import SIZE as HEADER_SIZE
-from .header import Header, OpKind
+from .header import Header, OpKind, differences
 from .pipe import Flusher, PipeReader, PipeWriter
 
 log = logging.getLogger("ringcomm")
@@ -69,19 +70,6 @@ _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be fin
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
 DEFAULT_SPIN_US = 50  # a receive polls this long before it sleeps; RINGCOMM_SPIN_US overrides
-
-
-def host_identity() -> str:
-    """Equal on two ranks exactly when they can reach each other's ipc sockets."""
-    parts = [socket.gethostname()]
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            with open(path) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            pass
-    parts.append(tempfile.gettempdir())
-    return "|".join(parts)
 
 
 class _Tracked:
@@ -167,7 +155,9 @@ class ZmqTransport(Transport):
     """Channels from ``rank`` to every other rank, set up through ``store``.
 
     ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.store.Store``); keys are
-    written under ``prefix``. ``host`` is the address other hosts reach this one at.
+    written under ``prefix``. ``hosts`` holds every rank's host identity (equal where
+    ranks share ipc and shared memory); ``host`` is the address other hosts reach this one
+    at.
     """
 
     def __init__(
@@ -176,6 +166,7 @@ class ZmqTransport(Transport):
         world_size: int,
         store: Any,
         *,
+        hosts: Sequence[str],
         prefix: str = "",
         host: str = "127.0.0.1",
         mode: str | None = None,
@@ -184,6 +175,9 @@ class ZmqTransport(Transport):
         shm: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
+        if len(hosts) != world_size:
+            raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
+        self._hosts = list(hosts)
         mode = (mode or os.environ.get("RINGCOMM_TRANSPORT", "auto")).lower()
         if mode not in ("auto", "ipc", "tcp"):
             raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
@@ -214,13 +208,9 @@ class ZmqTransport(Transport):
         return f"{prefix}zmq/{what}/{rank}"
 
     def _connect(self, store: Any, prefix: str, host: str, timeout: float) -> None:
-        n, me = self.world_size, self.rank
+        n, me, hosts = self.world_size, self.rank, self._hosts
         if n == 1:
             return
-        store.set(self._key(prefix, "host", me), host_identity().encode())
-        host_keys = [self._key(prefix, "host", r) for r in range(n)]
-        store.wait(host_keys, timeout)
-        hosts = [store.get(k).decode() for k in host_keys]
         use_ipc = [
             self.mode == "ipc" or (self.mode == "auto" and hosts[r] == hosts[me])
             for r in range(n)
@@ -424,27 +414,36 @@ class ZmqTransport(Transport):
         return sock
 
     def _send_probe(self, peer: int, waiting: Header, op: str) -> None:
-        """Tell ``peer`` which collective this rank waits in (its kind rides in ``dtype``)."""
-        probe = Header(waiting.seq, 0, self.rank, waiting.index, waiting.arg, OpKind.PROBE,
-                       waiting.kind)
-        self._control(peer).send_multipart((probe.pack(), op.encode()))
+        """Tell ``peer`` which op this rank waits in: the header it expects (the op's whole
+        descriptor) and the op's name."""
+        probe = Header(waiting.seq, 0, self.rank, 0, -1, OpKind.PROBE, 0)
+        self._control(peer).send_multipart((probe.pack(), waiting.pack() + op.encode()))
 
     def _on_control(self, control: zmq.Socket, op: str) -> None:
-        """An abort raises RemoteError; a probe from a rank in another collective under the
-        same sequence number raises DesyncError; other probes are fine and dropped."""
+        """An abort raises RemoteError; a probe from a rank that waits in the same op as
+        this one (same sequence number) but sees it differently raises DesyncError; other
+        probes are fine and dropped."""
         header = Header.unpack(control.recv())
         payload = control.recv()
         if header.kind != OpKind.PROBE:
             self.raise_remote(header, payload, op)
         mine = self.waiting_for
-        if mine is None or mine.is_p2p or header.dtype == OpKind.P2P or header.seq != mine.seq:
+        theirs = Header.unpack(payload[:HEADER_SIZE])
+        if mine is None or mine.is_p2p or theirs.is_p2p or theirs.seq != mine.seq:
             return
-        if header.dtype != mine.kind or header.arg != mine.arg:
-            theirs = payload.decode(errors="replace")
+        # what they expect from this rank, as sent by them; an all-to-all's counts belong
+        # to pairs and cannot be compared across them
+        theirs = dataclasses.replace(
+            theirs, sender=header.sender,
+            count=mine.count if mine.kind == OpKind.ALLTOALL else theirs.count)
+        diffs = differences(mine, theirs, rank=self.rank)
+        if diffs:
+            their_op = payload[HEADER_SIZE:].decode(errors="replace")
             raise DesyncError(
-                f"rank {header.sender} waits in {theirs} while this rank waits in {op}: a "
-                "different op (or root) at the same point. Every rank must call the same "
-                "collectives in the same order with the same root.",
+                f"rank {header.sender} waits in {their_op} while this rank waits in {op}, "
+                f"and the ranks disagree about it: {'; '.join(diffs)}. Every rank must call "
+                "the same collectives in the same order with the same dtype, element count, "
+                "reduce op and root.",
                 rank=self.rank, op=op, peer=header.sender,
             )
 

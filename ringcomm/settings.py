@@ -1,0 +1,208 @@
+"""Settings, classified: what may differ between ranks, and what the ranks agree on at init.
+
+Every ``RINGCOMM_*`` variable and ``init`` argument is in one of three classes:
+
+- *must match*: a rank-local difference would make ranks run different schedules, so it
+  is an ``ArgumentError`` at init on every rank, naming the setting, the values and the
+  ranks (a forced algorithm, the transport, the ringcomm and wire-format versions);
+- *agreed*: rank 0's value is published and used by every rank (the segment size and the
+  cost model's constants, which a tuned profile on one host would otherwise change there
+  only);
+- *local*: legitimately per rank (its address, its timeout, how long it spins).
+
+At init every rank publishes its proposal (its must-match and agreed values) and its facts
+(``topology.RankFacts``) under one store key, reads everyone's, and checks. The result, the
+same on every rank, is a ``Settings`` and a ``Topology``: everything a communicator decides
+(which algorithm, which segment size) is a function of these two and the op, so every rank
+decides the same by construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from . import cost
+from ._version import __version__ as VERSION
+from .algorithms import ALLREDUCE
+from .channels.header import WIRE_VERSION
+from .errors import ArgumentError
+from .topology import RankFacts, Topology
+
+
+class Scope(Enum):
+    MUST_MATCH = "must match"
+    AGREED = "agreed"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One knob: its name in the agreement, where a user sets it, and what it does."""
+
+    name: str
+    scope: Scope
+    env: str | None
+    argument: str | None
+    meaning: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("version", Scope.MUST_MATCH, None, None, "the ringcomm version"),
+    Setting("wire", Scope.MUST_MATCH, None, None, "the wire format (header layout) version"),
+    Setting("algorithm", Scope.MUST_MATCH, "RINGCOMM_ALGO", None,
+            "forces one allreduce algorithm (ring, tree, dbtree, hd, rd) for every call"),
+    Setting("transport", Scope.MUST_MATCH, "RINGCOMM_TRANSPORT", "transport",
+            "ipc, tcp or auto (ipc and shared memory on a host, tcp across)"),
+    Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
+            "bytes per message segment; default: the profile's tuned size, else 2 MiB"),
+    Setting("profile", Scope.AGREED, "RINGCOMM_PROFILE", None,
+            "the cost model's constants from `ringcomm tune` (default path "
+            "~/.cache/ringcomm/profile.json)"),
+    Setting("timeout", Scope.LOCAL, None, "timeout", "seconds an op may take on this rank"),
+    Setting("host", Scope.LOCAL, "RINGCOMM_IFADDR", "host",
+            "the address other hosts reach this rank at"),
+    Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
+            "0 turns shared memory off; a pair uses it only where both ends offer it"),
+    Setting("shm_bytes", Scope.LOCAL, "RINGCOMM_SHM_BYTES", None,
+            "capacity of this rank's outgoing shared-memory rings (published to its peers)"),
+    Setting("spin_us", Scope.LOCAL, "RINGCOMM_SPIN_US", None,
+            "microseconds a receive polls before it sleeps"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank of one communicator runs with: identical on every rank."""
+
+    algorithm: str | None = None
+    transport: str = "auto"
+    segment_bytes: int = cost.DEFAULT_SEGMENT_BYTES
+    params: dict[int, cost.CostParams] = field(default_factory=dict)
+    profile_source: str = "defaults"
+
+    def cost_params(self, world_size: int) -> cost.CostParams:
+        return cost.Profile(self.params).for_world(world_size)
+
+    @classmethod
+    def local(cls, *, segment_bytes: int | None = None, transport: str | None = None) -> Settings:
+        """This process's own view (environment, profile, arguments), unchecked: what a
+        rank proposes, and what a group inside one process uses as it is."""
+        return cls.from_proposal(propose(segment_bytes=segment_bytes, transport=transport))
+
+    @classmethod
+    def from_proposal(cls, proposal: dict[str, Any]) -> Settings:
+        match, agreed = proposal["match"], proposal["agreed"]
+        params = {int(n): cost.CostParams(**p) for n, p in agreed["params"].items()}
+        return cls(match["algorithm"], match["transport"], int(agreed["segment_bytes"]),
+                   params, agreed["profile_source"])
+
+    def describe(self) -> dict[str, Any]:
+        """The agreed values, for logs and ``ringcomm env``."""
+        return {"algorithm": self.algorithm or "auto", "transport": self.transport,
+                "segment_bytes": self.segment_bytes, "profile": self.profile_source}
+
+
+def propose(*, segment_bytes: int | None = None, transport: str | None = None) -> dict[str, Any]:
+    """This rank's values of every must-match and agreed setting, checked for sense."""
+    algorithm = os.environ.get("RINGCOMM_ALGO") or None
+    if algorithm is not None:
+        algorithm = algorithm.lower()
+        if algorithm not in ALLREDUCE:
+            raise ArgumentError(
+                f"RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']!r} is not an allreduce algorithm; "
+                f"use one of {', '.join(ALLREDUCE)}, or unset it for the automatic choice")
+    mode = (transport or os.environ.get("RINGCOMM_TRANSPORT") or "auto").lower()
+    if mode not in ("auto", "ipc", "tcp"):
+        raise ArgumentError(f"transport {mode!r} is unknown (from RINGCOMM_TRANSPORT or "
+                            "transport=); use auto, ipc or tcp")
+    profile = cost.load_profile()
+    if segment_bytes is None:
+        segment_bytes = profile.segment_bytes or cost.DEFAULT_SEGMENT_BYTES
+    if not isinstance(segment_bytes, int) or isinstance(segment_bytes, bool) or \
+            segment_bytes <= 0:
+        raise ArgumentError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
+    return {
+        "match": {"version": VERSION, "wire": WIRE_VERSION, "algorithm": algorithm,
+                  "transport": mode},
+        "agreed": {"segment_bytes": segment_bytes, "profile_source": profile.source,
+                   "params": {str(n): vars(p) for n, p in profile.params.items()}},
+    }
+
+
+def agree(store: Any, rank: int, world_size: int, timeout: float, *,
+          proposal: dict[str, Any] | None = None,
+          facts: RankFacts | None = None) -> tuple[Settings, Topology]:
+    """Publish this rank's proposal and facts, read every rank's, and check them.
+
+    Returns rank 0's agreed values and the table of every rank's facts, identical on every
+    rank; raises ``ArgumentError`` (on every rank alike) when a must-match setting differs.
+    ``store`` needs ``set``, ``wait`` and ``get``; the keys go under ``agree/``.
+    """
+    proposal = proposal if proposal is not None else propose()
+    facts = facts or RankFacts.here()
+    mine = json.dumps({"proposal": proposal, "facts": facts.to_json()})
+    store.set(f"agree/{rank}", mine.encode())
+    keys = [f"agree/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    entries = []
+    for r, key in enumerate(keys):
+        raw = mine if r == rank else store.get(key).decode()
+        try:
+            entries.append(json.loads(raw))
+        except ValueError:
+            raise ArgumentError(f"rank {r} published an unreadable init record; is every "
+                                "rank running the same ringcomm version?", rank=rank) from None
+    store.set(f"agree/read/{rank}", b"1")
+    try:
+        _check_match([e["proposal"]["match"] for e in entries], rank)
+    except ArgumentError:
+        if rank == 0:  # it may serve the store: let everyone read before it goes
+            with contextlib.suppress(Exception):
+                store.wait([f"agree/read/{r}" for r in range(world_size)], timeout)
+        raise
+    settings = Settings.from_proposal(entries[0]["proposal"])
+    topology = Topology(tuple(RankFacts.from_json(e["facts"]) for e in entries))
+    return settings, topology
+
+
+def _check_match(values: list[dict[str, Any]], rank: int) -> None:
+    """Raise, the same way on every rank, for the first must-match setting that differs."""
+    names = ["version", "wire", *(k for k in values[0] if k not in ("version", "wire"))]
+    for name in names:
+        seen: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            seen.setdefault(json.dumps(v.get(name)), []).append(r)
+        if len(seen) == 1:
+            continue
+        setting = _BY_NAME[name]
+        where = " or ".join(x for x in (setting.env, setting.argument and
+                                        f"init({setting.argument}=)") if x)
+        parts = "; ".join(f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} "
+                          f"{_show(json.loads(v))}" for v, rs in seen.items())
+        if name in ("version", "wire"):
+            what = "the ringcomm version" if name == "version" else "the wire format version"
+            raise ArgumentError(f"ranks run different software: {what} differs ({parts}). "
+                                "Install the same ringcomm on every host.", rank=rank)
+        raise ArgumentError(
+            f"ranks disagree on {name} ({where}): {parts}. It must be the same on every "
+            "rank: set it on all of them or on none.", rank=rank)
+
+
+def _show(value: Any) -> str:
+    return "it unset" if value is None else repr(value)
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

@@ -1,0 +1,99 @@
+"""Facts about where each rank runs, gathered from every rank at init into one table.
+
+Anything that differs per host or per process (which host, which cores) and that a
+decision depends on must come from this table, which every rank holds identically, never
+from a local look at ``os.sched_getaffinity``: two ranks that looked locally would choose
+differently (one started under ``taskset``) and run different schedules.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+
+def host_identity() -> str:
+    """Equal on two ranks exactly when they can reach each other's ipc sockets and shared
+    memory: the same machine (hostname, machine and boot ids) and the same temp folder."""
+    parts = [socket.gethostname()]
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    parts.append(tempfile.gettempdir())
+    return "|".join(parts)
+
+
+def _affinity() -> tuple[int, ...]:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """One rank's facts: its host's identity and name, the cores it may run on, its pid."""
+
+    host: str
+    hostname: str
+    cpus: tuple[int, ...]
+    pid: int
+
+    @classmethod
+    def here(cls) -> RankFacts:
+        return cls(host_identity(), socket.gethostname(), _affinity(), os.getpid())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "hostname": self.hostname, "cpus": list(self.cpus),
+                "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RankFacts:
+        return cls(str(raw["host"]), str(raw["hostname"]), tuple(int(c) for c in raw["cpus"]),
+                   int(raw["pid"]))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Every rank's facts, in rank order: the same object on every rank of a group."""
+
+    ranks: tuple[RankFacts, ...]
+
+    @classmethod
+    def single_host(cls, world_size: int) -> Topology:
+        """Every rank on this host with this process's facts: a group inside one process."""
+        here = RankFacts.here()
+        return cls((here,) * world_size)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @cached_property
+    def hosts(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each host, hosts in the order of their lowest rank."""
+        by_host: dict[str, list[int]] = {}
+        for rank, facts in enumerate(self.ranks):
+            by_host.setdefault(facts.host, []).append(rank)
+        return tuple(tuple(ranks) for ranks in by_host.values())
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.ranks[a].host == self.ranks[b].host
+
+    def host_cores(self, ranks: tuple[int, ...]) -> int:
+        """Cores the given ranks of one host may use between them (the union of their
+        affinities)."""
+        return len(set().union(*(self.ranks[r].cpus for r in ranks)))
+
+    @cached_property
+    def cores_per_rank(self) -> float:
+        """Cores per rank on the most crowded host (at most 1): below 1 the ranks of a host
+        share cores, which the cost model prices."""
+        return min(min(1.0, self.host_cores(ranks) / len(ranks)) for ranks in self.hosts)

@@ -1,0 +1,126 @@
+"""Settings that ranks must agree on are agreed, not assumed (``ringcomm.settings``).
+
+Real processes, each with its own environment: a forced algorithm on one rank only is an
+error at init on every rank; different tuned profiles and different CPU affinities end in
+one agreed choice and right results; different versions are named. The settings table in
+the code covers every ``RINGCOMM_*`` variable the library reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from mp_helpers import Cluster
+
+from ringcomm import cost
+from ringcomm.settings import SETTINGS, Scope
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(3)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _quick(result):
+    assert "init_error" not in result, result["init_error"]
+    return result
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,odd", [(2, 1), (3, 1), (3, 0)])
+def test_a_forced_algorithm_on_some_ranks_only_is_an_error_at_init_on_every_rank(
+        cluster, world, odd):
+    env = {odd: {"RINGCOMM_ALGO": "tree"}}
+    for r in range(world):
+        env.setdefault(r, {"RINGCOMM_ALGO": None})
+    res = cluster.run(world, "job_agreement", env=env)
+    others = [r for r in range(world) if r != odd]
+    who = f"rank {others[0]} has" if len(others) == 1 else \
+        f"ranks {', '.join(map(str, others))} have" if others != [1, 2] else "ranks 1-2 have"
+    first, second = (f"{who} it unset", f"rank {odd} has 'tree'")
+    parts = f"{first}; {second}" if others[0] < odd else f"{second}; {first}"
+    for r, x in enumerate(res):
+        err = x["init_error"]
+        assert err["type"] == "ArgumentError" and err["rank"] == r, err
+        assert err["msg"] == (
+            f"[rank {r}] ranks disagree on algorithm (RINGCOMM_ALGO): {parts}. It must be "
+            "the same on every rank: set it on all of them or on none."), err["msg"]
+        assert err["elapsed"] < 5.0
+
+
+@pytest.mark.timeout(60)
+def test_different_versions_are_named_at_init(cluster):
+    res = cluster.run(2, "job_agreement", env={}, version={1: "9.9.9"})
+    for r, x in enumerate(res):
+        assert x["init_error"]["msg"].startswith(
+            f"[rank {r}] ranks run different software: the ringcomm version differs (rank 0 "
+            "has '0.1.0'; rank 1 has '9.9.9'). Install the same ringcomm on every host.")
+
+
+def _profile(path: Path, segment: int, alpha: float, beta: float) -> str:
+    path.write_text(json.dumps({"segment_bytes": segment, "params": {
+        "2": {"alpha": alpha, "beta": beta, "gamma": 1e-10}}}))
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_tuned_profiles_run_rank_0s(cluster, tmp_path):
+    """One host tuned (small segments, messages dear), the other not or differently: every
+    rank runs rank 0's segment size and constants, so 1-8 MiB allreduces are right instead
+    of failing on segment sizes that differ."""
+    a = _profile(tmp_path / "a.json", 512 << 10, alpha=1e-3, beta=1e-12)
+    b = _profile(tmp_path / "b.json", 4 << 20, alpha=1e-9, beta=1e-9)
+    sizes = (8, 4096, 1 << 20, 4 << 20, 8 << 20)
+    for env in ({0: {"RINGCOMM_PROFILE": a}, 1: {"RINGCOMM_PROFILE": b}},
+                {0: {"RINGCOMM_PROFILE": a}, 1: {"RINGCOMM_PROFILE": str(tmp_path / "none")}}):
+        res = [_quick(x) for x in cluster.run(2, "job_agreement", env=env, sizes=sizes)]
+        assert [x["segment"] for x in res] == [512 << 10] * 2
+        assert [x["profile"] for x in res] == [a, a]
+        assert res[0]["params"] == res[1]["params"] == cost.CostParams(1e-3, 1e-12, 1e-10)
+        assert res[0]["chosen"] == res[1]["chosen"]
+        assert all(all(x["right"]) for x in res), res
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to differ in")
+def test_ranks_with_different_cpu_affinity_choose_the_same_algorithm(cluster, tmp_path):
+    """Rank 1 runs on one core (as under `taskset -c 0`), rank 0 on all. Each used to read
+    its own affinity and choose differently (at 8 B: tree on one, rd on the other), giving
+    wrong sums; the cores come from the gathered table now, the same on both."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sizes = (8, 4096, 65536, 1 << 20, 4 << 20)
+    params = cost.DEFAULT_PARAMS[2]
+    local_views = {share: [cost.choose("allreduce", 2, n, 4, segment_bytes=2 << 20,
+                                       params=params, share=share) for n in sizes]
+                   for share in (0.5, 1.0)}
+    assert local_views[0.5] != local_views[1.0]  # each rank on its own would differ
+    env = {r: {"RINGCOMM_PROFILE": str(tmp_path / "none"), "RINGCOMM_ALGO": None}
+           for r in range(2)}
+    res = [_quick(x) for x in cluster.run(2, "job_agreement", env=env, sizes=sizes,
+                                          cpus={1: cpus[:1]})]
+    assert res[0]["chosen"] == res[1]["chosen"]
+    assert [res[0]["chosen"][n] for n in sizes] == local_views[1.0]  # both cores, two ranks
+    assert [x["cores_per_rank"] for x in res] == [1.0, 1.0]
+    assert all(all(x["right"]) for x in res), res
+
+
+def test_every_setting_the_library_reads_is_classified():
+    """Each RINGCOMM_* variable read anywhere in ringcomm/ has a row in the table."""
+    root = Path(__file__).resolve().parent.parent / "ringcomm"
+    read = set()
+    for path in root.rglob("*.py"):
+        read |= set(re.findall(r"environ(?:\.get)?[\(\[]\s*\"(RINGCOMM_\w+)\"", path.read_text()))
+    table = {s.env for s in SETTINGS if s.env}
+    assert read and read <= table, read - table
+    assert {s.scope for s in SETTINGS} == set(Scope)

@@ -1,0 +1,103 @@
+"""The disagreement hunt (``tests/hunt.py``): ranks that differ in exactly one respect of an
+op never get a wrong result, always get a typed error, and never hang; ranks that agree get
+right and (for reductions) bitwise identical results.
+
+In one process over in-memory channels (hundreds of cases, seconds) and over real processes
+(tens of cases, ipc and tcp). Reproducible: a failure prints the seed and the case;
+``RINGCOMM_HUNT_SEED`` replays a seed, ``RINGCOMM_HUNT_CASES`` runs more cases.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import hunt
+import pytest
+
+from ringcomm.local import run_group
+
+SEED = int(os.environ.get("RINGCOMM_HUNT_SEED", "20261123"))
+IN_MEMORY_CASES = int(os.environ.get("RINGCOMM_HUNT_CASES", "400"))
+TIMEOUT = 2.0  # s per op: an in-memory rank that waits for a message nobody sends times out
+MARGIN = 4.0  # s: generous, many groups share the interpreter; far below a hang
+
+
+def _in_memory(case: hunt.Case) -> list[str]:
+    def rank_main(comm):
+        call = case.calls[comm.rank]
+        comm.segment_bytes = call.segment  # a setting the ranks failed to agree on
+        return hunt.play(comm, call)
+
+    reports = run_group(case.world, rank_main, timeout=TIMEOUT, return_errors=True)
+    problems = [f"rank {r}: {rep!r}" for r, rep in enumerate(reports)
+                if not isinstance(rep, dict)]  # an error outside the ops: a bug
+    return problems or hunt.judge(case, reports, timeout=TIMEOUT, margin=MARGIN)
+
+
+@pytest.mark.timeout(240)
+def test_the_hunt_over_in_memory_ranks_finds_no_silent_wrong_result():
+    all_cases = hunt.cases(SEED, IN_MEMORY_CASES, worlds=(2, 3, 4, 5, 6))
+    assert {c.field for c in all_cases} == {None, *hunt.FIELDS}  # every kind is hunted
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        verdicts = list(pool.map(_in_memory, all_cases))
+    failed = [f"{case.describe()}\n    " + "\n    ".join(problems)
+              for case, problems in zip(all_cases, verdicts, strict=True) if problems]
+    assert not failed, f"{len(failed)} of {len(all_cases)} cases failed:\n" + "\n".join(
+        failed[:10])
+
+
+def test_the_hunt_tells_a_wrong_result_from_a_right_one():
+    """The judge itself: a control in which one rank returned a wrong value, and a
+    disagreement in which a rank returned without an error, are both reported."""
+    call = hunt.Call("allreduce", 4, "float32")
+    case = hunt.Case(0, 0, 2, None, (call, call))
+
+    def report(output):
+        want = hunt.expected(call, 0, 2)
+        return {"returned": True, "right": output.tobytes() == want.tobytes(),
+                "digest": output.tobytes(), "error": None, "in": None, "elapsed": 0.0}
+
+    right = hunt.expected(call, 0, 2)
+    assert hunt.judge(case, [report(right), report(right)], timeout=1, margin=1) == []
+    assert hunt.judge(case, [report(right), report(right + 1)], timeout=1, margin=1) == [
+        "rank 1: returned a wrong output from allreduce(4 x float32, sum, seg 2097152)",
+        "the reduced results differ between ranks"]
+    odd = hunt.Case(0, 0, 2, "count", (call, hunt.Call("allreduce", 5, "float32")))
+    assert hunt.judge(odd, [report(right), report(right)], timeout=1, margin=1) == [
+        "rank 0: no error although the ranks disagree in count",
+        "rank 1: no error although the ranks disagree in count"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from mp_helpers import Cluster
+
+    c = Cluster(4)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+PROCESS_TIMEOUT = 3.0  # s per op; stalls are found by probing after about a second
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport,world,n", [("ipc", 3, 24), ("tcp", 3, 12), ("ipc", 4, 12),
+                                               ("tcp", 2, 8)])
+def test_the_hunt_over_real_processes_finds_no_silent_wrong_result(cluster, transport, world,
+                                                                   n):
+    seed = SEED + world * 10 + (transport == "tcp")
+    reports = cluster.run(world, "job_hunt", transport=transport, seed=seed, n=n,
+                          op_timeout=PROCESS_TIMEOUT, timeout=180)
+    all_cases = hunt.cases(seed, n, worlds=(world,))
+    failed = []
+    for i, case in enumerate(all_cases):
+        problems = hunt.judge(case, [reports[r][i] for r in range(world)],
+                              timeout=PROCESS_TIMEOUT, margin=3.0)
+        if problems:
+            failed.append(f"{case.describe()}\n    " + "\n    ".join(problems))
+    assert not failed, f"{len(failed)} of {n} cases failed:\n" + "\n".join(failed)
