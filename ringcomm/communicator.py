@@ -42,7 +42,14 @@ from .algorithms.schedule import Schedule
 from .buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
 from .channels.base import Transport
 from .channels.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .errors import ArgumentError, CommAborted, CommError, CommTimeout, RemoteError
+from .errors import (
+    ArgumentError,
+    CommAborted,
+    CommError,
+    CommTimeout,
+    DesyncError,
+    RemoteError,
+)
 from .executor import OpContext, TraceEvent, run_schedule
 from .p2p import P2PEngine, P2POp
 from .settings import Settings
@@ -401,7 +408,13 @@ class Communicator:
         """Finish queued ops, stop the worker, close channels (and the store, if ours).
 
         Sends still in flight get until their deadline to leave; receives still waiting for
-        their message fail with ``CommAborted``."""
+        their message fail with ``CommAborted``. If a peer's message of a collective is
+        waiting that no op here took, the ranks disagreed about an op in a way this rank
+        could not see while it only sent (two ranks that both think they are a broadcast's
+        root): everything is closed all the same, then ``DesyncError`` says so."""
+        self._close(check=True)
+
+    def _close(self, *, check: bool) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -409,15 +422,26 @@ class Communicator:
         self._queue.put(None)
         if threading.current_thread() is not self._worker:
             self._worker.join()
+        stray = self.transport.leftover() if self._failure is None else None
         self.transport.close()
         for fn in self._on_close:
             fn()
+        if stray is not None:
+            err = DesyncError(
+                f"a message of rank {stray.sender}'s {stray.describe()} was still waiting "
+                "here, and no op of this rank took it: the ranks disagreed about an op (a "
+                "rank whose part of it only sends, like a broadcast's root, returns before it "
+                "can tell). Every rank must call the same collectives in the same order with "
+                "the same root.", rank=self.rank, op="close", peer=stray.sender)
+            if check:
+                raise err
+            log.warning("%s", err)
 
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(check=exc_type is None)  # never hide the error already on its way
 
     def __repr__(self) -> str:
         return f"<ringcomm.Communicator rank {self.rank} of {self.world_size}>"

@@ -14,6 +14,7 @@ from typing import Any
 
 from .channels.inmemory import InMemoryNetwork
 from .communicator import Communicator
+from .errors import CommError
 from .executor import TraceEvent
 
 
@@ -55,8 +56,12 @@ def run_group(
         t.join(timeout + 30.0)
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"a rank of the in-process group did not finish in {timeout + 30} s")
-    for comm in comms:
-        comm.close()
+    for r, comm in enumerate(comms):
+        try:
+            comm.close()
+        except CommError as err:  # a disagreement only close could see: the rank's error
+            if not isinstance(results[r], BaseException):
+                results[r] = err
     if not return_errors:
         for res in results:
             if isinstance(res, BaseException):

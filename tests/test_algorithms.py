@@ -469,3 +469,19 @@ def test_alltoall_takes_blocks_in_the_order_they_arrive():
     order = [e.step.peer for e in trace if e.rank == 0 and e.step.kind is Kind.RECV]
     assert sorted(order) == [1] * 3 + [2] * 3 + [3] * 3  # 6 elements in segments of 2
     assert order[-3:] == [3, 3, 3], order  # the late rank's segments come last
+
+
+def test_ranks_that_only_sent_find_a_disagreement_at_close():
+    """Both ranks think they are the broadcast's root: each only sends, so each returns its
+    own (right) data; the other's message is still waiting at close, which says so."""
+    def fn(comm):
+        x = np.full(4, float(comm.rank))
+        comm.broadcast(x, root=comm.rank)
+        return x
+
+    results = run_group(2, fn, return_errors=True)
+    for rank, err in enumerate(results):
+        assert isinstance(err, DesyncError) and err.op == "close", err
+        assert str(err).startswith(
+            f"[rank {rank}, close] a message of rank {1 - rank}'s broadcast #0 root/tag "
+            f"{1 - rank}, message 0, 32 B float64 from rank {1 - rank} was still waiting here")

@@ -138,6 +138,26 @@ class Transport(abc.ABC):
                 with contextlib.suppress(Exception):
                     self._send_abort(peer, header, text.encode()[:4096])
 
+    def leftover(self) -> Header | None:
+        """The header of a collective message that has arrived and that no op of this rank
+        took, if there is one: at close, proof that the ranks disagreed about an op (a rank
+        whose part of an op only sends cannot tell during it). Reads what is waiting, so it
+        is only for a transport about to close."""
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            if self._stash[peer][0]:
+                return self._stash[peer][0][0][0]
+            if not self._peek(peer):
+                continue
+            try:
+                header = self._recv_header(peer, time.monotonic(), "close")
+            except Exception:  # noqa: BLE001 - a peer gone or failed: nothing to prove here
+                continue
+            if header.kind not in (OpKind.ABORT, OpKind.PROBE, OpKind.P2P):
+                return header
+        return None
+
     # ---------------------------------------------------------------- matching
     def _match(self, peer: int, expected: Header, deadline: float, op: str) -> Any | None:
         """Read headers from ``peer`` until one of ``expected``'s stream arrives; check it.
