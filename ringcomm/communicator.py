@@ -119,7 +119,7 @@ def _names_bad_input(method: Callable) -> Callable:
     return checked
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made once per op: no frozen-attribute overhead
 class _Collective:
     """A collective on its way to the worker: the op as the wire sees it (less the
     algorithm, which the schedule names), its buffers, and how to build its schedule."""

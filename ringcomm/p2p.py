@@ -182,8 +182,8 @@ class P2PEngine:
         """A message's header: sender and receiver must agree on the tag, the dtype and the
         whole message's element count, not only on this segment's."""
         data = op.data
-        return Header(seq, count * data.itemsize, sender, index, op.tag, OpKind.P2P,
-                      dtype_code(data.dtype), _DIRECT, 0, self.comm.segment_bytes, data.size)
+        return Header(seq, count * data.itemsize, data.size, self.comm.segment_bytes, sender,
+                      index, op.tag, OpKind.P2P, dtype_code(data.dtype), _DIRECT)
 
     def _check_sends(self) -> None:
         if not self.sending:

@@ -131,7 +131,7 @@ class Transport(abc.ABC):
 
     def abort(self, seq: int, text: str) -> None:
         """Tell every peer that this rank failed, so that none of them waits for it."""
-        header = Header(seq, 0, self.rank, 0, -1, OpKind.ABORT, 0)
+        header = Header.control(OpKind.ABORT, seq, self.rank)
         for peer in range(self.world_size):
             if peer != self.rank:
                 # best effort: the peer may be gone already

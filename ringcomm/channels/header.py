@@ -20,12 +20,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from ..buffers import REDUCE_OPS, dtype_name
 from ..errors import DesyncError
 
 WIRE_VERSION = 2  # bumped whenever the header or the framing changes; agreed at init
-_FORMAT = struct.Struct("<QQQIIIiBBBBB3x")
+_FORMAT = struct.Struct("<QQQIIIiBBBBB3x")  # Header's fields, then the version
 SIZE = _FORMAT.size
 
 
@@ -64,10 +65,14 @@ def reduce_code(op: object | None) -> int:
     return 0 if op is None else op.code + 1  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """One message's header, fields in wire order. A tuple, because a header is built and
+    compared for every message: a tuple is made and compared in C, and packs as it is."""
+
     seq: int
     nbytes: int
+    count: int
+    segment: int
     sender: int
     index: int
     arg: int
@@ -75,26 +80,25 @@ class Header:
     dtype: int
     algorithm: int = 0
     reduce: int = 0
-    segment: int = 0
-    count: int = 0
 
     def pack(self) -> bytes:
-        return _FORMAT.pack(self.seq, self.nbytes, self.count, self.segment, self.sender,
-                            self.index, self.arg, self.kind, self.dtype, self.algorithm,
-                            self.reduce, WIRE_VERSION)
+        return _FORMAT.pack(*self, WIRE_VERSION)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header:
         if len(raw) != SIZE:
             raise DesyncError(f"malformed header of {len(raw)} bytes (expected {SIZE}); "
                               "is every rank running the same ringcomm version?")
-        (seq, nbytes, count, segment, sender, index, arg, kind, dtype, algorithm, reduce,
-         version) = _FORMAT.unpack(raw)
+        *fields, version = _FORMAT.unpack(raw)
         if version != WIRE_VERSION:
             raise DesyncError(f"a message in wire format {version} reached a rank that speaks "
                               f"{WIRE_VERSION}; every rank must run the same ringcomm version")
-        return cls(seq, nbytes, sender, index, arg, kind, dtype, algorithm, reduce, segment,
-                   count)
+        return cls._make(fields)
+
+    @classmethod
+    def control(cls, kind: int, seq: int, sender: int, nbytes: int = 0) -> Header:
+        """The header of an abort or a probe (no op descriptor)."""
+        return cls(seq, nbytes, 0, 0, sender, 0, -1, kind, 0)
 
     @property
     def is_p2p(self) -> bool:
@@ -111,7 +115,7 @@ class Header:
                 f"{dtype_name(self.dtype)} from rank {self.sender}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made once per op: no frozen-attribute overhead
 class OpDescriptor:
     """One op as both ends of each of its messages must see it.
 
@@ -135,14 +139,14 @@ class OpDescriptor:
     def outgoing(self, peer: int, sender: int, index: int, nbytes: int) -> Header:
         """The header of message ``index`` from ``sender`` (this rank) to ``peer``."""
         count = self.count if self.send_counts is None else self.send_counts[peer]
-        return Header(self.seq, nbytes, sender, index, self.arg, self.kind, self.dtype,
-                      self.algorithm, self.reduce, self.segment, count)
+        return Header(self.seq, nbytes, count, self.segment, sender, index, self.arg,
+                      self.kind, self.dtype, self.algorithm, self.reduce)
 
     def incoming(self, peer: int, index: int, nbytes: int) -> Header:
         """The header this rank expects on message ``index`` from ``peer``."""
         count = self.count if self.recv_counts is None else self.recv_counts[peer]
-        return Header(self.seq, nbytes, peer, index, self.arg, self.kind, self.dtype,
-                      self.algorithm, self.reduce, self.segment, count)
+        return Header(self.seq, nbytes, count, self.segment, peer, index, self.arg,
+                      self.kind, self.dtype, self.algorithm, self.reduce)
 
 
 _VERBS = {OpKind.ALLREDUCE: "reduces", OpKind.REDUCE: "reduces", OpKind.BROADCAST: "broadcasts",

@@ -34,7 +34,6 @@ publishes the addresses.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -399,8 +398,7 @@ class ZmqTransport(Transport):
         # a peer that sees the close has read the abort first and reports its real cause.
         state = self._peers[peer]
         if state.pipe_out is not None:
-            sized = Header(header.seq, len(text), header.sender, header.index, header.arg,
-                           header.kind, header.dtype)
+            sized = header._replace(nbytes=len(text))
             with contextlib.suppress(OSError, CommError):
                 self._pipe_write(peer, state, _INLINE + sized.pack() + text)
         elif state.push is not None:
@@ -416,7 +414,7 @@ class ZmqTransport(Transport):
     def _send_probe(self, peer: int, waiting: Header, op: str) -> None:
         """Tell ``peer`` which op this rank waits in: the header it expects (the op's whole
         descriptor) and the op's name."""
-        probe = Header(waiting.seq, 0, self.rank, 0, -1, OpKind.PROBE, 0)
+        probe = Header.control(OpKind.PROBE, waiting.seq, self.rank)
         self._control(peer).send_multipart((probe.pack(), waiting.pack() + op.encode()))
 
     def _on_control(self, control: zmq.Socket, op: str) -> None:
@@ -433,8 +431,8 @@ class ZmqTransport(Transport):
             return
         # what they expect from this rank, as sent by them; an all-to-all's counts belong
         # to pairs and cannot be compared across them
-        theirs = dataclasses.replace(
-            theirs, sender=header.sender,
+        theirs = theirs._replace(
+            sender=header.sender,
             count=mine.count if mine.kind == OpKind.ALLTOALL else theirs.count)
         diffs = differences(mine, theirs, rank=self.rank)
         if diffs:
