@@ -49,6 +49,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from ringcomm.algorithms import HOST_AWARE
+
 from . import adapter
 from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
 
@@ -79,8 +81,10 @@ class Backend:
 
 
 def parse_backends(spec: list[str]) -> list[Backend]:
-    """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all``,
-    ``gloo``, ``nccl``; commas or spaces between them."""
+    """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all`` (the
+    automatic choice and every flat algorithm; the two-level ``hier`` only where named:
+    on one host it is a reduce and a broadcast), ``gloo``, ``nccl``; commas or spaces
+    between them."""
     algorithms = adapter.allreduce_algorithms()
     out: list[Backend] = []
     for word in (w.strip().lower() for item in spec for w in item.split(",")):
@@ -90,7 +94,8 @@ def parse_backends(spec: list[str]) -> list[Backend]:
             found = [Backend("ringcomm", "ringcomm")]
         elif word == "ringcomm:all":
             found = [Backend("ringcomm", "ringcomm")] + [
-                Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms]
+                Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms
+                if a not in HOST_AWARE]
         elif word.startswith("ringcomm:") and word.split(":", 1)[1] in algorithms:
             a = word.split(":", 1)[1]
             found = [Backend(f"ringcomm:{a}", "ringcomm", a)]

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import cost
-from .algorithms import ALLREDUCE, direct, ring, rooted
+from .algorithms import ALLREDUCE, allreduce_schedule, direct, ring, rooted
 from .algorithms.schedule import Schedule
 from .buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
 from .channels.base import Transport
@@ -185,13 +185,24 @@ class Communicator:
                                         daemon=True)
         self._worker.start()
 
+    @property
+    def hosts(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each host, hosts in the order of their lowest rank: gathered from
+        every rank at init, the same on every rank."""
+        return self.topology.hosts
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks that share this rank's host (this one included)."""
+        return next(h for h in self.topology.hosts if self.rank in h)
+
     # ------------------------------------------------------------------ collectives
     @_names_bad_input
     def allreduce(self, x: Any, op: str = "sum", *, algorithm: str | None = None,
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``) forces one for this
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``) forces one for this
         call, as ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all; by
         default the cost model picks the cheapest for this size (``ringcomm.cost``). The
         automatic choice is a function of the size, the dtype, the settings agreed at init
@@ -201,10 +212,11 @@ class Communicator:
         data = flat_view(x, name="x")
         rop = reduce_op(op, data.dtype)
         seg = self._segment(data)
-        make = ALLREDUCE[self.allreduce_algorithm(data.nbytes, data.itemsize, algorithm)]
+        name = self.allreduce_algorithm(data.nbytes, data.itemsize, algorithm)
+        hosts = self.topology.hosts
         return self._submit(_Collective(
             OpKind.ALLREDUCE, data.dtype, {"data": data}, x,
-            lambda: make(self.rank, self.world_size, data.size, seg),
+            lambda: allreduce_schedule(name, self.rank, self.world_size, data.size, seg, hosts),
             rop, count=data.size, segment=self.segment_bytes), async_op)
 
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
@@ -228,7 +240,8 @@ class Communicator:
                 "allreduce", self.world_size, nbytes, itemsize,
                 segment_bytes=self.segment_bytes,
                 params=self.settings.cost_params(self.world_size),
-                share=self.topology.cores_per_rank)
+                share=self.topology.cores_per_rank, hosts=self.topology.hosts,
+                remote=self.settings.remote)
         return name
 
     @_names_bad_input

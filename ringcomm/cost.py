@@ -6,7 +6,10 @@ and waits, instead of a formula that describes an idealised version of it. Every
 one thread that handles its steps in order, so it is modelled as one clock:
 
 - ``send`` of ``m`` bytes costs the sender ``alpha / 2 + m * beta``; the message is ready for
-  the receiver when the sender's clock has advanced past it;
+  the receiver when the sender's clock has advanced past it. Between ranks of different
+  hosts the remote link's ``alpha`` and ``beta`` apply (the receiver's copy stays local),
+  and the bytes all ranks of a host send to others share that host's link: a third lower
+  bound beside the critical path and the shared cores;
 - ``recv`` waits for the message, then costs ``alpha / 2 + m * beta`` (copy it out);
 - ``recv+reduce`` waits, then costs ``alpha / 2 + m * gamma`` (read both, write one);
 - ``recv+reduce+send`` (fused) waits, then costs ``alpha + m * gamma``: the sum is written
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from .algorithms import ALLREDUCE
+from .algorithms import ALLREDUCE, HOST_AWARE, allreduce_schedule
 from .algorithms.schedule import Kind, Schedule
 
 DEFAULT_SEGMENT_BYTES = 2 << 20  # measured best here with shared memory (1 MiB: 20% slower)
@@ -45,6 +48,10 @@ class CostParams:
     beta: float = 0.09e-9
     gamma: float = 0.09e-9  # segment-wise float32 sum over buffers beyond the cache
 
+
+# Links between hosts when nothing better is known: ZeroMQ over tcp, a round trip of about
+# 80 us here, and about 1.25 GB/s (10 Gbit/s Ethernet; a veth pair here carries 2.4 GB/s).
+DEFAULT_REMOTE_PARAMS = CostParams(alpha=100e-6, beta=0.8e-9, gamma=0.09e-9)
 
 # Two runs of `ringcomm tune -n 2 4` on a quiet 2-core machine (median fit error 12-20%),
 # rounded between them. With four ranks on two cores each message costs more (wake-ups wait
@@ -62,6 +69,7 @@ class Profile:
     params: dict[int, CostParams] = field(default_factory=dict)
     segment_bytes: int | None = None
     source: str = "defaults"
+    remote: CostParams | None = None  # links between hosts, where `ringcomm tune` measured them
 
     def for_world(self, world_size: int) -> CostParams:
         params = self.params or DEFAULT_PARAMS
@@ -72,13 +80,15 @@ class Profile:
         return json.dumps({
             "params": {str(n): asdict(p) for n, p in sorted(self.params.items())},
             "segment_bytes": self.segment_bytes,
+            "remote": asdict(self.remote) if self.remote else None,
         }, indent=2)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Profile:
         raw = json.loads(text)
         params = {int(n): CostParams(**p) for n, p in raw.get("params", {}).items()}
-        return cls(params, raw.get("segment_bytes"), source)
+        remote = CostParams(**raw["remote"]) if raw.get("remote") else None
+        return cls(params, raw.get("segment_bytes"), source, remote)
 
 
 def profile_path() -> Path:
@@ -113,15 +123,20 @@ def load_profile() -> Profile:
 @dataclass(frozen=True)
 class Terms:
     """How often each parameter is paid on the slowest rank's path: ``time = alpha * messages
-    + beta * moved + gamma * reduced``. Linear in the parameters, which is what lets
-    ``ringcomm tune`` fit them by least squares."""
+    + beta * moved + gamma * reduced``, plus the messages and bytes that cross between hosts,
+    priced with the remote link's ``alpha`` and ``beta``. Linear in the parameters, which is
+    what lets ``ringcomm tune`` fit them by least squares."""
 
     messages: float
     moved: float
     reduced: float
+    remote_messages: float = 0.0
+    remote_moved: float = 0.0
 
-    def time(self, p: CostParams) -> float:
-        return p.alpha * self.messages + p.beta * self.moved + p.gamma * self.reduced
+    def time(self, p: CostParams, remote: CostParams | None = None) -> float:
+        r = remote or p
+        return (p.alpha * self.messages + p.beta * self.moved + p.gamma * self.reduced
+                + r.alpha * self.remote_messages + r.beta * self.remote_moved)
 
 
 @dataclass(frozen=True)
@@ -132,11 +147,16 @@ class ScheduleCost:
     critical: Terms
     work: Terms
     world_size: int
+    link_bytes: float = 0.0  # bytes the busiest host sends to other hosts, all its ranks
 
-    def time(self, params: CostParams, cores_per_rank: float = 1.0) -> float:
-        """``cores_per_rank`` < 1 when the ranks of one host outnumber its cores."""
-        shared = self.work.time(params) / self.world_size / min(1.0, cores_per_rank)
-        return max(self.critical.time(params), shared)
+    def time(self, params: CostParams, cores_per_rank: float = 1.0,
+             remote: CostParams | None = None) -> float:
+        """``cores_per_rank`` < 1 when the ranks of one host outnumber its cores; ``remote``
+        prices what crosses between hosts (default: ``params``). A third bound: the ranks of
+        a host share its one link to the others, so its bytes go out one after another."""
+        shared = self.work.time(params, remote) / self.world_size / min(1.0, cores_per_rank)
+        link = self.link_bytes * (remote or params).beta
+        return max(self.critical.time(params, remote), shared, link)
 
 
 def cores_per_rank(local_ranks: int) -> float:
@@ -148,29 +168,41 @@ def cores_per_rank(local_ranks: int) -> float:
     return min(1.0, cores / max(1, local_ranks))
 
 
-def simulate(schedules: list[Schedule], itemsize: int, params: CostParams) -> ScheduleCost:
+def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
+             remote: CostParams | None = None,
+             host_of: tuple[int, ...] | None = None) -> ScheduleCost:
     """Replay every rank's schedule; return the critical path's and the total work's terms.
 
-    Each clock carries, beside its time, the terms that built it, so the critical path's
-    terms come out with the time."""
+    ``host_of[r]`` is rank ``r``'s host (default: all on one); a message between ranks of
+    different hosts pays ``remote``'s alpha and beta. Each clock carries, beside its time,
+    the terms that built it, so the critical path's terms come out with the time."""
     n = len(schedules)
-    clocks = [[0.0, 0.0, 0.0, 0.0] for _ in range(n)]  # time, messages, moved, reduced
-    work = [0.0, 0.0, 0.0]
+    # time, messages, moved, reduced, remote messages, remote bytes
+    clocks = [[0.0] * 6 for _ in range(n)]
+    work = [0.0] * 5
     cursor = [0] * n
     links: dict[tuple[int, int], deque] = {}
     blocked = set()
     runnable = deque(range(n))
     waiting: dict[tuple[int, int], int] = {}
     a, b, g = params.alpha, params.beta, params.gamma
+    ra, rb = (remote.alpha, remote.beta) if remote else (a, b)
+    host_out: dict[int, float] = {}  # bytes each host sends to other hosts
 
-    def advance(clock: list[float], msgs: float, moved: float, reduced: float) -> None:
-        clock[0] += a * msgs + b * moved + g * reduced
-        clock[1] += msgs
-        clock[2] += moved
-        clock[3] += reduced
-        work[0] += msgs
-        work[1] += moved
-        work[2] += reduced
+    def advance(clock: list[float], msgs: float, moved: float, reduced: float,
+                far: bool = False) -> None:
+        if far:
+            clock[0] += ra * msgs + rb * moved + g * reduced
+            terms = (0.0, 0.0, reduced, msgs, moved)
+        else:
+            clock[0] += a * msgs + b * moved + g * reduced
+            terms = (msgs, moved, reduced, 0.0, 0.0)
+        for i, t in enumerate(terms):
+            clock[i + 1] += t
+            work[i] += t
+
+    def far(x: int, y: int) -> bool:
+        return host_of is not None and host_of[x] != host_of[y]
 
     while runnable:
         r = runnable.popleft()
@@ -180,7 +212,9 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams) -> Sc
             step = steps[cursor[r]]
             if step.kind is Kind.SEND:
                 m = step.src.count * itemsize
-                advance(clock, 0.5, m, 0)
+                advance(clock, 0.5, m, 0, far(r, step.peer))
+                if far(r, step.peer):
+                    host_out[host_of[r]] = host_out.get(host_of[r], 0.0) + m
                 links.setdefault((r, step.peer), deque()).append(tuple(clock))
                 woken = waiting.pop((r, step.peer), None)
                 if woken is not None:
@@ -197,12 +231,19 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams) -> Sc
                 if ready[0] > clock[0]:
                     clock[:] = list(ready)
                 m = step.dst.count * itemsize
+                # the wire time of a message between hosts is the sender's; the receiver
+                # pays the message's alpha and its own local copy or reduction
+                advance(clock, 0.5, 0, 0, far(step.peer, r))
                 if step.kind is Kind.RECV:
-                    advance(clock, 0.5, m, 0)
+                    advance(clock, 0, m, 0)
                 elif step.kind is Kind.RECV_REDUCE:
-                    advance(clock, 0.5, 0, m)
+                    advance(clock, 0, 0, m)
                 else:  # fused: the reduction writes the outgoing message, no copy of its own
-                    advance(clock, 1.0, 0, m)
+                    advance(clock, 0, 0, m)
+                    # ... unless it leaves the host: then the bytes still cross the link
+                    advance(clock, 0.5, m if far(r, step.to) else 0, 0, far(r, step.to))
+                    if far(r, step.to):
+                        host_out[host_of[r]] = host_out.get(host_of[r], 0.0) + m
                     links.setdefault((r, step.to), deque()).append(tuple(clock))
                     woken = waiting.pop((r, step.to), None)
                     if woken is not None:
@@ -211,44 +252,65 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams) -> Sc
     if blocked:
         raise RuntimeError(f"schedules deadlock: ranks {sorted(blocked)} wait forever")
     slowest = max(clocks, key=lambda c: c[0])
-    return ScheduleCost(Terms(*slowest[1:]), Terms(*work), n)
+    return ScheduleCost(Terms(*slowest[1:]), Terms(*work), n, max(host_out.values(), default=0))
+
+
+Hosts = tuple[tuple[int, ...], ...]
+
+
+def _several(hosts: Hosts | None) -> Hosts | None:
+    """``hosts`` when there are two or more of them, else None (one host: nothing remote)."""
+    return hosts if hosts is not None and len(hosts) > 1 else None
 
 
 @lru_cache(maxsize=4096)
 def allreduce_cost(algorithm: str, world_size: int, count: int, itemsize: int,
-                   segment: int) -> ScheduleCost:
-    """Cost terms of one allreduce, from its schedules on every rank."""
-    make = ALLREDUCE[algorithm]
-    schedules = [make(r, world_size, count, segment) for r in range(world_size)]
+                   segment: int, hosts: Hosts | None = None) -> ScheduleCost:
+    """Cost terms of one allreduce, from its schedules on every rank; ``hosts`` lists the
+    ranks of each host (default: all on one)."""
+    hosts = _several(hosts)
+    schedules = [allreduce_schedule(algorithm, r, world_size, count, segment, hosts)
+                 for r in range(world_size)]
+    host_of = None
+    if hosts is not None:
+        where = {rank: h for h, ranks in enumerate(hosts) for rank in ranks}
+        host_of = tuple(where[r] for r in range(world_size))
     # The critical path depends a little on the parameters; the defaults' shape is enough
     # to choose and to fit.
-    return simulate(schedules, itemsize, CostParams())
+    return simulate(schedules, itemsize, CostParams(), DEFAULT_REMOTE_PARAMS, host_of)
 
 
 def predict(collective: str, algorithm: str, world_size: int, nbytes: int, itemsize: int = 4,
             *, segment_bytes: int | None = None, params: CostParams | None = None,
-            local_ranks: int | None = None) -> float:
+            local_ranks: int | None = None, hosts: Hosts | None = None,
+            remote: CostParams | None = None, share: float | None = None) -> float:
     """Predicted seconds for one call (``collective`` is ``"allreduce"`` for now).
 
-    ``local_ranks``: ranks per host (default: all of them on this one)."""
+    ``hosts``: the ranks of each host (default: all on this one); ``remote`` prices the
+    links between hosts (default: ``DEFAULT_REMOTE_PARAMS``); ``share``: cores per rank
+    (default: this machine's cores over ``local_ranks``, itself the world size)."""
     if collective != "allreduce":
         raise ValueError(f"no cost model for {collective!r} yet; only allreduce is modelled")
     profile = load_profile()
     params = params or profile.for_world(world_size)
     segment = _segment_elems(segment_bytes, profile, itemsize)
-    cost = allreduce_cost(algorithm, world_size, nbytes // itemsize, itemsize, segment)
-    return cost.time(params, cores_per_rank(local_ranks or world_size))
+    cost = allreduce_cost(algorithm, world_size, nbytes // itemsize, itemsize, segment,
+                          _several(hosts))
+    if share is None:
+        share = cores_per_rank(local_ranks or world_size)
+    return cost.time(params, share, remote or DEFAULT_REMOTE_PARAMS)
 
 
 def choose(collective: str, world_size: int, nbytes: int, itemsize: int = 4, *,
            segment_bytes: int | None = None, local_ranks: int | None = None,
-           params: CostParams | None = None, share: float | None = None) -> str:
+           params: CostParams | None = None, share: float | None = None,
+           hosts: Hosts | None = None, remote: CostParams | None = None) -> str:
     """The algorithm with the smallest predicted time (ties go to the ring).
 
-    A communicator passes ``segment_bytes``, ``params`` and ``share`` (cores per rank) as
-    its ranks agreed on them, so the choice reads nothing local and is the same on every
-    rank; what is left out comes from this machine (its profile, its affinity), for
-    predictions made outside a group."""
+    A communicator passes ``segment_bytes``, ``params``, ``share`` (cores per rank),
+    ``hosts`` and ``remote`` as its ranks agreed on them, so the choice reads nothing local
+    and is the same on every rank; what is left out comes from this machine (its profile,
+    its affinity), for predictions made outside a group."""
     if params is None or segment_bytes is None:
         profile = load_profile()
         params = params or profile.for_world(world_size)
@@ -256,17 +318,21 @@ def choose(collective: str, world_size: int, nbytes: int, itemsize: int = 4, *,
     if share is None:
         share = cores_per_rank(local_ranks or world_size)
     return _choose(collective, world_size, nbytes, itemsize,
-                   max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // itemsize), params, share)
+                   max(1, (segment_bytes or DEFAULT_SEGMENT_BYTES) // itemsize), params, share,
+                   _several(hosts), remote or DEFAULT_REMOTE_PARAMS)
 
 
 @lru_cache(maxsize=4096)
 def _choose(collective: str, world_size: int, nbytes: int, itemsize: int, segment: int,
-            params: CostParams, share: float) -> str:
+            params: CostParams, share: float, hosts: Hosts | None = None,
+            remote: CostParams = DEFAULT_REMOTE_PARAMS) -> str:
     if world_size <= 1 or nbytes == 0:
         return "ring"  # nothing moves
     count = nbytes // itemsize
-    times = {name: allreduce_cost(name, world_size, count, itemsize, segment).time(params, share)
-             for name in ALLREDUCE}
+    # on one host a host-aware algorithm is only a slower flat one
+    names = [n for n in ALLREDUCE if hosts is not None or n not in HOST_AWARE]
+    times = {name: allreduce_cost(name, world_size, count, itemsize, segment, hosts)
+             .time(params, share, remote) for name in names}
     return min(times, key=lambda name: (times[name], name != "ring"))
 
 

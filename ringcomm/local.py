@@ -9,13 +9,26 @@ hanging past their timeout.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .channels.inmemory import InMemoryNetwork
 from .communicator import Communicator
 from .errors import CommError
 from .executor import TraceEvent
+from .topology import RankFacts, Topology
+
+
+def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:
+    """A topology in which the ranks of ``hosts[h]`` share host ``h`` (this process's cores
+    each): for groups inside one process that stand for several machines."""
+    placed = sorted(r for h in hosts for r in h)
+    if placed != list(range(world_size)):
+        raise ValueError(f"hosts {hosts} must place each of ranks 0..{world_size - 1} once")
+    here = RankFacts.here()
+    where = {r: h for h, ranks in enumerate(hosts) for r in ranks}
+    return Topology(tuple(RankFacts(f"host{where[r]}", f"host{where[r]}", here.cpus, here.pid)
+                          for r in range(world_size)))
 
 
 def run_group(
@@ -26,15 +39,20 @@ def run_group(
     segment_bytes: int | None = None,
     trace: list[TraceEvent] | None = None,
     return_errors: bool = False,
+    hosts: Sequence[Sequence[int]] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
     With ``return_errors=True`` a rank's exception is returned in its slot instead of raised.
-    ``trace``, if given, collects every executed step of every rank.
+    ``trace``, if given, collects every executed step of every rank. ``hosts`` (the ranks of
+    each simulated host, e.g. ``[[0, 2], [1, 3]]``) gives the group a topology of several
+    hosts, for the algorithms and choices that depend on it; by default all ranks share one.
     """
     net = InMemoryNetwork(world_size)
+    topology = None if hosts is None else simulated_hosts(world_size, hosts)
     comms = [
-        Communicator(net.transport(r), timeout=timeout, segment_bytes=segment_bytes)
+        Communicator(net.transport(r), timeout=timeout, segment_bytes=segment_bytes,
+                     topology=topology)
         for r in range(world_size)
     ]
     if trace is not None:

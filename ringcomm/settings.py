@@ -56,7 +56,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("version", Scope.MUST_MATCH, None, None, "the ringcomm version"),
     Setting("wire", Scope.MUST_MATCH, None, None, "the wire format (header layout) version"),
     Setting("algorithm", Scope.MUST_MATCH, "RINGCOMM_ALGO", None,
-            "forces one allreduce algorithm (ring, tree, dbtree, hd, rd) for every call"),
+            "forces one allreduce algorithm (ring, tree, dbtree, hd, rd, hier) for every call"),
     Setting("transport", Scope.MUST_MATCH, "RINGCOMM_TRANSPORT", "transport",
             "ipc, tcp or auto (ipc and shared memory on a host, tcp across)"),
     Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
@@ -67,6 +67,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("timeout", Scope.LOCAL, None, "timeout", "seconds an op may take on this rank"),
     Setting("host", Scope.LOCAL, "RINGCOMM_IFADDR", "host",
             "the address other hosts reach this rank at"),
+    Setting("socket_ifname", Scope.LOCAL, "RINGCOMM_SOCKET_IFNAME", None,
+            "interface name(s), comma-separated, first with an IPv4 address wins: the "
+            "address other hosts reach this rank at, when init(host=) and RINGCOMM_IFADDR "
+            "are unset"),
     Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
             "0 turns shared memory off; a pair uses it only where both ends offer it"),
     Setting("shm_bytes", Scope.LOCAL, "RINGCOMM_SHM_BYTES", None,
@@ -86,6 +90,7 @@ class Settings:
     segment_bytes: int = cost.DEFAULT_SEGMENT_BYTES
     params: dict[int, cost.CostParams] = field(default_factory=dict)
     profile_source: str = "defaults"
+    remote: cost.CostParams | None = None  # links between hosts; None: the defaults
 
     def cost_params(self, world_size: int) -> cost.CostParams:
         return cost.Profile(self.params).for_world(world_size)
@@ -100,8 +105,9 @@ class Settings:
     def from_proposal(cls, proposal: dict[str, Any]) -> Settings:
         match, agreed = proposal["match"], proposal["agreed"]
         params = {int(n): cost.CostParams(**p) for n, p in agreed["params"].items()}
+        remote = cost.CostParams(**agreed["remote"]) if agreed.get("remote") else None
         return cls(match["algorithm"], match["transport"], int(agreed["segment_bytes"]),
-                   params, agreed["profile_source"])
+                   params, agreed["profile_source"], remote)
 
     def describe(self) -> dict[str, Any]:
         """The agreed values, for logs and ``ringcomm env``."""
@@ -132,7 +138,8 @@ def propose(*, segment_bytes: int | None = None, transport: str | None = None) -
         "match": {"version": VERSION, "wire": WIRE_VERSION, "algorithm": algorithm,
                   "transport": mode},
         "agreed": {"segment_bytes": segment_bytes, "profile_source": profile.source,
-                   "params": {str(n): vars(p) for n, p in profile.params.items()}},
+                   "params": {str(n): vars(p) for n, p in profile.params.items()},
+                   "remote": vars(profile.remote) if profile.remote else None},
     }
 
 

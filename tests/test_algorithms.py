@@ -6,6 +6,7 @@ the comparisons are exact too.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -485,3 +486,84 @@ def test_ranks_that_only_sent_find_a_disagreement_at_close():
         assert str(err).startswith(
             f"[rank {rank}, close] a message of rank {1 - rank}'s broadcast #0 root/tag "
             f"{1 - rank}, message 0, 32 B float64 from rank {1 - rank} was still waiting here")
+
+
+# --------------------------------------------------------------------------- two levels
+
+LAYOUTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "3x3": [[0, 1, 2], [3, 4, 5], [6, 7, 8]],
+    "3+1": [[0, 1, 2], [3]],
+    "4x1": [[0], [1], [2], [3]],
+    "interleaved": [[0, 2], [1, 3]],
+    "1x5": [[0, 1, 2, 3, 4]],
+}
+
+
+@st.composite
+def layouts(draw):
+    """A random placement of 2..9 ranks on 1..4 hosts, ranks shuffled over the hosts."""
+    world = draw(st.integers(2, 9))
+    order = draw(st.permutations(list(range(world))))
+    n_hosts = draw(st.integers(1, min(4, world)))
+    cuts = sorted(draw(st.lists(st.integers(1, world - 1), min_size=n_hosts - 1,
+                                max_size=n_hosts - 1, unique=True)))
+    bounds = [0, *cuts, world]
+    return [sorted(order[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def _check_hier(hosts, count, op="sum"):
+    world = sum(len(h) for h in hosts)
+
+    def fn(comm):
+        x = data(comm.rank, count)
+        comm.allreduce(x, op, algorithm="hier")
+        return x
+
+    results = run_group(world, fn, segment_bytes=SEG, hosts=hosts)
+    fold = {"sum": np.add, "avg": np.add, "max": np.maximum}[op]
+    expected = data(0, count)
+    for r in range(1, world):
+        expected = fold(expected, data(r, count))
+    if op == "avg":
+        expected = expected / world
+    assert len({r.tobytes() for r in results}) == 1  # every rank the same bits
+    np.testing.assert_allclose(results[0], expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("count", [0, 1, 7, 100])
+def test_hier_allreduce_over_host_layouts(layout, op, count):
+    _check_hier(LAYOUTS[layout], count, op)
+
+
+@settings(max_examples=40, deadline=None)
+@given(hosts=layouts(), count=counts)
+def test_hier_allreduce_over_sampled_layouts(hosts, count):
+    _check_hier(hosts, count)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hier_talks_across_hosts_only_between_leaders(layout):
+    """Phase 2 is the only one that leaves a host, and only the hosts' lowest ranks take
+    part in it; everything else stays between ranks of one host."""
+    from ringcomm.algorithms import hier
+
+    hosts = tuple(tuple(h) for h in LAYOUTS[layout])
+    world = sum(len(h) for h in hosts)
+    host_of = {r: i for i, h in enumerate(hosts) for r in h}
+    leaders = {h[0] for h in hosts}
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r in range(world):
+        for step in hier.allreduce(r, world, 23, 4, hosts).steps:
+            for peer in {step.peer, step.to} - {-1}:
+                if host_of[peer] != host_of[r]:
+                    assert r in leaders and peer in leaders, (r, step)
+            if step.kind is Kind.SEND:
+                sends[(r, step.peer)].append(step.src.count)
+            if step.kind in (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND):
+                recvs[(step.peer, r)].append(step.dst.count)
+            if step.kind is Kind.RECV_REDUCE_SEND:
+                sends[(r, step.to)].append(step.src.count)
+    assert sends == recvs

@@ -17,7 +17,7 @@ import torch
 
 from bench import report, sweep
 from bench.common import format_size, parse_size
-from ringcomm.algorithms import ALLREDUCE
+from ringcomm.algorithms import ALLREDUCE, HOST_AWARE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,8 @@ def test_the_target_summary_finds_the_worst_size_of_each_target():
 def test_backends_parse_and_unknown_ones_are_named():
     names = [b.name for b in sweep.parse_backends(["ringcomm:all,gloo", "nccl"])]
     assert names == ["ringcomm", "ringcomm:ring", "ringcomm:tree", "ringcomm:dbtree",
-                     "ringcomm:hd", "ringcomm:rd", "gloo", "nccl"]
+                     "ringcomm:hd", "ringcomm:rd", "gloo", "nccl"]  # hier only when named
+    assert [b.name for b in sweep.parse_backends(["ringcomm:hier"])] == ["ringcomm:hier"]
     assert [b.algorithm for b in sweep.parse_backends(["ringcomm:tree"])] == ["tree"]
     with pytest.raises(ValueError, match="ringcomm:bogus"):
         sweep.parse_backends(["ringcomm:bogus"])
@@ -149,7 +150,8 @@ def test_quick_run_end_to_end(tmp_path):
     assert result["machine"]["cpus"] >= 1 and result["machine"]["torch"]
     rows = result["rows"]
     sizes = result["settings"]["sizes"]
-    allreduce = {"ringcomm", "gloo"} | {f"ringcomm:{a}" for a in ALLREDUCE}
+    allreduce = {"ringcomm", "gloo"} | {f"ringcomm:{a}" for a in ALLREDUCE
+                                        if a not in HOST_AWARE}
     for collective in sweep.COLLECTIVES:
         mine = [r for r in rows if r["collective"] == collective]
         want = allreduce if collective == "allreduce" else {"ringcomm", "gloo"}

@@ -172,3 +172,35 @@ def test_tune_measures_and_writes_a_profile_the_communicator_reads(tmp_path):
     assert 1e-6 <= params.alpha < 0.1 and 1e-12 <= params.beta < 1e-6 and params.gamma > 0
     assert profile.segment_bytes in tune.SEGMENTS
     assert "median |error|" in proc.stdout
+
+
+TWO_BY_TWO = ((0, 1), (2, 3))
+GIGABIT = cost.CostParams(alpha=100e-6, beta=8e-9, gamma=0.09e-9)  # 1 Gbit/s between hosts
+
+
+def test_the_model_counts_the_bytes_each_host_sends_to_the_others():
+    """A flat ring of 2 x 2 ranks sends 1.5 N across each host's link (two of its four
+    hops cross), hier N (the leaders' ring of two), recursive doubling 2 N (both ranks of
+    a host exchange with the other host at once); on one host nothing crosses."""
+    n = 1 << 20
+    link = {a: cost.allreduce_cost(a, 4, n // 4, 4, (2 << 20) // 4, TWO_BY_TWO).link_bytes
+            for a in ("ring", "hier", "rd")}
+    assert link == {"ring": 1.5 * n, "hier": n, "rd": 2 * n}
+    assert cost.allreduce_cost("ring", 4, n // 4, 4, (2 << 20) // 4).link_bytes == 0
+
+
+def test_hier_is_chosen_where_the_link_between_hosts_is_what_costs():
+    def chosen(nbytes, remote, hosts=TWO_BY_TWO):
+        return cost.choose("allreduce", 4, nbytes, 4, segment_bytes=2 << 20,
+                           params=cost.DEFAULT_PARAMS[4], share=1.0, hosts=hosts,
+                           remote=remote)
+
+    assert chosen(64 << 20, GIGABIT) == "hier"
+    assert chosen(16 << 20, GIGABIT) == "hier"
+    assert chosen(8, GIGABIT) == "rd"  # small: the fewest rounds still wins
+    assert chosen(64 << 20, cost.DEFAULT_PARAMS[4], hosts=None) == "ring"  # one host: never
+    ring = cost.predict("allreduce", "ring", 4, 64 << 20, hosts=TWO_BY_TWO, remote=GIGABIT,
+                        share=1.0)
+    hier = cost.predict("allreduce", "hier", 4, 64 << 20, hosts=TWO_BY_TWO, remote=GIGABIT,
+                        share=1.0)
+    assert 1.3 < ring / hier < 1.5  # at most the 1.5x fewer bytes it sends across

@@ -1,16 +1,30 @@
 """Algorithms generate schedules; they never send a byte. See ``schedule.py`` for the model."""
 
-from . import dbtree, direct, halving_doubling, recursive_doubling, ring, rooted, tree
+from . import dbtree, direct, halving_doubling, hier, recursive_doubling, ring, rooted, tree
 from .schedule import Kind, Region, Schedule, Step
 
-# Every allreduce algorithm: name -> schedule(rank, world_size, count, segment).
+# Every allreduce algorithm: name -> schedule(rank, world_size, count, segment). Those in
+# HOST_AWARE also take the ranks of each host (``hosts=``; default: all on one host).
 ALLREDUCE = {
     "ring": ring.allreduce,
     "tree": tree.allreduce,
     "dbtree": dbtree.allreduce,
     "hd": halving_doubling.allreduce,
     "rd": recursive_doubling.allreduce,
+    "hier": hier.allreduce,
 }
+HOST_AWARE = frozenset({"hier"})
 
-__all__ = ["ALLREDUCE", "Kind", "Region", "Schedule", "Step", "dbtree", "direct",
-           "halving_doubling", "recursive_doubling", "ring", "rooted", "tree"]
+
+def allreduce_schedule(name: str, rank: int, world_size: int, count: int, segment: int,
+                       hosts: tuple[tuple[int, ...], ...] | None = None) -> Schedule:
+    """The schedule of allreduce algorithm ``name`` for ``rank``; ``hosts`` (the ranks of
+    each host) reaches the algorithms that use it."""
+    if name in HOST_AWARE:
+        return ALLREDUCE[name](rank, world_size, count, segment, hosts)
+    return ALLREDUCE[name](rank, world_size, count, segment)
+
+
+__all__ = ["ALLREDUCE", "HOST_AWARE", "Kind", "Region", "Schedule", "Step",
+           "allreduce_schedule", "dbtree", "direct", "halving_doubling", "hier",
+           "recursive_doubling", "ring", "rooted", "tree"]

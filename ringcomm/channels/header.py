@@ -47,7 +47,7 @@ class OpKind(IntEnum):
 
 # The wire codes of the schedules' algorithm names (``Schedule.algorithm``); 0 is none.
 ALGORITHMS = ("-", "ring", "tree", "dbtree", "hd", "rd", "chain", "binomial", "direct",
-              "pairwise", "dissemination")
+              "pairwise", "dissemination", "hier")
 ALGORITHM_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 _REDUCE_NAMES = {op.code + 1: name for name, op in REDUCE_OPS.items()}  # 0: no reduction
 
