@@ -156,6 +156,7 @@ class Communicator:
         topology: Topology | None = None,
         segment_bytes: int | None = None,
         on_close: Sequence[Callable[[], None]] = (),
+        connect: Callable[[tuple[int, ...], str], Transport] | None = None,
     ) -> None:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
@@ -172,6 +173,8 @@ class Communicator:
         self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
         self.trace: list[TraceEvent] | None = None
         self._on_close = list(on_close)
+        self._connect = connect  # (member ranks, tag) -> this rank's transport among them
+        self._split_numbers = itertools.count()
         self._seq = itertools.count()
         self._p2p_sent = [0] * self.world_size
         self._p2p = P2PEngine(self)
@@ -185,6 +188,12 @@ class Communicator:
                                         daemon=True)
         self._worker.start()
 
+    def adopt(self, settings: Settings) -> None:
+        """Run with ``settings`` from now on: every rank must adopt the same at the same
+        point (as ``ringcomm.link_probe`` does at init), since choices follow from them."""
+        self.settings = settings
+        self._chosen.clear()
+
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
         """The ranks of each host, hosts in the order of their lowest rank: gathered from
@@ -195,6 +204,42 @@ class Communicator:
     def local_ranks(self) -> tuple[int, ...]:
         """The ranks that share this rank's host (this one included)."""
         return next(h for h in self.topology.hosts if self.rank in h)
+
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """A communicator of the ranks that pass the same ``color`` (every rank calls this,
+        as with ``MPI_Comm_split``), ranked by ``key`` (default: this rank), then by rank;
+        ``color=None`` takes no part and gets None. The new one has its own channels, so
+        its ops never mix with this one's; close it before this one.
+
+        Example::
+
+            local = comm.split(comm.hosts.index(comm.local_ranks))  # one per host
+        """
+        if self._connect is None:
+            raise ArgumentError("this communicator was built without a way to connect "
+                                "subgroups (build it with ringcomm.init or run_group)",
+                                rank=self.rank, op="split")
+        for value, what in ((color, "color"), (key, "key")):
+            if value is not None and (not isinstance(value, (int, np.integer)) or
+                                      isinstance(value, bool) or value < 0):
+                raise ArgumentError(f"split: {what} must be a non-negative int or None, got "
+                                    f"{value!r}", rank=self.rank, op="split")
+        mine = np.array([-1 if color is None else color,
+                         self.rank if key is None else key], np.int64)
+        everyone = np.empty(2 * self.world_size, np.int64)
+        self.allgather(everyone, mine)
+        number = next(self._split_numbers)
+        if color is None:
+            return None
+        pairs = everyone.reshape(-1, 2)
+        members = tuple(sorted((r for r in range(self.world_size) if pairs[r][0] == color),
+                               key=lambda r: (pairs[r][1], r)))
+        transport = self._connect(members, f"split{number}/{color}")
+        sub = Communicator(transport, timeout=self.timeout, settings=self.settings,
+                           topology=Topology(tuple(self.topology.ranks[r] for r in members)),
+                           segment_bytes=self.segment_bytes, connect=None)
+        sub.barrier()  # every member is connected
+        return sub
 
     # ------------------------------------------------------------------ collectives
     @_names_bad_input

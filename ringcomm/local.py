@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .channels.inmemory import InMemoryNetwork
+from .channels.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
 from .errors import CommError
 from .executor import TraceEvent
@@ -50,9 +50,13 @@ def run_group(
     """
     net = InMemoryNetwork(world_size)
     topology = None if hosts is None else simulated_hosts(world_size, hosts)
+    def connector(rank: int) -> Callable[[tuple[int, ...], str], InMemoryTransport]:
+        return lambda members, tag: net.subnetwork(tag, len(members)).transport(
+            members.index(rank))
+
     comms = [
         Communicator(net.transport(r), timeout=timeout, segment_bytes=segment_bytes,
-                     topology=topology)
+                     topology=topology, connect=connector(r))
         for r in range(world_size)
     ]
     if trace is not None:

@@ -567,3 +567,25 @@ def test_hier_talks_across_hosts_only_between_leaders(layout):
             if step.kind is Kind.RECV_REDUCE_SEND:
                 sends[(r, step.to)].append(step.src.count)
     assert sends == recvs
+
+
+def test_split_gives_each_color_its_own_communicator():
+    def fn(comm):
+        by_parity = comm.split(comm.rank % 2)
+        x = np.full(3, float(comm.rank))
+        by_parity.allreduce(x)
+        host = comm.split(comm.hosts.index(comm.local_ranks))
+        y = np.ones(2)
+        host.allreduce(y)
+        out = (by_parity.rank, by_parity.world_size, x[0], host.world_size, y[0],
+               comm.split(None) is None)
+        by_parity.close()
+        host.close()
+        return out
+
+    results = run_group(5, fn, hosts=[[0, 1, 2], [3, 4]])
+    assert results == [(0, 3, 6.0, 3, 3.0, True), (0, 2, 4.0, 3, 3.0, True),
+                       (1, 3, 6.0, 3, 3.0, True), (1, 2, 4.0, 2, 2.0, True),
+                       (2, 3, 6.0, 2, 2.0, True)]
+    with pytest.raises(ArgumentError, match="color must be a non-negative int or None"):
+        run_group(1, lambda comm: comm.split(-2))

@@ -204,3 +204,23 @@ def test_hier_is_chosen_where_the_link_between_hosts_is_what_costs():
     hier = cost.predict("allreduce", "hier", 4, 64 << 20, hosts=TWO_BY_TWO, remote=GIGABIT,
                         share=1.0)
     assert 1.3 < ring / hier < 1.5  # at most the 1.5x fewer bytes it sends across
+
+
+def test_the_link_between_hosts_is_measured_once_and_agreed():
+    """Rank 0 and the first rank on another host time round trips; every rank then prices
+    the link with rank 0's numbers and chooses accordingly. One host: nothing to measure."""
+    from ringcomm.link_probe import measure_remote
+
+    def fn(comm):
+        before = comm.settings.remote
+        remote = measure_remote(comm)
+        return before, remote, comm.settings.remote, comm.allreduce_algorithm(64 << 20)
+
+    results = run_group(4, fn, hosts=[[0, 2], [1, 3]])
+    assert all(r[0] is None for r in results)  # nothing known before
+    measured = {r[1] for r in results}
+    assert len(measured) == 1 and results[0][1] == results[0][2]  # agreed and adopted
+    remote = results[0][1]
+    assert 0 < remote.alpha < 0.1 and 0 < remote.beta < 1e-6
+    assert len({r[3] for r in results}) == 1
+    assert run_group(2, lambda comm: measure_remote(comm)) == [None, None]

@@ -32,9 +32,20 @@ class InMemoryNetwork:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.mailboxes = [_Mailbox(world_size) for _ in range(world_size)]
+        self._subnetworks: dict[str, InMemoryNetwork] = {}
+        self._lock = threading.Lock()
 
     def transport(self, rank: int) -> InMemoryTransport:
         return InMemoryTransport(self, rank)
+
+    def subnetwork(self, tag: str, size: int) -> InMemoryNetwork:
+        """The network of the subgroup called ``tag``: made by the first of its members to
+        ask, found by the others (each thread of a group asks for its own transport)."""
+        with self._lock:
+            net = self._subnetworks.get(tag)
+            if net is None:
+                net = self._subnetworks[tag] = InMemoryNetwork(size)
+            return net
 
 
 class InMemoryTransport(Transport):
