@@ -19,6 +19,7 @@ channels and every later decision are built from that, never from a local look.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -26,6 +27,7 @@ from ._support import check_platform
 from .channels.zmq_channel import ZmqTransport
 from .communicator import Communicator, env_int
 from .errors import ArgumentError, CommError
+from .link_probe import measure_remote
 from .settings import agree, propose
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 
@@ -46,7 +48,8 @@ def init(
     as torchrun sets them. ``timeout`` (seconds) bounds the rendezvous and every op.
     ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
     ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
-    the local end of a route to the store's host).
+    the IPv4 address of the interface named by ``RINGCOMM_SOCKET_IFNAME``, else the local
+    end of a route to the store's host).
     """
     check_platform()  # Linux only: say so before anything else
     rank = rank if rank is not None else env_int("RANK")
@@ -61,7 +64,6 @@ def init(
         raise ArgumentError(f"rank {rank} is out of range for world_size {world_size}")
     if timeout <= 0:
         raise ArgumentError(f"timeout must be positive, got {timeout}")
-    proposal = propose(segment_bytes=segment_bytes, transport=transport)  # bad values: now
 
     closers = []
     address = None
@@ -72,11 +74,11 @@ def init(
             closers.append(store.close)
     if store is None or isinstance(store, str):
         address = address or store
-        host, port = _split_address(address)
+        store_host, port = _split_address(address)  # not `host`: that is this rank's address
         if rank == 0:
-            server = StoreServer(_bind_host(host), port)
+            server = StoreServer(_bind_host(store_host), port)
             closers.append(server.close)
-        store = StoreClient(f"{host}:{port}", timeout=timeout)
+        store = StoreClient(f"{store_host}:{port}", timeout=timeout)
         closers.insert(0, store.close)
     elif not isinstance(store, Store):
         raise ArgumentError(
@@ -88,18 +90,30 @@ def init(
         # more (or fewer) communicators before must still agree with its peers on the prefix.
         generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
         scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
-        settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal)
-        host = host or _reachable_host(address)
+        try:  # this rank's own settings and address; a mistake here is told to every rank
+            proposal, failure = propose(segment_bytes=segment_bytes, transport=transport), None
+            host = host or _reachable_host(address)
+        except ArgumentError as err:
+            proposal, failure = None, err
+        settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal,
+                                   failure=failure)
         chans = ZmqTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout)
     except BaseException:
         for close in closers:
             close()
         raise
+    def connect(members: tuple[int, ...], tag: str) -> ZmqTransport:
+        """Channels among ``members`` for ``comm.split``, set up through the same store."""
+        return ZmqTransport(members.index(rank), len(members), PrefixStore(tag, scoped),
+                            hosts=[topology.ranks[m].host for m in members], host=host,
+                            mode=settings.transport, timeout=timeout)
+
     comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
-                        on_close=list(reversed(closers)))
+                        on_close=list(reversed(closers)), connect=connect)
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys
+        measure_remote(comm)  # several hosts: the link between them, agreed
     except CommError:
         comm.close()
         raise
@@ -137,11 +151,16 @@ def _bind_host(host: str) -> str:
 
 
 def _reachable_host(address: str | None) -> str:
-    """The address peers can reach this rank at: ``RINGCOMM_IFADDR``, else the local end of
-    a route to the store host (loopback when the store is local)."""
+    """The address peers can reach this rank at: ``RINGCOMM_IFADDR``, else the IPv4 address
+    of the first interface named in ``RINGCOMM_SOCKET_IFNAME`` that has one, else the local
+    end of a route to the store host (loopback when the store is local). ``init(host=)``
+    comes before all of these (the caller passes it instead of asking here)."""
     forced = os.environ.get("RINGCOMM_IFADDR")
     if forced:
         return forced
+    ifname = os.environ.get("RINGCOMM_SOCKET_IFNAME", "")
+    if ifname.replace(",", "").strip():  # names no interface: as if unset
+        return _interface_address(ifname)
     if not address:
         return "127.0.0.1"
     host, _ = _split_address(address)
@@ -154,6 +173,75 @@ def _reachable_host(address: str | None) -> str:
             return probe.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def _interface_address(names: str) -> str:
+    """The IPv4 address of the first interface in ``names`` (comma-separated, as in
+    ``RINGCOMM_SOCKET_IFNAME=eth0,ib0``) that exists and has one. Raises ``ArgumentError``
+    naming the interfaces asked for and listing those that exist, with their addresses."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    for name in wanted:
+        ip = _ipv4_of(name)
+        if ip is not None:
+            return ip
+    have = ", ".join(f"{n} ({_ipv4_of(n) or 'no IPv4 address'})" for n in _interfaces())
+    what = (f"interface {wanted[0]!r} does not exist or has no IPv4 address" if len(wanted) == 1
+            else f"none of the interfaces {', '.join(map(repr, wanted))} exists with an IPv4 "
+            "address")
+    raise ArgumentError(
+        f"RINGCOMM_SOCKET_IFNAME={names!r}: {what}; the interfaces here are: "
+        f"{have or 'none found'}. Name one of them (or a comma-separated list, first match "
+        "wins), or set RINGCOMM_IFADDR to an address")
+
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's (primary) IPv4 address
+_IFNAMSIZ = 16
+
+
+def _interfaces() -> list[str]:
+    """Names of this network namespace's interfaces, in index order."""
+    try:
+        return [name for _, name in sorted(socket.if_nameindex())]
+    except OSError:
+        return sorted(_ip_addr_show())
+
+
+def _ipv4_of(name: str) -> str | None:
+    """The IPv4 address of interface ``name``; None if there is no such interface or it has
+    none. The ``SIOCGIFADDR`` ioctl; ``ip -o -4 addr show`` only where the ioctl is missing."""
+    raw = name.encode()
+    if not raw or len(raw) >= _IFNAMSIZ or b"\0" in raw or b"/" in raw:
+        return None  # no interface can have this name
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", raw))
+        return socket.inet_ntoa(reply[20:24])  # struct ifreq: name[16], sockaddr_in
+    except OSError as err:
+        if err.errno in (errno.ENODEV, errno.EADDRNOTAVAIL, errno.ENXIO):
+            return None  # no such interface / it has no IPv4 address
+        return _ip_addr_show().get(name)
+    except ImportError:
+        return _ip_addr_show().get(name)
+
+
+def _ip_addr_show() -> dict[str, str]:
+    """Interface name -> first IPv4 address, from ``ip -o -4 addr show`` (the fallback)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                             text=True, timeout=5, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found: dict[str, str] = {}
+    for line in out.splitlines():  # "2: eth0    inet 10.0.0.2/24 brd ... scope global eth0"
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "inet":
+            found.setdefault(parts[1].split("@")[0], parts[3].split("/")[0])
+    return found
 
 
 def _torchrun_store(address: str, timeout: float) -> Store:

@@ -31,7 +31,7 @@ from . import cost
 from ._version import __version__ as VERSION
 from .algorithms import ALLREDUCE
 from .channels.header import WIRE_VERSION
-from .errors import ArgumentError
+from .errors import ArgumentError, StoreError
 from .topology import RankFacts, Topology
 
 
@@ -144,17 +144,22 @@ def propose(*, segment_bytes: int | None = None, transport: str | None = None) -
 
 
 def agree(store: Any, rank: int, world_size: int, timeout: float, *,
-          proposal: dict[str, Any] | None = None,
-          facts: RankFacts | None = None) -> tuple[Settings, Topology]:
+          proposal: dict[str, Any] | None = None, facts: RankFacts | None = None,
+          failure: ArgumentError | None = None) -> tuple[Settings, Topology]:
     """Publish this rank's proposal and facts, read every rank's, and check them.
 
     Returns rank 0's agreed values and the table of every rank's facts, identical on every
     rank; raises ``ArgumentError`` (on every rank alike) when a must-match setting differs.
+    A rank whose own settings were wrong passes its error as ``failure``: it publishes that
+    instead, so the others raise at once, naming it, rather than wait out the timeout.
     ``store`` needs ``set``, ``wait`` and ``get``; the keys go under ``agree/``.
     """
-    proposal = proposal if proposal is not None else propose()
-    facts = facts or RankFacts.here()
-    mine = json.dumps({"proposal": proposal, "facts": facts.to_json()})
+    if failure is not None:
+        mine = json.dumps({"failure": failure.detail})
+    else:
+        proposal = proposal if proposal is not None else propose()
+        facts = facts or RankFacts.here()
+        mine = json.dumps({"proposal": proposal, "facts": facts.to_json()})
     store.set(f"agree/{rank}", mine.encode())
     keys = [f"agree/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
@@ -166,8 +171,17 @@ def agree(store: Any, rank: int, world_size: int, timeout: float, *,
         except ValueError:
             raise ArgumentError(f"rank {r} published an unreadable init record; is every "
                                 "rank running the same ringcomm version?", rank=rank) from None
-    store.set(f"agree/read/{rank}", b"1")
+    # "read": rank 0, which may serve the store, waits for it before it raises and goes;
+    # the reply to this set can then be lost with the store, which is fine
+    with contextlib.suppress(StoreError):
+        store.set(f"agree/read/{rank}", b"1")
     try:
+        if failure is not None:
+            raise failure
+        failed = [(r, e["failure"]) for r, e in enumerate(entries) if "failure" in e]
+        if failed:
+            raise ArgumentError("; ".join(f"rank {r} could not join the group: {text}"
+                                          for r, text in failed), rank=rank)
         _check_match([e["proposal"]["match"] for e in entries], rank)
     except ArgumentError:
         if rank == 0:  # it may serve the store: let everyone read before it goes

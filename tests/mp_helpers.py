@@ -728,7 +728,7 @@ def job_agreement(rank: int, world: int, store: str, transport: str,
         settings.VERSION = (version or {}).get(rank, real_version)
         start = time.monotonic()
         try:
-            comm = init(rank, world, store, transport, timeout=10.0)
+            comm = init(rank, world, store, transport, timeout=30.0)
         except ArgumentError as err:
             return {"init_error": error_info(err, time.monotonic() - start)}
         finally:
@@ -744,3 +744,18 @@ def job_agreement(rank: int, world: int, store: str, transport: str,
                 want = sum(values(r, n // 4) for r in range(world)).astype(np.float32)
                 out["right"].append(x.tobytes() == want.tobytes())
         return out
+
+
+def job_split(rank: int, world: int, store: str, transport: str, **_: Any) -> dict:
+    """comm.split by parity and by host over real channels: each sub-communicator reduces
+    among its own members only, alongside the parent."""
+    with init(rank, world, store, transport) as comm:
+        sub = comm.split(rank % 2, key=-rank + world)  # reversed order inside each part
+        x = np.full(5, float(rank))
+        sub.allreduce(x)
+        y = np.ones(3)
+        comm.allreduce(y)  # the parent still works, its messages apart from the sub's
+        out = {"sub_rank": sub.rank, "sub_size": sub.world_size, "sum": float(x[0]),
+               "parent": float(y[0]), "none": comm.split(None) is None}
+        sub.close()
+    return out

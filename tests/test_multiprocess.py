@@ -324,3 +324,14 @@ def test_close_releases_files_and_threads_and_init_works_again(cluster, transpor
 @pytest.mark.parametrize("transport,world", [("ipc", 3), ("tcp", 2)])
 def test_ranks_with_different_histories_still_meet(cluster, transport, world):
     assert cluster.run(world, "job_uneven_history", transport=transport) == [world] * world
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport,world", [("ipc", 3), ("tcp", 4)])
+def test_split_makes_working_sub_communicators(cluster, transport, world):
+    res = cluster.run(world, "job_split", transport=transport)
+    for r, x in enumerate(res):
+        part = [p for p in range(world) if p % 2 == r % 2]
+        assert x["sub_size"] == len(part)
+        assert x["sub_rank"] == sorted(part, reverse=True).index(r)  # ranked by key
+        assert x["sum"] == sum(part) and x["parent"] == world and x["none"]
