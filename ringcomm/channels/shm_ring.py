@@ -26,6 +26,14 @@ deadlock whatever its shape.
 Memory ordering: the sender writes the payload, then makes a system call (the ZeroMQ
 notification); the receiver reads it after the notification arrives, and publishes ``tail``
 only after it has finished reading.
+
+Nothing left behind: a ring's name in /dev/shm is needed only until the receiver has mapped
+it; the receiver then removes it (the memory lives on until both ends unmap it, which the
+kernel does for a process that dies). A name still there at the end (the receiver never
+read from the ring, or a process died first) is removed by either end's transport when it
+closes, is garbage-collected or the interpreter exits, and, for a process killed before any
+of that, by the next transport set up on the host (``sweep``): each name carries its
+creator's pid (``ring_name``), and names whose creator has ended are removed.
 """
 
 from __future__ import annotations
@@ -33,12 +41,105 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
+import uuid
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
 _CONTROL = 64
 _ALIGN = 64
+# ring_name(new_token(), a, b): "ringcomm-<pid>-<pid namespace>-<12 hex digits>-<a>to<b>"
+_TOKEN = re.compile(r"(\d+)-([0-9a-f]+)-[0-9a-f]{12}")
+_RING_NAME = re.compile(rf"ringcomm-{_TOKEN.pattern}-\d+to\d+")
+_PID_MAX = 1 << 22  # the most pid_max allows
+
+
+def _pid_namespace() -> str:
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:
+        return "0"
+
+
+def owner_tag() -> str:
+    """``<pid>-<pid namespace>``: who made a file, in the names of ringcomm's files (rings
+    here, ipc folders in the temp dir), so that ``owner_gone`` can tell when it is litter.
+    Computed per call: a forked child is another owner."""
+    return f"{os.getpid()}-{_pid_namespace()}"
+
+
+def owner_gone(pid: int, namespace: str) -> bool:
+    """Whether process ``pid`` of pid namespace ``namespace``, which made a file, has ended,
+    so that nothing uses the file's name any more.
+
+    Errs towards "alive", which only delays a clean-up: a pid of another pid namespace (a
+    container that shares /dev/shm or the temp dir) means nothing here, a process of another
+    user answers PermissionError, and a pid that an unrelated live process has taken over
+    since keeps the file until that process ends too. A zombie (dead, not yet reaped by its
+    parent) has ended: it holds no files and maps no memory."""
+    if namespace != _pid_namespace() or not 0 < pid <= _PID_MAX or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: alive, another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
+
+
+def new_token() -> str:
+    """A transport's token for the names of the rings it creates: its ``owner_tag`` and 12
+    random hex digits."""
+    return f"{owner_tag()}-{uuid.uuid4().hex[:12]}"
+
+
+def valid_token(token: str) -> bool:
+    """Whether ``token`` (a peer's, from the store) is one ``new_token`` makes: the names
+    built from it are then plain names in /dev/shm, which a reader may remove."""
+    return _TOKEN.fullmatch(token) is not None
+
+
+def ring_name(token: str, src: int, dst: int) -> str:
+    """The name in /dev/shm of the ring from rank ``src`` to rank ``dst``, created by the
+    transport of ``src`` whose ``new_token`` is ``token``."""
+    return f"ringcomm-{token}-{src}to{dst}"
+
+
+def sweep(folder: str = SHM_DIR) -> list[str]:
+    """Remove the rings in ``folder`` of processes that ended without removing them (killed,
+    or torn down by a signal Python does not handle): only names of ``ring_name``'s pattern,
+    owned by this user, whose creator is gone (``owner_gone``). Returns the names removed."""
+    removed: list[str] = []
+    uid = os.getuid()
+    try:
+        entries = os.scandir(folder)
+    except OSError:
+        return removed
+    with entries:
+        for entry in entries:
+            m = _RING_NAME.fullmatch(entry.name)
+            if m is None:
+                continue
+            try:
+                if (not entry.is_file(follow_symlinks=False)
+                        or entry.stat(follow_symlinks=False).st_uid != uid):
+                    continue
+            except OSError:
+                continue
+            if owner_gone(int(m[1]), m[2]):
+                try:
+                    os.unlink(entry.path)
+                except OSError:  # another transport swept it first
+                    continue
+                removed.append(entry.name)
+    return removed
 
 
 def available() -> bool:
@@ -54,12 +155,19 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
             # reserve the pages now: a full tmpfs then fails here, not with SIGBUS later
             os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
+    except BaseException:
+        if create:  # a ring that could not be made leaves no name behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     finally:
         os.close(fd)
 
 
 class RingWriter:
-    """The sending end. Creates the shared file ``name`` in /dev/shm."""
+    """The sending end. Creates the shared file ``name`` in /dev/shm; the reader removes the
+    name once it has mapped the file (``close`` does if it has not), and nothing opens the
+    name again: a writer is made once per peer, and a reader maps once."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name

@@ -29,6 +29,16 @@ Why this shape:
 Set-up goes through the store: knowing from the caller which ranks share its host (the
 host identities gathered at init), every rank binds one receiving socket per peer and
 publishes the addresses.
+
+Nothing is left behind, even after a crash. A transport's files are its ipc folder
+(``<tmp>/ringcomm-<uid>/<pid>-<pid namespace>-<random>``: the ipc sockets and, briefly, the
+named pipes) and the names of its shared-memory rings (``shm_ring``; each reader removes
+the name as soon as it has mapped the ring). ``close`` removes them; so does a finalizer
+when the transport is garbage-collected or still open at interpreter exit (a program that
+never calls ``close`` or ``destroy_process_group``, or ends in an exception). A process
+that dies without running Python's exit hooks (SIGKILL, a SIGTERM that Python does not
+handle) cannot: the next transport set up on the host (``sweep_litter``) removes the files
+whose owner pid, which their names carry, has ended.
 """
 
 from __future__ import annotations
@@ -36,11 +46,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
+import stat
 import struct
 import tempfile
 import time
-import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +135,82 @@ def shm_ring_bytes(local_peers: int) -> int:
     return max(8 << 20, min(32 << 20, (256 << 20) // max(1, local_peers)))
 
 
+def ipc_base() -> str:
+    """The folder of this user's ipc folders: ``<tmp>/ringcomm-<uid>``."""
+    return os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
+
+
+# an ipc folder: tempfile.mkdtemp(prefix=f"{shm_ring.owner_tag()}-") in ipc_base()
+_IPC_DIR_NAME = re.compile(r"(\d+)-([0-9a-f]+)-[a-z0-9_]+")
+
+
+def _sweep_ipc_dirs(base: str) -> list[str]:
+    """Remove the ipc folders in ``base`` whose owner has ended (``shm_ring.owner_gone``):
+    only folders named like ours, in a ``base`` that is this user's own folder."""
+    removed: list[str] = []
+    try:
+        info = os.lstat(base)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return removed
+        entries = os.scandir(base)
+    except OSError:
+        return removed
+    with entries:
+        for entry in entries:
+            m = _IPC_DIR_NAME.fullmatch(entry.name)
+            try:
+                if m is None or not entry.is_dir(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            if shm_ring.owner_gone(int(m[1]), m[2]):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def sweep_litter() -> list[str]:
+    """Remove what transports of processes that have ended left on this host: ipc folders
+    in ``ipc_base()`` and shared-memory rings in /dev/shm, each named with its owner's pid.
+    Only names of ringcomm's own patterns are touched, and only where the owner has ended;
+    a pid that an unrelated live process has taken over since just delays the sweep until
+    that process ends too (see ``shm_ring.owner_gone``). Never raises; returns the paths
+    removed. Every transport runs it as it starts."""
+    try:
+        removed = [os.path.join(shm_ring.SHM_DIR, name) for name in shm_ring.sweep()]
+        removed += _sweep_ipc_dirs(ipc_base())
+    except Exception as err:  # noqa: BLE001 - a clean-up must never stop a set-up
+        log.debug("sweeping files of ended processes failed: %s", err)
+        return []
+    if removed:
+        log.info("removed %d files that ended ringcomm processes left behind: %s",
+                 len(removed), ", ".join(removed))
+    return removed
+
+
+class _Files:
+    """What a transport has on the file system: its ipc folder and the names of the rings
+    to and from its local peers. ``remove`` runs from ``close``, or from a
+    ``weakref.finalize`` when the transport is garbage-collected or still open at interpreter
+    exit (the finalizer's ``atexit``), whichever comes first, and only once. It holds no
+    reference to the transport, so the finalizer does not keep the transport alive; it only
+    unlinks and removes names (no socket, no thread), so it cannot hold up an exit."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.ipc_dir: str | None = None
+        self.shm_paths: list[str] = []
+
+    def remove(self) -> None:
+        if os.getpid() != self.pid:  # a forked child exiting: the files are its parent's
+            return
+        for path in self.shm_paths:  # the rings' memory lives on while mapped
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
 class _PeerState:
     __slots__ = ("pull", "push", "monitor", "poller", "connected", "lost", "shm_out",
                  "shm_in", "shm_name_out", "shm_name_in", "shm_capacity_in", "incoming",
@@ -186,7 +274,7 @@ class ZmqTransport(Transport):
         self.shm = shm and shm_ring.available()
         self.spin_s = spin_seconds()
         self._shm_capacity = 0
-        self._token = uuid.uuid4().hex[:12]
+        self._token = shm_ring.new_token()  # names this transport's rings; carries our pid
         # payloads sent, by path: what a user checks to see shared memory at work
         self.counters = {"shm": 0, "pipe": 0, "socket": 0, "shm_full": 0}
         self._flusher = Flusher()
@@ -196,9 +284,16 @@ class ZmqTransport(Transport):
         self._control_endpoints: dict[int, str] = {}
         self._control_push: dict[int, zmq.Socket] = {}
         self._closed = False
+        self._abandon = False  # set-up failed: close without waiting for any socket
+        self._files = _Files()
+        self._remove_files = weakref.finalize(self, self._files.remove)
+        sweep_litter()
         try:
             self._connect(store, prefix, host, timeout)
         except BaseException:
+            # a socket half set up (one that failed to bind) is in no list that close()
+            # walks, and would keep the context's term() waiting forever: destroy it
+            self._abandon = True
             self.close()
             raise
 
@@ -215,9 +310,10 @@ class ZmqTransport(Transport):
             for r in range(n)
         ]
         if any(use_ipc[r] for r in range(n) if r != me):
-            base = os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
+            base = ipc_base()
             os.makedirs(base, exist_ok=True)
-            self._ipc_dir = tempfile.mkdtemp(prefix=uuid.uuid4().hex[:6], dir=base)
+            self._ipc_dir = self._files.ipc_dir = tempfile.mkdtemp(
+                prefix=f"{shm_ring.owner_tag()}-", dir=base)
 
         # One receiving socket per peer (plus the control socket, at index `me`).
         endpoints: list[str] = []
@@ -261,10 +357,17 @@ class ZmqTransport(Transport):
             state = self._peers[peer]
             state.push = self._push_socket(theirs[me])
             _, token, capacity = theirs[n].split(" ")
+            if token != "-" and not shm_ring.valid_token(token):
+                raise CommError(f"rank {peer} offers shared memory under a malformed name "
+                                f"({token!r}); is it running another ringcomm version?",
+                                rank=me, peer=peer)
             if peer in local and self._shm_capacity and token != "-":
-                state.shm_name_out = f"ringcomm-{self._token}-{me}to{peer}"
-                state.shm_name_in = f"ringcomm-{token}-{peer}to{me}"
+                state.shm_name_out = shm_ring.ring_name(self._token, me, peer)
+                state.shm_name_in = shm_ring.ring_name(token, peer, me)
                 state.shm_capacity_in = int(capacity)
+                # ours until the reader maps it; theirs is not needed once we stop reading
+                self._files.shm_paths += [os.path.join(shm_ring.SHM_DIR, name) for name in
+                                          (state.shm_name_out, state.shm_name_in)]
             control = theirs[peer].split(" ")
             # our messages to `peer` go to the socket it bound for us; aborts to its control
             self._control_endpoints[peer] = next(
@@ -665,6 +768,12 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        try:
+            self._close_channels()
+        finally:
+            self._remove_files()  # also if closing failed part-way; runs once
+
+    def _close_channels(self) -> None:
         for state in self._peers:  # queued frames first: live peers may still read them
             if state.pipe_out is not None:
                 state.pipe_out.close()
@@ -686,6 +795,7 @@ class ZmqTransport(Transport):
                 state.shm_in.close()
         for sock in self._control_push.values():
             sock.close(linger=500)
-        self._ctx.term()
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._abandon:
+            self._ctx.destroy(linger=0)
+        else:
+            self._ctx.term()

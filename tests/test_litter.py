@@ -1,0 +1,351 @@
+"""No litter, even after a crash: programs that never call ``close()`` or
+``destroy_process_group()``, that end in an error, or whose rank is SIGKILLed leave no ipc
+folder in ``<tmp>/ringcomm-<uid>/`` and no shared-memory ring in /dev/shm.
+
+The ranks are real programs (``tests/litter_rank.py``, one subprocess per rank) that end on
+their own. Every file of ringcomm's is named for the process that made it (its pid), so the
+tests look only at the files of their own processes and stay right while other tests run
+beside them. The sweep's own rules (what it may remove, and what never) are checked on
+files made up here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import ringcomm
+from ringcomm.channels import shm_ring, zmq_channel
+from ringcomm.channels.zmq_channel import ZmqTransport, ipc_base
+from ringcomm.store import StoreClient, StoreServer
+
+pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def files_of(pids) -> list[str]:
+    """ringcomm's files named for any of ``pids``: ipc folders and shared-memory rings."""
+    found = []
+    for folder, prefix in ((ipc_base(), "{}-"), (shm_ring.SHM_DIR, "ringcomm-{}-")):
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        found += [os.path.join(folder, n) for n in names
+                  if any(n.startswith(prefix.format(pid)) for pid in pids)]
+    return sorted(found)
+
+
+class Ranks:
+    """``world`` processes running ``litter_rank.py SCENARIO``; ``wait`` collects each one's
+    exit status, JSON lines and stderr (and kills them all if one outlives ``timeout``)."""
+
+    def __init__(self, scenario: str, world: int) -> None:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
+        self.procs = [subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "litter_rank.py"), scenario, str(r),
+             str(world), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env) for r in range(world)]
+        self.pids = [p.pid for p in self.procs]
+
+    def wait(self, timeout: float) -> list[tuple[int, list[dict], str]]:
+        deadline = time.monotonic() + timeout
+        out = []
+        try:
+            for p in self.procs:
+                stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+                out.append((p.returncode, lines, stderr))
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return out
+
+
+def _ok(results):
+    for r, (code, lines, err) in enumerate(results):
+        assert code == 0 and lines, f"rank {r} failed ({code}):\n{err}"
+    return [lines[0] for _, lines, _ in results]
+
+
+# --------------------------------------------------------------------------- whole programs
+
+
+@pytest.mark.timeout(60)
+def test_a_program_that_never_closes_leaves_nothing():
+    """Rings are unlinked as soon as their reader maps them (the run is still going), the
+    ipc folders when the program exits without close()."""
+    ranks = Ranks("exit", 2)
+    seen = _ok(ranks.wait(30))
+    for rep in seen:
+        assert rep["shm"] > 0, rep  # shared memory was used
+        assert [os.path.dirname(f) for f in rep["files"]] == [ipc_base()], rep  # no ring name
+    assert files_of(ranks.pids) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_program_that_ends_in_a_desync_error_leaves_nothing():
+    """The ranks disagree about a 1 MiB allreduce: each created its ring, and no reader
+    mapped one (a payload whose header is wrong is never read). The error ends the program."""
+    ranks = Ranks("desync", 2)
+    results = ranks.wait(30)
+    seen = []
+    for r, (code, lines, err) in enumerate(results):
+        assert code == 1 and "Error" in err, f"rank {r} ({code}):\n{err}"
+        assert lines and lines[0]["error"] in ("DesyncError", "RemoteError"), (lines, err)
+        seen += lines[0]["files"]
+    assert any(f.startswith(shm_ring.SHM_DIR) for f in seen), seen  # rings were left to clean
+    assert files_of(ranks.pids) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_mid_op_leaves_nothing_once_the_next_transport_starts():
+    """Rank 1 is SIGKILLed in the middle of ring allreduces, with a 1 MiB message to rank 0
+    that rank 0 never receives (its ring is never mapped). Once the survivors have failed and
+    exited, no ring of rank 1's is left (readers removed the names they mapped, and rank 0
+    the one it never read); its ipc folder goes when the next transport on the host starts."""
+    ranks = Ranks("kill", 3)
+    results = ranks.wait(40)
+    victim = ranks.pids[1]
+    code, lines, err = results[1]
+    assert code == -9, (code, err)
+    assert any(f.endswith("-1to0") for f in lines[0]["files"]), lines  # the unread ring
+    for r in (0, 2):
+        code, lines, err = results[r]
+        assert code == 1 and len(lines) == 2, (r, code, err)
+        assert lines[1]["error"] in ("PeerLostError", "RemoteError"), (r, lines, err)
+    assert [f for f in files_of([victim]) if f.startswith(shm_ring.SHM_DIR)] == []
+    assert files_of(ranks.pids[::2]) == []  # the survivors cleaned up after themselves
+    with ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", timeout=10):
+        pass
+    assert files_of([victim]) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_torch_program_without_destroy_process_group_leaves_nothing():
+    ranks = Ranks("torch", 2)
+    seen = _ok(ranks.wait(45))
+    assert all(rep["shm"] > 0 for rep in seen), seen
+    assert all(rep["files"] for rep in seen), seen  # the ipc folders, while running
+    assert files_of(ranks.pids) == []
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def _transport_pair():
+    """Two connected ZmqTransports (ranks 0 and 1 of this process), made in threads."""
+    port = free_port()
+    server = StoreServer("127.0.0.1", port)
+    made, errors = [None, None], []
+
+    def make(rank: int) -> None:
+        client = StoreClient(f"127.0.0.1:{port}", timeout=10)
+        try:
+            made[rank] = ZmqTransport(rank, 2, client, hosts=["h", "h"], mode="ipc",
+                                      shm=True, timeout=10)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    server.close()
+    assert not errors, errors
+    return made
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_a_transport_that_is_garbage_collected_removes_its_files():
+    """Also shows that the finalizer does not keep the transport alive."""
+    pair = _transport_pair()
+    dirs = [t._ipc_dir for t in pair]
+    assert all(d and os.path.isdir(d) for d in dirs), dirs
+    assert all(os.path.basename(d).startswith(f"{os.getpid()}-") for d in dirs), dirs
+    del pair
+    gc.collect()
+    assert [d for d in dirs if os.path.exists(d)] == []
+
+
+@pytest.mark.timeout(30)
+def test_close_and_the_finalizer_remove_once_and_close_tolerates_names_already_gone():
+    a, b = _transport_pair()
+    try:
+        paths = list(a._files.shm_paths)  # its ring to b, and b's to it
+        assert len(paths) == 2, paths
+        assert os.path.basename(paths[0]).startswith(f"ringcomm-{os.getpid()}-"), paths
+        assert a.reserve(1, 1 << 20) is not None  # a creates its ring to b; b never maps it
+        assert os.path.exists(paths[0]), paths
+        os.unlink(paths[0])  # as the reader would have, or a sweep after a crash
+        a.close()
+        a.close()
+        assert not a._remove_files.alive and not os.path.exists(a._ipc_dir)
+    finally:  # an unclosed transport left to the garbage collector can hang pytest's exit
+        a.close()
+        b.close()
+    assert [p for p in paths + [a._ipc_dir, b._ipc_dir] if os.path.exists(p)] == []
+
+
+def test_names_are_built_only_from_tokens_of_our_own_form():
+    token = shm_ring.new_token()
+    assert shm_ring.valid_token(token)
+    assert token.startswith(f"{os.getpid()}-")
+    for bad in ("../../etc/passwd", f"{token}/x", token.upper(), "123-abc", ""):
+        assert not shm_ring.valid_token(bad), bad
+
+
+def test_a_ring_that_cannot_be_made_leaves_no_name(monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    name = shm_ring.ring_name(shm_ring.new_token(), 0, 1)
+    with pytest.raises(OSError, match="No space"):
+        shm_ring.RingWriter(name, 1 << 20)
+    assert not os.path.exists(os.path.join(shm_ring.SHM_DIR, name))
+
+
+# --------------------------------------------------------------------------- the sweep's rules
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_the_sweep_removes_only_ringcomm_files_of_ended_processes(tmp_path):
+    """On made-up files in folders of its own (other tests count /dev/shm's ringcomm files)."""
+    ns = shm_ring.owner_tag().split("-")[1]
+    dead, alive = _dead_pid(), os.getppid()
+    hexes = uuid.uuid4().hex[:12]
+    rings = {  # name: kept
+        f"ringcomm-{dead}-{ns}-{hexes}-0to1": False,  # ours, and its owner has ended
+        f"ringcomm-{alive}-{ns}-{hexes}-0to1": True,  # owner alive
+        f"ringcomm-{dead}-{ns}1-{hexes}-0to1": True,  # another pid namespace
+        f"ringcomm-{dead}-{ns}-{hexes}-0to1.bak": True,  # not our pattern
+        f"ringcomm-{dead}-{hexes}-0to1": True,  # no namespace: not ours
+        f"ringcomm-test-{hexes}": True,
+        f"torch_{dead}_{hexes}": True,
+    }
+    folders = {
+        f"{dead}-{ns}-ab_c1234": False,
+        f"{alive}-{ns}-ab_c1234": True,
+        f"{dead}-{ns}1-ab_c1234": True,
+        f"{dead}-{ns}-AB": True,  # not what mkdtemp makes
+        f"x{dead}-{ns}-abc": True,
+    }
+    shm, base = tmp_path / "shm", tmp_path / "base"
+    shm.mkdir()
+    base.mkdir()
+    for name in rings:
+        (shm / name).touch()
+        (shm / f"{name}-dir").mkdir()  # not a file: kept whatever its name
+    for name in folders:
+        (base / name).mkdir()
+        (base / name / "0").touch()
+        (base / f"{name}0").touch()  # not a folder: kept whatever its name
+
+    assert shm_ring.sweep(str(shm)) == [n for n, kept in rings.items() if not kept]
+    assert zmq_channel._sweep_ipc_dirs(str(base)) == [str(base / n) for n, kept
+                                                      in folders.items() if not kept]
+    assert sorted(os.listdir(shm)) == sorted(
+        [n for n, kept in rings.items() if kept] + [f"{n}-dir" for n in rings])
+    assert sorted(os.listdir(base)) == sorted(
+        [n for n, kept in folders.items() if kept] + [f"{n}0" for n in folders])
+
+
+def test_the_sweep_leaves_a_base_folder_that_is_not_this_users_own(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / f"{_dead_pid()}-{shm_ring.owner_tag().split('-')[1]}-abc").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert zmq_channel._sweep_ipc_dirs(str(link)) == []
+    assert len(os.listdir(real)) == 1
+
+
+def test_owners_alive_zombie_and_gone():
+    ns = shm_ring.owner_tag().split("-")[1]
+    assert not shm_ring.owner_gone(os.getpid(), ns)
+    assert not shm_ring.owner_gone(1, ns)  # init: alive (PermissionError if not root)
+    assert not shm_ring.owner_gone(0, ns) and not shm_ring.owner_gone(1 << 40, ns)
+    assert shm_ring.owner_gone(_dead_pid(), ns)
+    assert not shm_ring.owner_gone(_dead_pid(), ns + "1")
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not shm_ring.owner_gone(p.pid, ns)
+        p.kill()
+        for _ in range(100):  # killed, not reaped yet: a zombie, whose files are litter
+            if shm_ring.owner_gone(p.pid, ns):
+                break
+            time.sleep(0.01)
+        assert shm_ring.owner_gone(p.pid, ns)
+    finally:
+        p.kill()
+        p.wait()
+
+
+_FORK = """
+import os, sys
+from ringcomm.channels import zmq_channel
+files = zmq_channel._Files()
+files.ipc_dir = sys.argv[1]
+os.makedirs(files.ipc_dir)
+if os.fork() == 0:  # the child runs the parent's finalizer, as its atexit would
+    files.remove()
+    os._exit(0)
+os.wait()
+kept = os.path.isdir(files.ipc_dir)
+files.remove()
+print(kept, os.path.exists(files.ipc_dir))
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_that_exits_leaves_its_parents_files_alone(tmp_path):
+    folder = str(tmp_path / "ipc")
+    out = subprocess.run([sys.executable, "-c", _FORK, folder], capture_output=True, text=True,
+                         timeout=20)
+    assert out.stdout.split() == ["True", "False"], out
+
+
+@pytest.mark.timeout(30)
+def test_a_transport_whose_set_up_fails_closes_without_hanging():
+    """Binding to an address this host does not have fails half-way through the set-up;
+    the error must come back, not a close() that waits forever for the half-made socket."""
+    from ringcomm.channels.zmq_channel import ZmqTransport
+    from ringcomm.store import StoreClient, StoreServer
+
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(server.address, timeout=5)
+        try:
+            with pytest.raises(Exception) as info:  # zmq's error: the address is not ours
+                ZmqTransport(0, 2, store, hosts=["a", "b"], host="198.51.100.7", timeout=3)
+            assert "198.51.100.7" in str(info.value) or "ssign" in str(info.value), info.value
+        finally:
+            store.close()
