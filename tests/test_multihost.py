@@ -411,6 +411,7 @@ sys.path.insert(0, {root!r})
 from bench import netns
 with netns.hosts(2, rate="100mbit") as hs:
     print(hs[0].netns.rsplit("-", 1)[0], flush=True)
+    sys.stdin.readline()  # the test has counted the namespaces
     if sys.argv[1] == "raise":
         raise RuntimeError("boom")
     if sys.argv[1] == "exit":
@@ -427,12 +428,14 @@ def test_netns_hosts_leave_nothing_behind(end):
     if why is not None:
         pytest.skip(f"simulated hosts unavailable: {why}")
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=str(ROOT)), end],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     prefix = child.stdout.readline().strip()
     assert prefix.startswith("rcns-"), child.stderr.read()
     ours = [ns for ns in netns._listed() if ns.startswith(prefix + "-")]
     assert len(ours) == 3  # two hosts and the bridge
+    child.stdin.write("go\n")
+    child.stdin.flush()
     if end in ("sigterm", "sigint"):
         child.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
     child.wait(30)
