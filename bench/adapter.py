@@ -45,24 +45,26 @@ def predicted_seconds(collective: str, algorithm: str | None, world_size: int, n
     return _replayed(collective, world_size, nbytes // itemsize, itemsize, segment_bytes)
 
 
+def schedules_for(collective: str, n: int, count: int, itemsize: int, seg: int) -> list[Any]:
+    """The schedules ``Communicator`` builds on every rank for a collective other than
+    allreduce (``count`` as nccl-tests has it, ``seg`` in elements)."""
+    if collective == "allgather":
+        return [ring.allgather(r, n, (count // n,) * n, seg) for r in range(n)]
+    if collective == "reduce_scatter":
+        return [ring.reduce_scatter(r, n, count // n, seg) for r in range(n)]
+    if collective == "broadcast":
+        if count * itemsize <= SMALL_BROADCAST_BYTES:
+            return [rooted.broadcast_binomial(r, n, 0, count) for r in range(n)]
+        return [rooted.broadcast_chain(r, n, 0, count, seg) for r in range(n)]
+    if collective == "alltoall":
+        blocks = (count // n,) * n
+        return [direct.alltoall(r, n, blocks, blocks, seg) for r in range(n)]
+    raise ValueError(f"no schedule replay for collective {collective!r}")
+
+
 @lru_cache(maxsize=1024)
 def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes: int) -> float:
     """Replay the schedules ``Communicator`` builds for ``collective`` (count: nccl-tests)."""
-    seg = max(1, segment_bytes // itemsize)
-    if collective == "allgather":
-        sizes = (count // n,) * n
-        schedules = [ring.allgather(r, n, sizes, seg) for r in range(n)]
-    elif collective == "reduce_scatter":
-        schedules = [ring.reduce_scatter(r, n, count // n, seg) for r in range(n)]
-    elif collective == "broadcast":
-        if count * itemsize <= SMALL_BROADCAST_BYTES:
-            schedules = [rooted.broadcast_binomial(r, n, 0, count) for r in range(n)]
-        else:
-            schedules = [rooted.broadcast_chain(r, n, 0, count, seg) for r in range(n)]
-    elif collective == "alltoall":
-        blocks = (count // n,) * n
-        schedules = [direct.alltoall(r, n, blocks, blocks, seg) for r in range(n)]
-    else:
-        raise ValueError(f"no schedule replay for collective {collective!r}")
+    schedules = schedules_for(collective, n, count, itemsize, max(1, segment_bytes // itemsize))
     params = cost.load_profile().for_world(n)
     return cost.simulate(schedules, itemsize, params).time(params, cost.cores_per_rank(n))

@@ -34,6 +34,12 @@ Every backend's results are checked, on every rank and at every size, once befor
 and once after it, against values computed independently here; ``#wrong`` counts the
 elements that differ (summed over ranks and both checks). ``pred`` is ringcomm's cost
 model's time for the same call (``ringcomm tune`` fits it to this machine).
+
+``--hosts HxR`` places the ranks on ``H`` simulated hosts of ``R`` ranks each instead
+(network namespaces with hostnames of their own, ``bench/netns.py``; root only), optionally
+with every host's link shaped to ``--rate``: ringcomm then sees several hosts, tcp between
+them, and ``pred`` is the model's time for that layout with the link constants the ranks
+agreed at init (``bench/multihost.py`` says how the ranks are started and heard from).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from typing import Any
 
 from ringcomm.algorithms import HOST_AWARE
 
-from . import adapter
+from . import adapter, multihost
 from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
@@ -143,6 +149,16 @@ class Settings:
     ports: tuple[int, int] = (0, 0)
     nccl: bool = False
     notes: list[str] = field(default_factory=list)
+    address: str = "127.0.0.1"  # where rank 0 serves the Gloo and ringcomm rendezvous
+    hosts: str | None = None  # "HxR": ranks on simulated hosts (``--hosts``); None: this one
+    rate: str | None = None  # each simulated host's link shaped to this (tc's words)
+    shared_cpus: bool = False  # simulated hosts share every core instead of splitting them
+
+    def layout(self) -> multihost.Layout | None:
+        if self.hosts is None:
+            return None
+        return multihost.Layout(*multihost.parse_layout(self.hosts), rate=self.rate,
+                                shared_cpus=self.shared_cpus)
 
 
 # --------------------------------------------------------------------------- rank side
@@ -387,7 +403,10 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         median, best = statistics.median(reps), min(reps)
         chosen = None
         predicted = None
-        if b.library == "ringcomm":
+        if b.library == "ringcomm" and len(comm.hosts) > 1:  # the model for this layout
+            chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
+                                                            size, itemsize)
+        elif b.library == "ringcomm":
             if collective == "allreduce":
                 chosen = b.algorithm or adapter.chosen_algorithm(world, size, itemsize,
                                                                  comm.segment_bytes)
@@ -433,10 +452,12 @@ def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
     import ringcomm
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.ports[0]}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{s.address}:{s.ports[0]}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=s.timeout))
-    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{s.ports[1]}",
+    comm = ringcomm.init(rank=rank, world_size=world, store=f"{s.address}:{s.ports[1]}",
                          timeout=s.timeout)
+    if rank == 0 and len(comm.hosts) > 1:
+        report("layout", multihost.layout_facts(comm))
     nccl_group = None
     if s.nccl:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -502,6 +523,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke run in under a minute: 1K, 32K, 1M at world 2, few repetitions")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds without progress before the run is declared hung")
+    p.add_argument("--hosts", default=None, metavar="HxR",
+                   help="run on H simulated hosts of R ranks each (network namespaces, root "
+                   "only; bench/netns.py), e.g. 2x2; replaces -n")
+    p.add_argument("--rate", default=None,
+                   help="with --hosts: shape every host's link to this tc rate (tbf, both "
+                   "ends), e.g. 1gbit, 200mbit; default unshaped")
+    p.add_argument("--shared-cpus", action="store_true",
+                   help="with --hosts: let every host's ranks run on every core (default: "
+                   "the cores are split between the hosts, as separate machines would have)")
     return p
 
 
@@ -540,7 +570,18 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
         reps=pick(args.reps, 5, 3), timeout=args.timeout)
     if s.iters < 1 or s.reps < 1 or s.warmup < 0:
         raise ValueError("--iters and --reps must be at least 1 and --warmup not negative")
-    return s, worlds
+    hosts, rate = getattr(args, "hosts", None), getattr(args, "rate", None)
+    shared = bool(getattr(args, "shared_cpus", False))
+    if hosts is None:
+        if rate is not None or shared:
+            raise ValueError("--rate and --shared-cpus shape simulated hosts: give --hosts too")
+        return s, worlds
+    if args.world_sizes is not None:
+        raise ValueError("--hosts HxR sets the world size (H x R ranks): leave out -n")
+    layout = multihost.Layout(*multihost.parse_layout(hosts))
+    s.hosts, s.shared_cpus = str(layout), shared
+    s.rate = None if rate is None else multihost.parse_rate(rate)
+    return s, [layout.world]
 
 
 def _nccl_usable(world: int) -> str | None:
@@ -558,8 +599,12 @@ def _nccl_usable(world: int) -> str | None:
     return None
 
 
-def run(s: Settings, worlds: list[int], console: Any = None) -> tuple[list[dict], list[str]]:
-    """Every world size in turn, with a progress bar; the rows and any notes."""
+def run(s: Settings, worlds: list[int], console: Any = None,
+        facts: dict | None = None) -> tuple[list[dict], list[str]]:
+    """Every world size in turn, with a progress bar; the rows and any notes. With
+    ``s.hosts``, the one world on simulated hosts; ``facts`` (if given) then receives the
+    layout and link constants the communicator agreed."""
+    import contextlib
     from dataclasses import replace
 
     from rich.console import Console
@@ -583,25 +628,50 @@ def run(s: Settings, worlds: list[int], console: Any = None) -> tuple[list[dict]
         task = progress.add_task("starting ranks", total=per_world * len(worlds))
         for world in worlds:
             nccl = any(b.library == "nccl" for b in s.backends)
+            if nccl and s.hosts is not None:
+                notes.append("nccl skipped: not run on simulated hosts (--hosts)")
+                progress.console.print(f"[yellow]{notes[-1]}[/]")
+                nccl = False
             if nccl and (why := _nccl_usable(world)):
                 notes.append(f"nccl skipped at world size {world}: {why}")
                 progress.console.print(f"[yellow]{notes[-1]}[/]")
                 nccl = False
-            ws = replace(s, ports=(free_port(), free_port()), nccl=nccl)
-            progress.update(task, description=f"world {world}: starting ranks")
-            for kind, _rank, payload in launch(world, rank_main, (ws,), s.timeout):
-                if kind == "rows":
-                    rows += payload
-                elif kind == "progress":
-                    collective, dtype, op, nbytes = payload
-                    progress.update(task, advance=1, description=(
-                        f"world {world}: {collective} {dtype} {op or ''} "
-                        f"{format_size(nbytes)}".replace("  ", " ")))
+            layout = s.layout()
+            if layout is None:
+                ws = replace(s, ports=(free_port(), free_port()), nccl=nccl)
+                reports = contextlib.closing(launch(world, rank_main, (ws,), s.timeout))
+                progress.update(task, description=f"world {world}: starting ranks")
+            else:
+                ws = replace(s, ports=multihost.STORE_PORTS, nccl=nccl)
+                reports = contextlib.closing(multihost.launch(
+                    layout, rank_main, lambda addr, ws=ws: (replace(ws, address=addr),), s.timeout))
+                progress.update(task, description=f"{layout} hosts: starting ranks")
+            with reports as events:
+                _follow_reports(events, rows, facts, progress, task, world, s)
     skipped = sorted({(r, c) for r in worlds for c in s.collectives} -
                      {(r["world_size"], r["collective"]) for r in rows})
     for world, c in skipped:
         notes.append(f"{c} at world size {world}: every size was too small to split")
     return rows, notes
+
+
+def _follow_reports(events: Any, rows: list[dict], facts: dict | None, progress: Any,
+                    task: Any, world: int, s: Settings) -> None:
+    """Take the ranks' reports: rows, progress, and (on several hosts) the layout."""
+    where = f"world {world}" if s.hosts is None else f"{s.hosts} hosts"
+    for kind, _rank, payload in events:
+        if kind == "rows":
+            if s.hosts is not None:
+                payload = [{**r, "hosts": s.hosts, "rate": s.rate} for r in payload]
+            rows += payload
+        elif kind == "layout":
+            if facts is not None:
+                facts.update(payload)
+        elif kind == "progress":
+            collective, dtype, op, nbytes = payload
+            progress.update(task, advance=1, description=(
+                f"{where}: {collective} {dtype} {op or ''} "
+                f"{format_size(nbytes)}".replace("  ", " ")))
 
 
 def _loadavg() -> list[float] | None:
@@ -629,16 +699,39 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RINGCOMM_ALGO"):
         err_console.print(f"[yellow]RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']} is set: the "
                           "'ringcomm' rows use it instead of the automatic choice[/]")
+    facts: dict = {}
+    if s.hosts is not None:
+        from . import netns
+
+        if (why := netns.available()) is not None:
+            err_console.print(f"ringcomm bench: --hosts needs simulated hosts, which cannot be "
+                              f"made here: {why}", style="red", markup=False, highlight=False)
+            return 2
     started, load_before = time.time(), _loadavg()
     try:
-        rows, notes = run(s, worlds, err_console)
+        rows, notes = run(s, worlds, err_console, facts)
     except RankFailed as err:
         err_console.print(f"ringcomm bench: {err}", style="red", markup=False,
                           highlight=False)
         return 1
+    hosts_meta = None
+    if s.hosts is not None:
+        hosts_meta = {"layout": s.hosts, "rate": s.rate,
+                      "rate_bits": multihost.rate_bits(s.rate) if s.rate else None,
+                      "shared_cpus": s.shared_cpus, **facts}
+        remote = facts.get("remote") or {}
+        out.print(f"ranks on {s.hosts.replace('x', ' simulated hosts x ')} ranks, "
+                  f"links {s.rate or 'unshaped'}; remote link agreed at init: "
+                  f"alpha {remote.get('alpha', 0) * 1e6:.0f} us, "
+                  f"{1 / max(remote.get('beta', 0), 1e-30) / 1e9:.3f} GB/s; hosts "
+                  f"{facts.get('hosts')}, cores per rank {facts.get('cores_per_rank')}",
+                  markup=False, highlight=False)
     report.print_tables(rows, out)
     targets = report.target_summary(rows)
     report.print_targets(targets, out)
+    hosts_summary = multihost.summary(rows) if s.hosts is not None else None
+    if hosts_summary:
+        multihost.print_summary(hosts_summary, out)
     for note in notes:
         out.print(f"note: {note}")
     wrong = sum(r["wrong"] for r in rows)
@@ -655,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
             "notes": notes,
             "targets": targets,
+            **({"hosts": hosts_meta, "hosts_summary": hosts_summary} if hosts_meta else {}),
         })
         out.print(f"wrote {args.json}")
     if args.plot_dir:

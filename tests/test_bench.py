@@ -177,3 +177,192 @@ def test_quick_run_end_to_end(tmp_path):
     assert "predicted_allreduce_n2_float32_sum.png" in pngs
     assert len(pngs) == 2 * len(sweep.COLLECTIVES)
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+# --------------------------------------------------------------------------- --hosts
+
+
+def _settings(*argv):
+    return sweep.settings_from(sweep.build_parser().parse_args(list(argv)))
+
+
+def test_hosts_option_parses_and_is_checked():
+    """``--hosts HxR`` sets the world (H x R ranks), ``--rate`` takes tc's rates; wrong
+    values and combinations are refused with the option named. Needs no root."""
+    from bench import multihost
+
+    s, worlds = _settings("--hosts", "2x2")
+    assert (s.hosts, s.rate, s.shared_cpus, worlds) == ("2x2", None, False, [4])
+    layout = s.layout()
+    assert (layout.hosts, layout.ranks, layout.world) == (2, 2, 4)
+    assert [layout.host_of(r) for r in range(4)] == [0, 0, 1, 1]  # as torchrun numbers them
+    s, worlds = _settings("--hosts", " 3X1 ", "--rate", "1GBit", "--shared-cpus")
+    assert (s.hosts, s.rate, s.shared_cpus, worlds) == ("3x1", "1gbit", True, [3])
+    assert multihost.rate_bits("1gbit") == 1e9 and multihost.rate_bits("100mbps") == 8e8
+    s, worlds = _settings("-n", "2", "3")  # without --hosts: as before, nothing on hosts
+    assert (s.hosts, s.rate, s.address, s.layout(), worlds) == (None, None, "127.0.0.1",
+                                                                None, [2, 3])
+    for argv, match in [(["--hosts", "2"], "HOSTSxRANKS"), (["--hosts", "0x2"], "at least"),
+                        (["--hosts", "2x0"], "at least"), (["--hosts", "axb"], "HOSTSxRANKS"),
+                        (["--hosts", "2x2", "-n", "4"], "leave out -n"),
+                        (["--rate", "1gbit"], "give --hosts"),
+                        (["--shared-cpus"], "give --hosts"),
+                        (["--hosts", "2x2", "--rate", "fast"], "tc rate"),
+                        (["--hosts", "2x2", "--rate", "0gbit"], "tc rate")]:
+        with pytest.raises(ValueError, match=match):
+            _settings(*argv)
+
+
+def test_hosts_without_namespaces_fail_with_the_reason(monkeypatch, capsys):
+    from bench import netns
+
+    monkeypatch.setattr(netns, "available", lambda: "network namespaces need root: not root")
+    assert sweep.main(["--hosts", "2x2", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "--hosts needs simulated hosts" in err and "need root: not root" in err
+
+
+def test_cores_are_split_between_simulated_hosts(monkeypatch):
+    from bench import multihost
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert multihost.cpu_groups(2, False) == [[0, 1, 2], [3, 4]]
+    assert multihost.cpu_groups(2, True) == [None, None]
+    assert multihost.cpu_groups(6, False) == [None] * 6  # fewer cores than hosts: all share
+
+
+_FAKE_RANK = """
+import json, sys, time
+path, rank, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def say(kind, payload=None):
+    with open(path, "a") as f:
+        f.write(json.dumps([kind, rank, payload]) + "\\n")
+if how == "hang":
+    time.sleep(60)
+say("rows", [{"rank": rank}])
+if how == "error":
+    say("error", "Traceback: boom in rank %d" % rank)
+    sys.exit(1)
+if how == "die":
+    sys.exit(3)
+with open(path, "a") as f:  # a line written in two pieces is read once it is whole
+    f.write(json.dumps(["progress", rank, ["half"]])[:5]); f.flush(); time.sleep(0.3)
+    f.write(json.dumps(["progress", rank, ["half"]])[5:] + "\\n")
+say("done")
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["ok", "error", "die", "hang"])
+def test_ranks_on_hosts_are_heard_through_files(tmp_path, how):
+    """The driver's side of ``--hosts``: reports follow from each rank's file; a traceback,
+    an exit without ``done`` and silence for the timeout each end in ``RankFailed`` naming
+    the rank, within seconds, never a hang. (Plain processes here: needs no root.)"""
+    from bench import multihost
+    from bench.common import RankFailed
+
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _FAKE_RANK, str(tmp_path / f"rank{r}.jsonl"), str(r),
+         how if r == 1 else "ok"], stdout=subprocess.DEVNULL) for r in range(2)]
+    try:
+        events = multihost._follow(procs, tmp_path, timeout=2.0)
+        if how == "ok":
+            got = sorted(map(tuple, ((k, r, json.dumps(p)) for k, r, p in events)))
+            assert got == [("progress", 0, '["half"]'), ("progress", 1, '["half"]'),
+                           ("rows", 0, '[{"rank": 0}]'), ("rows", 1, '[{"rank": 1}]')]
+            return
+        want = {"error": r"rank 1 of 2 failed:\nTraceback: boom in rank 1",
+                "die": r"rank 1 of 2 exited with code 3 before finishing",
+                "hang": r"no word from any of the 2 ranks for 2 s"}[how]
+        with pytest.raises(RankFailed, match=want):
+            list(events)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_predictions_on_hosts_use_the_layout_and_the_agreed_link():
+    """``pred`` on several hosts is the model's time for the communicator's own hosts,
+    with the link constants its ranks agreed, not the one-host figure; the automatic
+    row's algorithm is the communicator's own choice."""
+    from dataclasses import replace
+
+    from bench import multihost
+    from ringcomm import cost
+    from ringcomm.local import run_group
+
+    slow = cost.CostParams(alpha=100e-6, beta=8e-9, gamma=0.09e-9)  # about 1 Gbit/s
+
+    def fn(comm):
+        comm.adopt(replace(comm.settings, remote=slow))
+        return ({(n, a): multihost.modelled_on_hosts("allreduce", a, comm, n, 4)
+                 for n in (1 << 20, 64 << 20) for a in (None, "ring", "hier")},
+                multihost.modelled_on_hosts("allgather", None, comm, 16 << 20, 4),
+                comm.settings.cost_params(4), comm.topology.cores_per_rank, comm.segment_bytes)
+
+    got, gather, params, share, seg = run_group(4, fn, hosts=[[0, 1], [2, 3]])[0]
+    for (nbytes, algorithm), (chosen, predicted) in got.items():
+        assert chosen == (algorithm or cost.choose(
+            "allreduce", 4, nbytes, 4, segment_bytes=seg, params=params, share=share,
+            hosts=((0, 1), (2, 3)), remote=slow))
+        assert predicted == pytest.approx(cost.predict(
+            "allreduce", chosen, 4, nbytes, 4, segment_bytes=seg, params=params,
+            hosts=((0, 1), (2, 3)), remote=slow, share=share), rel=1e-12)
+    ring, hier = got[64 << 20, "ring"][1], got[64 << 20, "hier"][1]
+    assert got[64 << 20, None][0] == "hier" and 1.3 < ring / hier <= 1.5  # the link's bytes
+    one_host = cost.predict("allreduce", "ring", 4, 64 << 20, 4, segment_bytes=seg,
+                            params=params, share=share)
+    assert ring > 3 * one_host  # priced on the slow link, not on shared memory
+    # allgather: three of the four 4 MiB blocks cross the slow link, one after another
+    assert gather[0] is None and gather[1] >= (12 << 20) * 8e-9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hosts_run_end_to_end(tmp_path):
+    """``ringcomm bench --hosts 2x2``: four real ranks in two network namespaces; rows for
+    the automatic choice, ring and hier with #wrong 0 and the model's time for the layout
+    the ranks found, priced with the link they measured; no namespace left behind."""
+    from bench import netns
+    from ringcomm import cost
+
+    why = netns.available()
+    if why is not None:
+        pytest.skip(f"simulated hosts unavailable: {why}")
+    out_json = tmp_path / "hosts.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringcomm.cli", "bench", "--hosts", "2x2", "--collectives",
+         "allreduce", "allgather", "-b", "1K", "-e", "64K", "-f", "64", "--backends",
+         "ringcomm", "ringcomm:ring", "ringcomm:hier", "--reps", "2", "--iters", "2",
+         "--warmup", "1", "--timeout", "60", "--rate", "1gbit", "--json", str(out_json)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=110)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "2 simulated hosts x 2 ranks, links 1gbit" in stdout
+    assert "hier against ring" in stdout
+    assert not [ns for ns in netns._listed() if ns.startswith(f"rcns-{proc.pid}-")]
+    result = json.loads(out_json.read_text())
+    meta = result["hosts"]
+    assert (meta["layout"], meta["rate"], meta["hosts"]) == ("2x2", "1gbit", [[0, 1], [2, 3]])
+    assert meta["hostnames"] == ["host0", "host0", "host1", "host1"]
+    assert meta["remote"]["beta"] > 0 and meta["cores_per_rank"] > 0
+    rows = result["rows"]
+    assert {r["bytes"] for r in rows} == {1 << 10, 64 << 10}
+    reduce = [r for r in rows if r["collective"] == "allreduce"]
+    for nbytes in (1 << 10, 64 << 10):
+        assert {r["backend"] for r in reduce if r["bytes"] == nbytes} == {
+            "ringcomm", "ringcomm:ring", "ringcomm:hier"}
+    local, remote = cost.CostParams(**meta["local"]), cost.CostParams(**meta["remote"])
+    for r in rows:
+        assert r["wrong"] == 0 and r["world_size"] == 4 and r["hosts"] == "2x2", r
+        assert 0 < r["min_time_us"] <= r["time_us"], r
+        if r["collective"] == "allgather":
+            assert r["predicted_us"] > 0, r
+            continue
+        assert r["chosen"] in ALLREDUCE
+        assert r["predicted_us"] == pytest.approx(1e6 * cost.predict(
+            "allreduce", r["chosen"], 4, r["bytes"], 4, segment_bytes=meta["segment_bytes"],
+            params=local, hosts=((0, 1), (2, 3)), remote=remote,
+            share=meta["cores_per_rank"]), rel=1e-9), r
+    assert {e["bytes"] for e in result["hosts_summary"]} == {1 << 10, 64 << 10}
