@@ -17,8 +17,8 @@ happened. The rules (``judge``):
 - in a control every rank returns the right output, and reductions are bitwise identical
   on every rank.
 
-``python -m hunt SEED`` is not needed: every failure prints the seed and the case, and
-``cases(seed, n)`` rebuilds the same cases.
+Reproducible: every failure prints the seed and the case, and ``cases(seed, n)`` rebuilds
+the same cases (``RINGCOMM_HUNT_SEED`` replays a seed in the tests).
 """
 
 from __future__ import annotations
