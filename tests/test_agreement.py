@@ -14,22 +14,11 @@ import re
 from pathlib import Path
 
 import pytest
-from mp_helpers import Cluster
 
 from ringcomm import cost
 from ringcomm.settings import SETTINGS, Scope
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(3)
-    c.start()
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _quick(result):

@@ -236,16 +236,23 @@ def test_every_send_has_a_matching_receive(world):
         "barrier": lambda r: direct.barrier(r, world),
     }
     for name, make in makers.items():
-        sends, recvs = defaultdict(list), defaultdict(list)
-        for r in range(world):
-            for step in make(r).steps:
-                if step.kind is Kind.SEND:
-                    sends[(r, step.peer)].append(step.src.count)
-                if step.kind in (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND):
-                    recvs[(step.peer, r)].append(step.dst.count)
-                if step.kind is Kind.RECV_REDUCE_SEND:
-                    sends[(r, step.to)].append(step.src.count)
+        sends, recvs = message_sizes([make(r) for r in range(world)])
         assert sends == recvs, name
+
+
+def message_sizes(schedules):
+    """Per ordered pair of ranks, the sizes of the messages sent and of those expected, in
+    order: equal exactly when every send has its receive (channels are FIFO)."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, schedule in enumerate(schedules):
+        for step in schedule.steps:
+            if step.kind is Kind.SEND:
+                sends[(r, step.peer)].append(step.src.count)
+            if step.kind in (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND):
+                recvs[(step.peer, r)].append(step.dst.count)
+            if step.kind is Kind.RECV_REDUCE_SEND:
+                sends[(r, step.to)].append(step.src.count)
+    return sends, recvs
 
 
 def test_schedule_prints_step_by_step():
@@ -554,18 +561,13 @@ def test_hier_talks_across_hosts_only_between_leaders(layout):
     world = sum(len(h) for h in hosts)
     host_of = {r: i for i, h in enumerate(hosts) for r in h}
     leaders = {h[0] for h in hosts}
-    sends, recvs = defaultdict(list), defaultdict(list)
-    for r in range(world):
-        for step in hier.allreduce(r, world, 23, 4, hosts).steps:
+    schedules = [hier.allreduce(r, world, 23, 4, hosts) for r in range(world)]
+    for r, schedule in enumerate(schedules):
+        for step in schedule.steps:
             for peer in {step.peer, step.to} - {-1}:
                 if host_of[peer] != host_of[r]:
                     assert r in leaders and peer in leaders, (r, step)
-            if step.kind is Kind.SEND:
-                sends[(r, step.peer)].append(step.src.count)
-            if step.kind in (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND):
-                recvs[(step.peer, r)].append(step.dst.count)
-            if step.kind is Kind.RECV_REDUCE_SEND:
-                sends[(r, step.to)].append(step.src.count)
+    sends, recvs = message_sizes(schedules)
     assert sends == recvs
 
 

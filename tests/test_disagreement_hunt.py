@@ -69,18 +69,6 @@ def test_the_hunt_tells_a_wrong_result_from_a_right_one():
         "rank 1: no error although the ranks disagree in count"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from mp_helpers import Cluster
-
-    c = Cluster(4)
-    c.start()
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 PROCESS_TIMEOUT = 3.0  # s per op; stalls are found by probing after about a second
 
 

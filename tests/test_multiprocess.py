@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from mp_helpers import IPC_BASE, Cluster, free_port
+from mp_helpers import IPC_BASE, free_port
 
 import ringcomm
 from ringcomm import CommError, StoreError, StoreTimeout
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.slow
 GROUPS = [pytest.param(t, w, id=f"{t}-{w}") for t in ("ipc", "tcp") for w in (2, 3)]
 FAST = 5.0  # s: errors come from a peer's abort or a closed connection, far within the jobs'
 # op timeouts (20-30 s), never from a timeout
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(4)
-    c.start()
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 # --------------------------------------------------------------------------- correct results
