@@ -1,8 +1,8 @@
 """The few places the benchmarks call into ringcomm's algorithm choice and cost model.
 
 Kept in one module so that when those interfaces change only this file follows. Predicted
-times come from ``ringcomm.cost.predict`` where it models the collective (allreduce); for
-the others the same replay (``ringcomm.cost.simulate``) runs on the schedules the
+times come from ``ringcomm.plan.cost.predict`` where it models the collective (allreduce); for
+the others the same replay (``ringcomm.plan.cost.simulate``) runs on the schedules the
 communicator builds for that call, with the same fitted profile and core sharing.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from ringcomm import cost
-from ringcomm.algorithms import ALLREDUCE, direct, ring, rooted
-from ringcomm.communicator import SMALL_BROADCAST_BYTES
+from ringcomm.plan import cost
+from ringcomm.runtime.communicator import SMALL_BROADCAST_BYTES
+from ringcomm.schedules import ALLREDUCE, direct, ring, rooted
 
 
 def allreduce_algorithms() -> list[str]:

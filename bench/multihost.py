@@ -23,10 +23,10 @@ namespaces, and whatever still runs in them, are removed however the run ends.
 
 Predicted times on several hosts are the cost model's for the layout the communicator
 found (``comm.hosts``), priced with the link constants its ranks agreed at init
-(``comm.settings.remote``, measured by ``ringcomm.link_probe``), the agreed local constants
-and the cores per rank of the agreed topology: what the communicator's own choice is made
-from. ``python -m bench.multihost table A.json [B.json ...]`` prints the README's table of
-saved runs.
+(``comm.settings.remote``, measured by ``ringcomm.bootstrap.link_probe``), the agreed
+local constants and the cores per rank of the agreed topology: what the communicator's own
+choice is made from. ``python -m bench.multihost table A.json [B.json ...]`` prints the
+README's table of saved runs.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def modelled_on_hosts(collective: str, algorithm: str | None, comm: Any, nbytes:
                       itemsize: int) -> tuple[str | None, float | None]:
     """(the allreduce algorithm the communicator runs, None for other collectives; the cost
     model's seconds for one call) on ``comm``'s hosts, priced with its agreed constants."""
-    from ringcomm import cost
+    from ringcomm.plan import cost
 
     n = comm.world_size
     params = comm.settings.cost_params(n)

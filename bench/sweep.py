@@ -55,7 +55,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from ringcomm.algorithms import HOST_AWARE
+from ringcomm.schedules import HOST_AWARE
 
 from . import adapter, multihost
 from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order

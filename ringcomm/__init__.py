@@ -4,8 +4,8 @@
     comm = ringcomm.init()                 # under torchrun, or init(rank=, world_size=, store=)
     comm.allreduce(x, op="sum")            # numpy array or CPU tensor, in place
 
-A collective is a *schedule* (``ringcomm.algorithms``), executed over *channels*
-(``ringcomm.channels``) by the executor; ``print(schedule)`` shows it step by step.
+A collective is a *schedule* (``ringcomm.schedules``), executed over *channels*
+(``ringcomm.transport``) by the executor; ``print(schedule)`` shows it step by step.
 
 ``import ringcomm`` is cheap on purpose: it loads only the errors. ``Communicator``, ``Work``
 and ``init`` (which need numpy, pyzmq and ml_dtypes) load on first use, so importing
@@ -31,13 +31,15 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .communicator import Communicator, Work
-    from .rendezvous import init
+    from .bootstrap.rendezvous import init
+    from .runtime.communicator import Communicator
+    from .runtime.work import Work
 
 from ._version import __version__ as __version__  # noqa: E402 - written in one place
 
 # names loaded on first use (PEP 562) -> the module that defines them
-_LAZY = {"Communicator": "communicator", "Work": "communicator", "init": "rendezvous"}
+_LAZY = {"Communicator": "runtime.communicator", "Work": "runtime.work",
+         "init": "bootstrap.rendezvous"}
 
 
 def __getattr__(name: str) -> Any:
@@ -52,7 +54,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(import_core(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
-    # `import ringcomm; ringcomm.algorithms` worked when the package imported everything
+    # `import ringcomm; ringcomm.schedules` worked when the package imported everything
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return import_core(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

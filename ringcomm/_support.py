@@ -42,7 +42,7 @@ def check_platform() -> None:
 
 
 def import_core(module: str) -> ModuleType:
-    """Import a ringcomm module that needs the dependencies (``ringcomm.rendezvous``...).
+    """Import a ringcomm module that needs the dependencies (``ringcomm.bootstrap.rendezvous``...).
 
     A dependency that cannot be imported becomes a ``MissingDependencyError`` that says which
     package to install; any other import error propagates unchanged.

@@ -17,8 +17,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .algorithms import ALLREDUCE, Schedule, direct, ring, rooted
 from .errors import ArgumentError
+from .schedules import ALLREDUCE, Schedule, direct, ring, rooted
 
 # name -> (help, builder(rank, world_size, count, segment, root))
 _SCHEDULES: dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]] = {
@@ -76,7 +76,7 @@ def _print_schedules(args: argparse.Namespace) -> None:
 
 
 def _serve_store(args: argparse.Namespace) -> None:
-    from .store import main as store_main
+    from .bootstrap.store import main as store_main
 
     store_main(["--host", args.host, "--port", str(args.port)])
 

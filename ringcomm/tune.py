@@ -6,7 +6,7 @@ sizes, times a local reduction for ``gamma`` (in an allreduce bytes moved and by
 grow together, so the two cannot be told apart from allreduce timings alone), and fits
 ``alpha`` and ``beta`` so that the model's predictions match the measurements in relative
 terms. The result goes to the profile file that the communicator
-reads (``ringcomm.cost.profile_path()``), one set of constants per world size.
+reads (``ringcomm.plan.cost.profile_path()``), one set of constants per world size.
 
 Fitting: a prediction is ``max(critical . p, work . p / share)`` where ``p = (alpha, beta,
 gamma)`` and the terms come from replaying the schedules, so it is linear in ``p`` once it
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import cost
-from .algorithms import ALLREDUCE
+from .plan import cost
+from .schedules import ALLREDUCE
 
 TUNE_SIZES = (8, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (8, 65536, 1 << 20, 4 << 20)

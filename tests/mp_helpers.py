@@ -660,7 +660,7 @@ def job_hunt(rank: int, world: int, store: str, transport: str, seed: int, n: in
     report, its error reduced to what pickles."""
     import hunt
 
-    from ringcomm.store import StoreClient, StoreServer
+    from ringcomm.bootstrap.store import StoreClient, StoreServer
 
     host, port = store.rsplit(":", 1)
     server = StoreServer(host, int(port)) if rank == 0 else None
@@ -721,7 +721,7 @@ def job_agreement(rank: int, world: int, store: str, transport: str,
     """Init with this rank's own settings (``env``, ``cpus``, a faked ``version``); report
     the init error, or what the communicator agreed on and chose, and whether allreduces of
     ``sizes`` bytes (float32) came out right."""
-    import ringcomm.settings as settings
+    import ringcomm.plan.settings as settings
 
     real_version = settings.VERSION
     with _rank_environment(env.get(rank, {}), (cpus or {}).get(rank)):

@@ -23,7 +23,7 @@ import numpy as np
 
 import ringcomm
 from ringcomm import CommError
-from ringcomm.algorithms import ALLREDUCE
+from ringcomm.schedules import ALLREDUCE
 
 COUNTS = (1, 4099, 1 << 20)  # one element, an odd count, 4 MiB of float32
 SIZES = (4, 4096, 65536, 1 << 20, 4 << 20)  # bytes: the automatic choice must agree at each

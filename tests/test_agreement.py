@@ -1,4 +1,4 @@
-"""Settings that ranks must agree on are agreed, not assumed (``ringcomm.settings``).
+"""Settings that ranks must agree on are agreed, not assumed (``ringcomm.plan.settings``).
 
 Real processes, each with its own environment: a forced algorithm on one rank only is an
 error at init on every rank; different tuned profiles and different CPU affinities end in
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm import cost
-from ringcomm.settings import SETTINGS, Scope
+from ringcomm.plan import cost
+from ringcomm.plan.settings import SETTINGS, Scope
 
 pytestmark = pytest.mark.slow
 

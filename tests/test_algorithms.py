@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcomm import ArgumentError, CommTimeout, DesyncError, RemoteError
-from ringcomm.algorithms import (
+from ringcomm.runtime.local import run_group
+from ringcomm.schedules import (
     ALLREDUCE,
     Kind,
     dbtree,
@@ -26,7 +27,6 @@ from ringcomm.algorithms import (
     rooted,
     tree,
 )
-from ringcomm.local import run_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -274,7 +274,7 @@ def _np_dtype(name):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_every_dtype_with_every_op_it_supports(dtype):
-    from ringcomm.buffers import REDUCE_OPS
+    from ringcomm.core.buffers import REDUCE_OPS
 
     world, dt = 3, _np_dtype(dtype)
     ops = [name for name, op in REDUCE_OPS.items() if dtype in op.dtypes]
@@ -440,7 +440,7 @@ def test_independent_receives_form_runs_and_dependent_ones_do_not():
 
 
 def test_overlapping_receives_keep_their_order():
-    from ringcomm.algorithms.schedule import Region, StepList
+    from ringcomm.schedules.schedule import Region, StepList
 
     steps = StepList()
     steps.recv(1, Region("output", 0, 4))
@@ -555,7 +555,7 @@ def test_hier_allreduce_over_sampled_layouts(hosts, count):
 def test_hier_talks_across_hosts_only_between_leaders(layout):
     """Phase 2 is the only one that leaves a host, and only the hosts' lowest ranks take
     part in it; everything else stays between ranks of one host."""
-    from ringcomm.algorithms import hier
+    from ringcomm.schedules import hier
 
     hosts = tuple(tuple(h) for h in LAYOUTS[layout])
     world = sum(len(h) for h in hosts)

@@ -17,7 +17,7 @@ import torch
 
 from bench import report, sweep
 from bench.common import format_size, parse_size
-from ringcomm.algorithms import ALLREDUCE, HOST_AWARE
+from ringcomm.schedules import ALLREDUCE, HOST_AWARE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -289,8 +289,8 @@ def test_predictions_on_hosts_use_the_layout_and_the_agreed_link():
     from dataclasses import replace
 
     from bench import multihost
-    from ringcomm import cost
-    from ringcomm.local import run_group
+    from ringcomm.plan import cost
+    from ringcomm.runtime.local import run_group
 
     slow = cost.CostParams(alpha=100e-6, beta=8e-9, gamma=0.09e-9)  # about 1 Gbit/s
 
@@ -325,7 +325,7 @@ def test_hosts_run_end_to_end(tmp_path):
     the automatic choice, ring and hier with #wrong 0 and the model's time for the layout
     the ranks found, priced with the link they measured; no namespace left behind."""
     from bench import netns
-    from ringcomm import cost
+    from ringcomm.plan import cost
 
     why = netns.available()
     if why is not None:

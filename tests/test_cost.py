@@ -11,11 +11,12 @@ import sys
 import numpy as np
 import pytest
 
-from ringcomm import ArgumentError, cost, tune
-from ringcomm.algorithms import ALLREDUCE, Region
-from ringcomm.algorithms.schedule import StepList
-from ringcomm.executor import TraceEvent
-from ringcomm.local import run_group
+from ringcomm import ArgumentError, tune
+from ringcomm.plan import cost
+from ringcomm.runtime.executor import TraceEvent
+from ringcomm.runtime.local import run_group
+from ringcomm.schedules import ALLREDUCE, Region
+from ringcomm.schedules.schedule import StepList
 
 
 @pytest.fixture(autouse=True)
@@ -95,10 +96,10 @@ def test_the_choice_follows_the_profile(no_profile):
 def test_a_communicator_chooses_from_the_agreed_settings_and_topology_only(no_profile):
     """Not from this process's profile or affinity: the agreed constants and the gathered
     cores decide, so every rank that holds them decides the same."""
-    from ringcomm.channels.inmemory import InMemoryNetwork
-    from ringcomm.communicator import Communicator
-    from ringcomm.settings import Settings
-    from ringcomm.topology import RankFacts, Topology
+    from ringcomm.plan.settings import Settings
+    from ringcomm.plan.topology import RankFacts, Topology
+    from ringcomm.runtime.communicator import Communicator
+    from ringcomm.transport.inmemory import InMemoryNetwork
 
     no_profile.write_text(json.dumps({"params": {"4": {"alpha": 1e-9, "beta": 1e-9,
                                                        "gamma": 1e-10}}}))  # says "ring"
@@ -209,7 +210,7 @@ def test_hier_is_chosen_where_the_link_between_hosts_is_what_costs():
 def test_the_link_between_hosts_is_measured_once_and_agreed():
     """Rank 0 and the first rank on another host time round trips; every rank then prices
     the link with rank 0's numbers and chooses accordingly. One host: nothing to measure."""
-    from ringcomm.link_probe import measure_remote
+    from ringcomm.bootstrap.link_probe import measure_remote
 
     def fn(comm):
         before = comm.settings.remote

@@ -29,7 +29,7 @@ import pytest
 
 import ringcomm
 from ringcomm import CommTimeout, RemoteError
-from ringcomm.local import run_group
+from ringcomm.runtime.local import run_group
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import hunt
 import pytest
 
-from ringcomm.local import run_group
+from ringcomm.runtime.local import run_group
 
 SEED = int(os.environ.get("RINGCOMM_HUNT_SEED", "20261123"))
 IN_MEMORY_CASES = int(os.environ.get("RINGCOMM_HUNT_CASES", "400"))

@@ -106,10 +106,10 @@ def test_import_ringcomm_is_cheap(tmp_path):
 import sys, ringcomm
 print(sorted(m for m in ("zmq", "torch", "numpy", "ml_dtypes") if m in sys.modules))
 assert {"Communicator", "Work", "init"} <= set(dir(ringcomm)), dir(ringcomm)
-assert ringcomm.Communicator.__module__ == "ringcomm.communicator"
-assert ringcomm.Work.__module__ == "ringcomm.communicator"
-assert ringcomm.init.__module__ == "ringcomm.rendezvous"
-assert ringcomm.algorithms.__name__ == "ringcomm.algorithms"  # submodules as before
+assert ringcomm.Communicator.__module__ == "ringcomm.runtime.communicator"
+assert ringcomm.Work.__module__ == "ringcomm.runtime.work"
+assert ringcomm.init.__module__ == "ringcomm.bootstrap.rendezvous"
+assert ringcomm.schedules.__name__ == "ringcomm.schedules"  # submodules as before
 from ringcomm import *  # noqa
 assert init is ringcomm.init
 try:

@@ -24,9 +24,9 @@ import uuid
 import pytest
 
 import ringcomm
-from ringcomm.channels import shm_ring, zmq_channel
-from ringcomm.channels.zmq_channel import ZmqTransport, ipc_base
-from ringcomm.store import StoreClient, StoreServer
+from ringcomm.bootstrap.store import StoreClient, StoreServer
+from ringcomm.transport import shm_ring, zmq_channel
+from ringcomm.transport.zmq_channel import ZmqTransport, ipc_base
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -312,7 +312,7 @@ def test_owners_alive_zombie_and_gone():
 
 _FORK = """
 import os, sys
-from ringcomm.channels import zmq_channel
+from ringcomm.transport import zmq_channel
 files = zmq_channel._Files()
 files.ipc_dir = sys.argv[1]
 os.makedirs(files.ipc_dir)
@@ -338,8 +338,8 @@ def test_a_forked_child_that_exits_leaves_its_parents_files_alone(tmp_path):
 def test_a_transport_whose_set_up_fails_closes_without_hanging():
     """Binding to an address this host does not have fails half-way through the set-up;
     the error must come back, not a close() that waits forever for the half-made socket."""
-    from ringcomm.channels.zmq_channel import ZmqTransport
-    from ringcomm.store import StoreClient, StoreServer
+    from ringcomm.bootstrap.store import StoreClient, StoreServer
+    from ringcomm.transport.zmq_channel import ZmqTransport
 
     with StoreServer("127.0.0.1", 0) as server:
         store = StoreClient(server.address, timeout=5)

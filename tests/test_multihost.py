@@ -26,9 +26,11 @@ from pathlib import Path
 import pytest
 
 from bench import netns
-from ringcomm import ArgumentError, cost, rendezvous
-from ringcomm.algorithms import ALLREDUCE
-from ringcomm.settings import SETTINGS, Scope
+from ringcomm import ArgumentError
+from ringcomm.bootstrap import rendezvous
+from ringcomm.plan import cost
+from ringcomm.plan.settings import SETTINGS, Scope
+from ringcomm.schedules import ALLREDUCE
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = str(ROOT / "tests" / "multihost_rank.py")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from ringcomm import ArgumentError, CommAborted, CommTimeout, DesyncError, RemoteError
-from ringcomm.channels.inmemory import InMemoryNetwork
-from ringcomm.communicator import Communicator
-from ringcomm.local import run_group
+from ringcomm.runtime.communicator import Communicator
+from ringcomm.runtime.local import run_group
+from ringcomm.transport.inmemory import InMemoryNetwork
 
 SEG = 256  # bytes per segment: every message below is several segments
 

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from ringcomm.algorithms import Kind, Region, dbtree
+from ringcomm.schedules import Kind, Region, dbtree
 
 pytestmark = pytest.mark.timeout(60)
 

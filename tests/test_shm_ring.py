@@ -15,8 +15,8 @@ from mp_helpers import free_port
 
 import ringcomm
 from ringcomm import ArgumentError
-from ringcomm.channels import shm_ring
-from ringcomm.channels.pipe import Flusher, PipeReader, PipeWriter
+from ringcomm.transport import shm_ring
+from ringcomm.transport.pipe import Flusher, PipeReader, PipeWriter
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 

@@ -1,5 +1,5 @@
-"""The rendezvous store (``ringcomm.store``): our ZeroMQ server and client, the prefix and torch
-adapters, and ``python -m ringcomm.store``.
+"""The rendezvous store (``ringcomm.bootstrap.store``): our ZeroMQ server and client, the
+prefix and torch adapters, and ``python -m ringcomm.bootstrap.store``.
 
 Everything runs for real on 127.0.0.1: servers on free ports, clients in threads and in spawned
 processes, torch's own TCPStore and FileStore, and the CLI as a subprocess. Timeouts are short
@@ -24,7 +24,7 @@ from datetime import timedelta
 import pytest
 
 from ringcomm import ArgumentError, StoreError, StoreTimeout
-from ringcomm.store import (
+from ringcomm.bootstrap.store import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     PrefixStore,
@@ -763,7 +763,7 @@ def test_prefix_store_over_torch_store(torch_stores):
 
 
 def _cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ringcomm.store", *args],
+    return subprocess.Popen([sys.executable, "-m", "ringcomm.bootstrap.store", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})}, **kwargs)
 

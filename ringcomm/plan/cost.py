@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from .algorithms import ALLREDUCE, HOST_AWARE, allreduce_schedule
-from .algorithms.schedule import Kind, Schedule
+from ..schedules import ALLREDUCE, HOST_AWARE, allreduce_schedule
+from ..schedules.schedule import Kind, Schedule
 
 DEFAULT_SEGMENT_BYTES = 2 << 20  # measured best here with shared memory (1 MiB: 20% slower)
 

@@ -12,11 +12,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .channels.inmemory import InMemoryNetwork, InMemoryTransport
+from ..errors import CommError
+from ..plan.topology import RankFacts, Topology
+from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
-from .errors import CommError
 from .executor import TraceEvent
-from .topology import RankFacts, Topology
 
 
 def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .algorithms.schedule import Kind, Region, Schedule, Step
-from .buffers import ReduceOp, finish_reduction, reduce_into
-from .channels.base import SendHandle, Transport
-from .channels.header import Header, OpDescriptor
-from .errors import CommTimeout
+from ..core.buffers import ReduceOp, finish_reduction, reduce_into
+from ..errors import CommTimeout
+from ..schedules.schedule import Kind, Region, Schedule, Step
+from ..transport.base import SendHandle, Transport
+from ..transport.header import Header, OpDescriptor
 
 
 @dataclass

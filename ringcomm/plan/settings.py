@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from .._version import __version__ as VERSION
+from ..errors import ArgumentError, StoreError
+from ..schedules import ALLREDUCE
+from ..transport.header import WIRE_VERSION
 from . import cost
-from ._version import __version__ as VERSION
-from .algorithms import ALLREDUCE
-from .channels.header import WIRE_VERSION
-from .errors import ArgumentError, StoreError
 from .topology import RankFacts, Topology
 
 

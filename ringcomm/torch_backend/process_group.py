@@ -34,18 +34,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .communicator import Communicator
-from .communicator import Work as CommWork
-from .errors import ArgumentError, CommTimeout
-from .rendezvous import _reachable_host, init
-from .store import TorchStore
+from ..bootstrap.rendezvous import _reachable_host, init
+from ..bootstrap.store import TorchStore
+from ..errors import ArgumentError, CommTimeout
+from ..runtime.communicator import Communicator
+from ..runtime.communicator import Work as CommWork
 
 log = logging.getLogger("ringcomm")
 
 BACKEND_NAME = "ringcomm"
 _MONITORED_TAG = 2**31 - 16  # monitored_barrier's messages, apart from the user's tags
 
-# dtypes the core reduces and moves as they are (see ringcomm.buffers)
+# dtypes the core reduces and moves as they are (see ringcomm.core.buffers)
 _CORE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -695,7 +695,7 @@ def register() -> None:
     Through ``ringcomm.torch_entry``, so every registration (import, entry point, this) installs
     the same light creator, which loads this module only when a group is created.
     """
-    from .torch_entry import register
+    from ..torch_entry import register
 
     register()
 
@@ -703,6 +703,6 @@ def register() -> None:
 def _autoload() -> None:
     """The old ``torch.backends`` entry point, kept for installs whose metadata still names it
     (reinstall to switch to ``ringcomm.torch_entry:_autoload``). Never raises."""
-    from .torch_entry import _autoload
+    from ..torch_entry import _autoload
 
     _autoload()

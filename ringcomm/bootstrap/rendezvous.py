@@ -11,7 +11,7 @@ Where the store comes from:
 Every communicator made on one store gets its own key prefix, so re-initialising in the
 same job (or under a torchrun restart) never reads stale addresses.
 
-Before any channel exists the ranks agree (``ringcomm.settings.agree``): each publishes its
+Before any channel exists the ranks agree (``ringcomm.plan.settings.agree``): each publishes its
 settings and its facts (host, cores), every rank checks the settings that must match and
 takes rank 0's agreed ones, and every rank ends up holding the same table of facts. The
 channels and every later decision are built from that, never from a local look.
@@ -23,12 +23,12 @@ import errno
 import os
 import socket
 
-from ._support import check_platform
-from .channels.zmq_channel import ZmqTransport
-from .communicator import Communicator, env_int
-from .errors import ArgumentError, CommError
+from .._support import check_platform
+from ..errors import ArgumentError, CommError
+from ..plan.settings import agree, propose
+from ..runtime.communicator import Communicator, env_int
+from ..transport.zmq_channel import ZmqTransport
 from .link_probe import measure_remote
-from .settings import agree, propose
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 
 

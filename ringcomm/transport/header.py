@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
-from ..buffers import REDUCE_OPS, dtype_name
+from ..core.buffers import REDUCE_OPS, dtype_name
 from ..errors import DesyncError
 
 WIRE_VERSION = 2  # bumped whenever the header or the framing changes; agreed at init
@@ -57,11 +57,11 @@ def algorithm_code(name: str) -> int:
         return ALGORITHM_CODES[name]
     except KeyError:
         raise ValueError(f"algorithm {name!r} has no wire code: add it to "
-                         "ringcomm.channels.header.ALGORITHMS") from None
+                         "ringcomm.transport.header.ALGORITHMS") from None
 
 
 def reduce_code(op: object | None) -> int:
-    """The wire code of a ``ringcomm.buffers.ReduceOp`` (0 for ops that do not reduce)."""
+    """The wire code of a ``ringcomm.core.buffers.ReduceOp`` (0 for ops that do not reduce)."""
     return 0 if op is None else op.code + 1  # type: ignore[attr-defined]
 
 

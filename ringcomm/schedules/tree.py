@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..buffers import segments
+from ..core.buffers import segments
 from .schedule import Region, Schedule, StepList
 
 DATA = "data"

@@ -30,18 +30,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .algorithms import direct
-from .buffers import dtype_code
-from .channels.base import SendHandle
-from .channels.header import Header, OpKind, algorithm_code
-from .errors import CommAborted, CommError, CommTimeout, PeerLostError
-
-if TYPE_CHECKING:
-    from .communicator import Communicator, Work
+from ..core.buffers import dtype_code
+from ..errors import CommAborted, CommError, CommTimeout, PeerLostError
+from ..schedules import direct
+from ..transport.base import SendHandle, Transport
+from ..transport.header import Header, OpKind, algorithm_code
+from .work import Work
 
 log = logging.getLogger("ringcomm")
 
@@ -83,11 +81,27 @@ class _Sending:
     handles: list[SendHandle] = field(default_factory=list)
 
 
+class Owner(Protocol):
+    """What the engine uses of the communicator it serves (kept small, and an interface, so
+    this module does not import the communicator that imports it)."""
+
+    rank: int
+    world_size: int
+    transport: Transport
+    timeout: float
+    segment_bytes: int
+    _failure: CommError | None
+
+    def _segment(self, data: np.ndarray) -> int: ...
+
+    def _fail(self, err: CommError, seq: int) -> None: ...
+
+
 class P2PEngine:
     """The pending sends and posted receives of one communicator. Only its worker thread
     touches this object."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Owner) -> None:
         self.comm = comm
         self.sending: list[_Sending] = []
         self.by_source: dict[int, deque[_Posted]] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..buffers import segments
+from ..core.buffers import segments
 from .schedule import Region, Schedule, StepList
 
 DATA, SCRATCH = "data", "scratch"

@@ -13,7 +13,7 @@ Wire protocol (one ZeroMQ multipart message each way, no pickle)::
 Blocking ``get`` and ``wait`` are parked on the server until their keys appear or their
 deadline passes, so a timeout names exactly the keys that are missing. The client keeps its
 own deadline too and watches its connection, so a server that is gone gives an error, not a
-hang. Run one stand-alone with ``python -m ringcomm.store --port P``.
+hang. Run one stand-alone with ``python -m ringcomm.bootstrap.store --port P``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import ArgumentError, StoreError, StoreTimeout
+from ..errors import ArgumentError, StoreError, StoreTimeout
 
-log = logging.getLogger("ringcomm.store")
+log = logging.getLogger("ringcomm.bootstrap.store")
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
@@ -414,13 +414,13 @@ class StoreClient(Store):
                 raise StoreTimeout(
                     f"could not reach the store at {self.address} within "
                     f"{reach_deadline - start:.1f} s ({what}); check the address and that "
-                    "rank 0 (or `python -m ringcomm.store`) is serving it")
+                    "rank 0 (or `python -m ringcomm.bootstrap.store`) is serving it")
             if remaining <= 0:
                 if not self._local.connected:
                     raise StoreTimeout(
                         f"could not reach the store at {self.address} within {limit:.1f} s "
                         f"({what}); check the address and that rank 0 (or "
-                        "`python -m ringcomm.store`) is serving it")
+                        "`python -m ringcomm.bootstrap.store`) is serving it")
                 raise StoreTimeout(
                     f"the store at {self.address} did not answer within {limit:.1f} s ({what})")
             if not self._local.connected:
@@ -644,8 +644,9 @@ class TorchStore(Store):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m ringcomm.store --port P``: serve a store until interrupted."""
-    parser = argparse.ArgumentParser(prog="python -m ringcomm.store", description=main.__doc__)
+    """``python -m ringcomm.bootstrap.store --port P``: serve a store until interrupted."""
+    parser = argparse.ArgumentParser(prog="python -m ringcomm.bootstrap.store",
+                                     description=main.__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
     args = parser.parse_args(argv)

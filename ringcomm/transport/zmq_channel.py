@@ -241,7 +241,7 @@ class _PeerState:
 class ZmqTransport(Transport):
     """Channels from ``rank`` to every other rank, set up through ``store``.
 
-    ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.store.Store``); keys are
+    ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.bootstrap.store.Store``); keys are
     written under ``prefix``. ``hosts`` holds every rank's host identity (equal where
     ranks share ipc and shared memory); ``host`` is the address other hosts reach this one
     at.

@@ -15,10 +15,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
-import numpy as np
+# numpy first: without it, ml_dtypes fails with an ImportError that names no module
+import numpy as np  # isort: split
 
-from .errors import ArgumentError
+import ml_dtypes
+
+from ..errors import ArgumentError
 
 # One byte identifies a dtype on the wire, so a receiver can tell float32 from int32.
 _DTYPES: list[tuple[str, np.dtype]] = [

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from . import cost
-from .communicator import Communicator
+from ..plan import cost
+from ..runtime.communicator import Communicator
 
 SMALL, BIG = 8, 1 << 20
 ROUNDS = 5

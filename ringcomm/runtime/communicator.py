@@ -36,70 +36,28 @@ from typing import Any
 
 import numpy as np
 
-from . import cost
-from .algorithms import ALLREDUCE, allreduce_schedule, direct, ring, rooted
-from .algorithms.schedule import Schedule
-from .buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
-from .channels.base import Transport
-from .channels.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .errors import (
+from ..core.buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
+from ..errors import (
     ArgumentError,
     CommAborted,
     CommError,
-    CommTimeout,
     DesyncError,
     RemoteError,
 )
+from ..plan import cost
+from ..plan.settings import Settings
+from ..plan.topology import Topology
+from ..schedules import ALLREDUCE, allreduce_schedule, direct, ring, rooted
+from ..schedules.schedule import Schedule
+from ..transport.base import Transport
+from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
 from .executor import OpContext, TraceEvent, run_schedule
 from .p2p import P2PEngine, P2POp
-from .settings import Settings
-from .topology import Topology
+from .work import Work
 
 log = logging.getLogger("ringcomm")
 
 SMALL_BROADCAST_BYTES = 64 * 1024  # below this a binomial tree beats the pipelined chain
-
-
-class Work:
-    """Handle of an op started with ``async_op=True``.
-
-    ``source`` is, for a receive that has completed, the rank its message came from (what
-    ``recv(x, src=None)`` needs to tell); ``None`` otherwise.
-    """
-
-    def __init__(self, future: concurrent.futures.Future, name: str, timeout: float) -> None:
-        self._future = future
-        self.name = name
-        self._timeout = timeout
-        self.source: int | None = None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the op is done and return its result; raise its error if it failed.
-
-        ``timeout`` (seconds) bounds only this wait and is unlimited by default: the op
-        enforces its own deadline once it starts, so a stuck peer still ends in an error.
-        """
-        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
-        if not done:
-            raise CommTimeout(
-                f"{self.name} did not complete within {timeout} s of waiting; the op keeps "
-                "running, call wait() again or close the communicator",
-                op=self.name,
-            )
-        return self._future.result()
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def exception(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
-
-    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
-        return f"<Work {self.name} {state}>"
 
 
 def _names_bad_input(method: Callable) -> Callable:
@@ -142,7 +100,7 @@ class Communicator:
 
     Build one with ``ringcomm.init``, which does the rendezvous and hands it the
     ``settings`` and the ``topology`` that every rank agreed on there. Groups inside one
-    process (tests, ``ringcomm.local``) build them directly over in-memory transports,
+    process (tests, ``ringcomm.runtime.local``) build them directly over in-memory transports,
     where every rank reads the same environment; ``segment_bytes`` overrides the agreed
     segment size (every rank must pass the same).
     """
@@ -190,7 +148,8 @@ class Communicator:
 
     def adopt(self, settings: Settings) -> None:
         """Run with ``settings`` from now on: every rank must adopt the same at the same
-        point (as ``ringcomm.link_probe`` does at init), since choices follow from them."""
+        point (as ``ringcomm.bootstrap.link_probe`` does at init), since choices follow from
+        them."""
         self.settings = settings
         self._chosen.clear()
 
@@ -249,7 +208,7 @@ class Communicator:
 
         ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``) forces one for this
         call, as ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all; by
-        default the cost model picks the cheapest for this size (``ringcomm.cost``). The
+        default the cost model picks the cheapest for this size (``ringcomm.plan.cost``). The
         automatic choice is a function of the size, the dtype, the settings agreed at init
         and the table of every rank's host and cores, so it is the same on every rank; a
         forced one that differs between ranks is caught at the first message.

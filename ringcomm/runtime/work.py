@@ -1,0 +1,51 @@
+"""What an op started with ``async_op=True`` returns: a handle on its future."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CommTimeout
+
+
+class Work:
+    """Handle of an op started with ``async_op=True``.
+
+    ``source`` is, for a receive that has completed, the rank its message came from (what
+    ``recv(x, src=None)`` needs to tell); ``None`` otherwise.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, name: str, timeout: float) -> None:
+        self._future = future
+        self.name = name
+        self._timeout = timeout
+        self.source: int | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the op is done and return its result; raise its error if it failed.
+
+        ``timeout`` (seconds) bounds only this wait and is unlimited by default: the op
+        enforces its own deadline once it starts, so a stuck peer still ends in an error.
+        """
+        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+        if not done:
+            raise CommTimeout(
+                f"{self.name} did not complete within {timeout} s of waiting; the op keeps "
+                "running, call wait() again or close the communicator",
+                op=self.name,
+            )
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<Work {self.name} {state}>"
