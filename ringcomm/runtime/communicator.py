@@ -45,19 +45,17 @@ from ..errors import (
     RemoteError,
 )
 from ..plan import cost
+from ..plan.collectives import COLLECTIVES, Collective
 from ..plan.settings import Settings
 from ..plan.topology import Topology
-from ..schedules import ALLREDUCE, allreduce_schedule, direct, ring, rooted
-from ..schedules.schedule import Schedule
+from ..schedules import ALLREDUCE
 from ..transport.base import Transport
-from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
+from ..transport.header import OpDescriptor, algorithm_code, reduce_code
 from .executor import OpContext, TraceEvent, run_schedule
 from .p2p import P2PEngine, P2POp
 from .work import Work
 
 log = logging.getLogger("ringcomm")
-
-SMALL_BROADCAST_BYTES = 64 * 1024  # below this a binomial tree beats the pipelined chain
 
 
 def _names_bad_input(method: Callable) -> Callable:
@@ -79,20 +77,21 @@ def _names_bad_input(method: Callable) -> Callable:
 
 @dataclass(slots=True)  # made once per op: no frozen-attribute overhead
 class _Collective:
-    """A collective on its way to the worker: the op as the wire sees it (less the
-    algorithm, which the schedule names), its buffers, and how to build its schedule."""
+    """A collective on its way to the worker: its entry in the table of collectives, the
+    op as the wire sees it (less the algorithm, which the schedule names) and its buffers.
+    The schedule is built from the same fields, on the worker."""
 
-    kind: OpKind
+    spec: Collective
     dtype: np.dtype
     buffers: dict[str, np.ndarray]
     result: Any
-    make_schedule: Callable[[], Schedule]
     reduce: ReduceOp | None = None
     arg: int = -1
-    count: int = 0
+    count: int = 0  # the block: what the schedule cuts and every pair agrees on
     segment: int = 0  # bytes: the agreed setting, whatever the dtype makes of it
     send_counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
+    algorithm: str | None = None  # None: the table's choice
 
 
 class Communicator:
@@ -215,13 +214,10 @@ class Communicator:
         """
         data = flat_view(x, name="x")
         rop = reduce_op(op, data.dtype)
-        seg = self._segment(data)
         name = self.allreduce_algorithm(data.nbytes, data.itemsize, algorithm)
-        hosts = self.topology.hosts
         return self._submit(_Collective(
-            OpKind.ALLREDUCE, data.dtype, {"data": data}, x,
-            lambda: allreduce_schedule(name, self.rank, self.world_size, data.size, seg, hosts),
-            rop, count=data.size, segment=self.segment_bytes), async_op)
+            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, rop, count=data.size,
+            segment=self.segment_bytes, algorithm=name), async_op)
 
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:
@@ -253,12 +249,7 @@ class Communicator:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
         data = flat_view(x, name="x")
         self._check_rank(root, "root")
-        seg = self._segment(data)
-        if data.nbytes <= SMALL_BROADCAST_BYTES:
-            make = lambda: rooted.broadcast_binomial(self.rank, self.world_size, root, data.size)  # noqa: E731
-        else:
-            make = lambda: rooted.broadcast_chain(self.rank, self.world_size, root, data.size, seg)  # noqa: E731
-        return self._submit(_Collective(OpKind.BROADCAST, data.dtype, {"data": data}, x, make,
+        return self._submit(_Collective(COLLECTIVES["broadcast"], data.dtype, {"data": data}, x,
                                         arg=root, count=data.size,
                                         segment=self.segment_bytes), async_op)
 
@@ -268,11 +259,9 @@ class Communicator:
         data = flat_view(x, name="x")
         self._check_rank(root, "root")
         rop = reduce_op(op, data.dtype)
-        seg = self._segment(data)
         return self._submit(_Collective(
-            OpKind.REDUCE, data.dtype, {"data": data}, x,
-            lambda: rooted.reduce_chain(self.rank, self.world_size, root, data.size, seg),
-            rop, arg=root, count=data.size, segment=self.segment_bytes), async_op)
+            COLLECTIVES["reduce"], data.dtype, {"data": data}, x, rop, arg=root,
+            count=data.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
@@ -280,11 +269,8 @@ class Communicator:
         data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
         self._check_same_dtype(result, data, "out", "x")
         self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
-        sizes = (data.size,) * self.world_size
-        seg = self._segment(data)
         return self._submit(_Collective(
-            OpKind.ALLGATHER, data.dtype, {"input": data, "output": result}, out,
-            lambda: ring.allgather(self.rank, self.world_size, sizes, seg),
+            COLLECTIVES["allgather"], data.dtype, {"input": data, "output": result}, out,
             count=data.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
@@ -295,10 +281,8 @@ class Communicator:
         self._check_same_dtype(result, data, "out", "x")
         self._check_size(data, result.size * self.world_size, "x", "world_size * out.size")
         rop = reduce_op(op, data.dtype)
-        seg = self._segment(data)
         return self._submit(_Collective(
-            OpKind.REDUCE_SCATTER, data.dtype, {"input": data, "output": result}, out,
-            lambda: ring.reduce_scatter(self.rank, self.world_size, result.size, seg),
+            COLLECTIVES["reduce_scatter"], data.dtype, {"input": data, "output": result}, out,
             rop, count=result.size, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
@@ -314,11 +298,9 @@ class Communicator:
             self._check_same_dtype(result, data, "out", "x")
             self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
             buffers["output"] = result
-        seg = self._segment(data)
         return self._submit(_Collective(
-            OpKind.GATHER, data.dtype, buffers, out,
-            lambda: direct.gather(self.rank, self.world_size, root, data.size, seg),
-            arg=root, count=data.size, segment=self.segment_bytes), async_op)
+            COLLECTIVES["gather"], data.dtype, buffers, out, arg=root, count=data.size,
+            segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def scatter(self, x: Any, inputs: Any | None = None, root: int = 0, *,
@@ -347,11 +329,9 @@ class Communicator:
                 self._check_size(source, result.size * self.world_size, "inputs",
                                  "world_size * x.size")
             buffers["input"] = source
-        seg = self._segment(result)
         return self._submit(_Collective(
-            OpKind.SCATTER, result.dtype, buffers, x,
-            lambda: direct.scatter(self.rank, self.world_size, root, result.size, seg),
-            arg=root, count=result.size, segment=self.segment_bytes), async_op)
+            COLLECTIVES["scatter"], result.dtype, buffers, x, arg=root, count=result.size,
+            segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def alltoall(
@@ -370,19 +350,16 @@ class Communicator:
         self._check_same_dtype(result, data, "out", "x")
         send_counts = self._splits(in_splits, data, "in_splits", "x")
         recv_counts = self._splits(out_splits, result, "out_splits", "out")
-        seg = self._segment(data)
         return self._submit(_Collective(
-            OpKind.ALLTOALL, data.dtype, {"input": data, "output": result}, out,
-            lambda: direct.alltoall(self.rank, self.world_size, send_counts, recv_counts, seg),
+            COLLECTIVES["alltoall"], data.dtype, {"input": data, "output": result}, out,
             segment=self.segment_bytes, send_counts=send_counts, recv_counts=recv_counts), async_op)
 
     @_names_bad_input
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
         empty = np.zeros(0, np.uint8)
-        return self._submit(_Collective(OpKind.BARRIER, empty.dtype, {"data": empty}, None,
-                                        lambda: direct.barrier(self.rank, self.world_size)),
-                            async_op)
+        return self._submit(_Collective(COLLECTIVES["barrier"], empty.dtype, {"data": empty},
+                                        None), async_op)
 
     @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
@@ -468,7 +445,7 @@ class Communicator:
         if self._closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
         seq = next(self._seq)
-        name = f"{op.kind.name.lower()} #{seq}"
+        name = f"{op.spec.name} #{seq}"
         return self._enqueue((op, seq, name), name, async_op)
 
     def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
@@ -544,15 +521,19 @@ class Communicator:
                 f"an earlier op failed ({self._failure}); this communicator cannot be used "
                 "any more: create a new one", rank=self.rank, op=name,
             )
-        schedule = op.make_schedule()
         dtype = np.dtype(op.dtype)
+        schedule = op.spec.schedule(
+            self.rank, self.world_size, op.count, max(1, op.segment // max(1, dtype.itemsize)),
+            root=op.arg, algorithm=op.algorithm, hosts=self.topology.hosts,
+            nbytes=op.count * dtype.itemsize, send_counts=op.send_counts,
+            recv_counts=op.recv_counts)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
             log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
                       schedule.algorithm, dtype_name(dtype))
         buffers = op.buffers
         if schedule.scratch:
             buffers = dict(buffers, scratch=self._scratch(dtype, schedule.scratch))
-        desc = OpDescriptor(int(op.kind), seq, dtype_code(dtype),
+        desc = OpDescriptor(int(op.spec.kind), seq, dtype_code(dtype),
                             algorithm_code(schedule.algorithm), reduce_code(op.reduce), op.arg,
                             op.segment, op.count, op.send_counts, op.recv_counts)
         ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, op.reduce)
