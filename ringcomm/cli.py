@@ -18,39 +18,28 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .errors import ArgumentError
-from .schedules import ALLREDUCE, Schedule, direct, ring, rooted
+from .plan.collectives import COLLECTIVES
+from .schedules import HOST_AWARE, Schedule
 
-# name -> (help, builder(rank, world_size, count, segment, root))
-_SCHEDULES: dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]] = {
-    "allreduce": ("ring reduce-scatter then ring all-gather, pipelined in segments",
-                  lambda r, n, c, s, root: ring.allreduce(r, n, c, s)),
-    "allreduce_tree": ("binary tree: reduce up, broadcast down, pipelined",
-                       lambda r, n, c, s, root: ALLREDUCE["tree"](r, n, c, s)),
-    "allreduce_dbtree": ("double binary tree: each tree carries half",
-                         lambda r, n, c, s, root: ALLREDUCE["dbtree"](r, n, c, s)),
-    "allreduce_hd": ("recursive halving then doubling (Rabenseifner)",
-                     lambda r, n, c, s, root: ALLREDUCE["hd"](r, n, c, s)),
-    "allreduce_rd": ("recursive doubling: log2 n exchanges of everything (small messages)",
-                     lambda r, n, c, s, root: ALLREDUCE["rd"](r, n, c, s)),
-    "reduce_scatter": ("ring reduce-scatter; rank r ends with chunk r (count per rank)",
-                       lambda r, n, c, s, root: ring.reduce_scatter(r, n, c, s)),
-    "allgather": ("ring all-gather (count per rank)",
-                  lambda r, n, c, s, root: ring.allgather(r, n, (c,) * n, s)),
-    "broadcast": ("pipelined chain from the root",
-                  lambda r, n, c, s, root: rooted.broadcast_chain(r, n, root, c, s)),
-    "broadcast_tree": ("binomial tree from the root (small messages)",
-                       lambda r, n, c, s, root: rooted.broadcast_binomial(r, n, root, c)),
-    "reduce": ("pipelined chain towards the root",
-               lambda r, n, c, s, root: rooted.reduce_chain(r, n, root, c, s)),
-    "gather": ("every rank sends its block to the root",
-               lambda r, n, c, s, root: direct.gather(r, n, root, c, s)),
-    "scatter": ("the root sends each rank its block",
-                lambda r, n, c, s, root: direct.scatter(r, n, root, c, s)),
-    "alltoall": ("pairwise exchange, count elements per pair",
-                 lambda r, n, c, s, root: direct.alltoall(r, n, (c,) * n, (c,) * n, s)),
-    "barrier": ("dissemination barrier: log2(n) rounds of empty messages",
-                lambda r, n, c, s, root: direct.barrier(r, n)),
-}
+
+def _schedule_entries() -> dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]]:
+    """``ringcomm schedule``'s names, from the table of collectives: each collective's main
+    algorithm under the collective's name, its others as ``NAME_WORD`` (``allreduce_tree``,
+    ``broadcast_tree``); none that needs the hosts' layout, which this command has no
+    option for. Name -> (help, builder(rank, world_size, count, segment, root))."""
+    entries = {}
+    for spec in COLLECTIVES.values():
+        for i, algorithm in enumerate(spec.algorithms.values()):
+            if algorithm.name in HOST_AWARE:
+                continue
+            name = spec.name if i == 0 else f"{spec.name}_{algorithm.word}"
+            entries[name] = (algorithm.summary, lambda r, n, c, s, root, spec=spec,
+                             algorithm=algorithm.name: spec.schedule(
+                                 r, n, c, s, root=root, algorithm=algorithm))
+    return entries
+
+
+_SCHEDULES = _schedule_entries()
 
 
 def _print_schedules(args: argparse.Namespace) -> None:
