@@ -12,8 +12,8 @@ from functools import lru_cache
 from typing import Any
 
 from ringcomm.plan import cost
-from ringcomm.runtime.communicator import SMALL_BROADCAST_BYTES
-from ringcomm.schedules import ALLREDUCE, direct, ring, rooted
+from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.schedules import ALLREDUCE
 
 
 def allreduce_algorithms() -> list[str]:
@@ -47,19 +47,12 @@ def predicted_seconds(collective: str, algorithm: str | None, world_size: int, n
 
 def schedules_for(collective: str, n: int, count: int, itemsize: int, seg: int) -> list[Any]:
     """The schedules ``Communicator`` builds on every rank for a collective other than
-    allreduce (``count`` as nccl-tests has it, ``seg`` in elements)."""
-    if collective == "allgather":
-        return [ring.allgather(r, n, (count // n,) * n, seg) for r in range(n)]
-    if collective == "reduce_scatter":
-        return [ring.reduce_scatter(r, n, count // n, seg) for r in range(n)]
-    if collective == "broadcast":
-        if count * itemsize <= SMALL_BROADCAST_BYTES:
-            return [rooted.broadcast_binomial(r, n, 0, count) for r in range(n)]
-        return [rooted.broadcast_chain(r, n, 0, count, seg) for r in range(n)]
-    if collective == "alltoall":
-        blocks = (count // n,) * n
-        return [direct.alltoall(r, n, blocks, blocks, seg) for r in range(n)]
-    raise ValueError(f"no schedule replay for collective {collective!r}")
+    allreduce, root 0 (``count`` as nccl-tests has it, ``seg`` in elements)."""
+    spec = COLLECTIVES.get(collective)
+    if spec is None or collective == "allreduce":  # allreduce: the cost model's own replay
+        raise ValueError(f"no schedule replay for collective {collective!r}")
+    block = spec.block(count, n)
+    return [spec.schedule(r, n, block, seg, nbytes=block * itemsize) for r in range(n)]
 
 
 @lru_cache(maxsize=1024)

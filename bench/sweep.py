@@ -26,13 +26,15 @@ Sizes, counts and bandwidth follow nccl-tests: ``size`` is the larger buffer one
 (allgather: its output, reduce_scatter and alltoall: their input), ``count`` its elements
 (rounded down to a multiple of the world size where the buffer is cut in blocks),
 ``algbw = size / time`` and ``busbw = algbw * factor``, the factor making busbw comparable
-with the hardware's bandwidth whatever the collective:
+with the hardware's bandwidth whatever the collective (``ringcomm.plan.collectives`` holds
+the sizes and factors of every collective):
 
     allreduce 2(n-1)/n    allgather, reduce_scatter, alltoall (n-1)/n    broadcast 1
 
 Every backend's results are checked, on every rank and at every size, once before timing
-and once after it, against values computed independently here; ``#wrong`` counts the
-elements that differ (summed over ranks and both checks). ``pred`` is ringcomm's cost
+and once after it, against the expected values of the table of collectives' numpy
+reference (``Reference`` says how a small problem stands for a large one); ``#wrong``
+counts the elements that differ (summed over ranks and both checks). ``pred`` is ringcomm's cost
 model's time for the same call (``ringcomm tune`` fits it to this machine).
 
 ``--hosts HxR`` places the ranks on ``H`` simulated hosts of ``R`` ranks each instead
@@ -55,21 +57,16 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
 from . import adapter, multihost
 from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
-REDUCING = ("allreduce", "reduce_scatter")
-BUSBW_FACTOR = {
-    "allreduce": lambda n: 2 * (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "alltoall": lambda n: (n - 1) / n,
-}
-BLOCKED = ("allgather", "reduce_scatter", "alltoall")  # buffers cut into world_size blocks
+REDUCING = tuple(c for c in COLLECTIVES if TABLE[c].reduces)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "min", "max", "avg")
 PERIOD = 5  # rank r's element k is r + 1 + k % PERIOD: small integers, exact in every dtype
@@ -165,51 +162,65 @@ class Settings:
 
 
 class Reference:
-    """Each rank's input pattern and the expected results, one period-aligned chunk long.
+    """Each rank's input pattern and its expected results for one collective at one size,
+    each at most one period-aligned chunk long.
 
-    Rank ``r`` holds ``r + 1 + k % 5`` at element ``k``, so every expected value depends
-    only on ``k % 5``: a chunk of it, sliced at the right phase, checks a buffer of any
-    length without building an equally large expected array."""
+    Rank ``r`` holds ``r + 1 + k % 5`` at element ``k`` of its input, so every block of
+    every result repeats with period 5 as well. The table of collectives' ``reference``
+    runs the same collective on blocks of ``5 + block % 5`` elements (on the blocks
+    themselves when they are shorter than 10): their elements fall at the same phases of
+    the pattern, so the first five elements of each small result block are the period of
+    the real one, and a buffer of any length is checked without building an equally large
+    expected array."""
 
-    def __init__(self, world: int, dtype: Any, op: str | None) -> None:
+    def __init__(self, collective: str, world: int, count: int, dtype: Any,
+                 op: str | None) -> None:
         import torch
 
+        spec = TABLE[collective]
         k = torch.arange(CHUNK + PERIOD, dtype=torch.int64) % PERIOD
-        wide = torch.float64 if dtype.is_floating_point else torch.int64
-        inputs = [(k + r + 1).to(wide) for r in range(world)]
-        self.inputs = [x.to(dtype) for x in inputs]
-        self.reduced = None
-        if op is not None:
-            acc = inputs[0].clone()
-            for x in inputs[1:]:
-                if op in ("sum", "avg"):
-                    acc += x
-                elif op == "prod":
-                    acc *= x
-                elif op == "min":
-                    acc = torch.minimum(acc, x)
-                else:
-                    acc = torch.maximum(acc, x)
-            if op == "avg":
-                acc /= world
-            self.reduced = acc.to(dtype)
+        self.inputs = [(k + r + 1).to(dtype) for r in range(world)]
+        self.block = spec.block(count, world)
+        self.blocks = world if spec.role(spec.result).world_blocks else 1  # per result
+        short = self.block < 2 * PERIOD
+        self._small = self.block if short else PERIOD + self.block % PERIOD
+        wide = np.float64 if dtype.is_floating_point else np.int64
+        size = spec.sizes(self._small, world)[spec.source]
+        small = [(np.arange(size) % PERIOD + r + 1).astype(wide) for r in range(world)]
+        self._results = [torch.from_numpy(x).to(dtype)
+                         for x in spec.reference(small, op or "sum", root=0)]
+        self._period = PERIOD if not short else None
+        self._expected: dict[tuple[int, int], Any] = {}
         eps = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-5}
         self.rtol = eps.get(dtype, 1e-12) if dtype.is_floating_point else 0.0
 
-    def fill(self, out: Any, values: Any, offset: int = 0) -> None:
+    def expected(self, rank: int, block: int) -> Any:
+        """Block ``block`` of ``rank``'s result, as long as one chunk of it at most."""
+        key = (rank, block)
+        if key not in self._expected:
+            start = block * self._small
+            if self._period is None:  # short blocks: the small problem is the real one
+                values = self._results[rank][start:start + self._small]
+            else:
+                period = self._results[rank][start:start + PERIOD]
+                values = period.repeat(min(self.block, CHUNK) // PERIOD + 1)
+            self._expected[key] = values
+        return self._expected[key]
+
+    def fill(self, out: Any, values: Any) -> None:
+        """``out`` to ``values`` repeated (``values`` one chunk of a period-5 pattern)."""
         for s in range(0, out.numel(), CHUNK):
             part = out[s:s + CHUNK]
-            p = (offset + s) % PERIOD
-            part.copy_(values[p:p + part.numel()])
+            part.copy_(values[:part.numel()])
 
-    def wrong(self, actual: Any, values: Any, offset: int = 0) -> int:
+    def wrong(self, actual: Any, values: Any) -> int:
+        """Elements of ``actual`` that differ from ``values`` repeated chunk by chunk."""
         import torch
 
         bad = 0
         for s in range(0, actual.numel(), CHUNK):
             part = actual[s:s + CHUNK]
-            p = (offset + s) % PERIOD
-            want = values[p:p + part.numel()]
+            want = values[:part.numel()]
             if self.rtol:
                 ok = torch.isclose(part.float() if part.itemsize < 4 else part,
                                    want.float() if want.itemsize < 4 else want,
@@ -221,20 +232,21 @@ class Reference:
 
 
 class Buffers:
-    """One collective's buffers on one rank: how to fill them, and how to check them."""
+    """One collective's buffers on one rank, sized as the table of collectives says: how to
+    fill them, and how to check them."""
 
     def __init__(self, collective: str, rank: int, world: int, count: int, dtype: Any,
                  ref: Reference, device: str = "cpu") -> None:
         import torch
 
         self.collective, self.rank, self.world, self.ref = collective, rank, world, ref
-        self.block = count // world
+        spec = TABLE[collective]
+        sizes = spec.sizes(spec.block(count, world), world, rank=rank)
         make = lambda c: torch.zeros(c, dtype=dtype, device=device)  # noqa: E731
-        self.inp = make(self.block if collective == "allgather" else count)
-        if collective in ("allreduce", "broadcast"):
-            self.out = self.inp  # in place
+        if "data" in sizes:
+            self.inp = self.out = make(sizes["data"])  # in place
         else:
-            self.out = make(self.block if collective == "reduce_scatter" else count)
+            self.inp, self.out = make(sizes["input"]), make(sizes["output"])
         self.device = device
 
     def _host(self, t: Any) -> Any:
@@ -261,17 +273,9 @@ class Buffers:
 
     def wrong(self) -> int:
         """Elements of this rank's result that differ from the expected values."""
-        out, ref, c, r, b = self._host(self.out), self.ref, self.collective, self.rank, self.block
-        if c == "allreduce":
-            return ref.wrong(out, ref.reduced)
-        if c == "broadcast":
-            return ref.wrong(out, ref.inputs[0])
-        if c == "reduce_scatter":
-            return ref.wrong(out, ref.reduced, offset=r * b)
-        # allgather: block j is rank j's input; alltoall: block j is rank j's block r
-        offset = r * b if c == "alltoall" else 0
-        return sum(ref.wrong(out[j * b:(j + 1) * b], ref.inputs[j], offset)
-                   for j in range(self.world))
+        out, ref, b = self._host(self.out), self.ref, self.ref.block
+        return sum(ref.wrong(out[j * b:(j + 1) * b], ref.expected(self.rank, j))
+                   for j in range(ref.blocks))
 
 
 def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, comm: Any,
@@ -343,13 +347,13 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
 
     dtype = getattr(torch, dtype_name)
     itemsize = dtype.itemsize
-    count = nbytes // itemsize
-    if collective in BLOCKED:
-        count -= count % world
+    spec = TABLE[collective]
+    # nccl-tests' count: the larger buffer's elements, whole blocks
+    count = max(spec.sizes(spec.block(nbytes // itemsize, world), world).values())
     if count == 0:
         return None
     backends = _backends_for(collective, op, s)
-    ref = Reference(world, dtype, op if collective in REDUCING else None)
+    ref = Reference(collective, world, count, dtype, op if spec.reduces else None)
     cpu = Buffers(collective, rank, world, count, dtype, ref)
     gpu = Buffers(collective, rank, world, count, dtype, ref, "cuda") if any(
         b.library == "nccl" for b in backends) else None
@@ -396,7 +400,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     if rank != 0:
         return []
     size = count * itemsize
-    factor = BUSBW_FACTOR[collective](world)
+    factor = spec.busbw_factor(world)
     rows = []
     for i, b in enumerate(backends):
         reps = slowest[i].tolist()

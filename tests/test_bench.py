@@ -17,6 +17,7 @@ import torch
 
 from bench import report, sweep
 from bench.common import format_size, parse_size
+from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.schedules import ALLREDUCE, HOST_AWARE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,22 +108,27 @@ def _simulate(collective, bufs, op):
         if collective == "allreduce":
             b.out.copy_(acc)
         elif collective == "reduce_scatter":
-            b.out.copy_(acc[r * b.block:(r + 1) * b.block])
+            block = b.out.numel()
+            b.out.copy_(acc[r * block:(r + 1) * block])
         elif collective == "allgather":
             b.out.copy_(torch.cat([x.inp for x in bufs]))
         elif collective == "broadcast":
             b.out.copy_(bufs[0].inp)
         else:  # alltoall
-            b.out.copy_(torch.cat([x.inp[r * b.block:(r + 1) * b.block] for x in bufs]))
+            block = b.inp.numel() // n
+            b.out.copy_(torch.cat([x.inp[r * block:(r + 1) * block] for x in bufs]))
 
 
 @pytest.mark.parametrize("collective", sweep.COLLECTIVES)
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int8", "prod"),
                                       ("bfloat16", "avg"), ("int64", "max")])
-def test_checker_accepts_right_results_and_counts_wrong_ones(collective, dtype, op):
-    n, count = 3, 3 * (sweep.CHUNK + 7)  # more than one chunk, not a multiple of the period
+@pytest.mark.parametrize("count", [3 * (sweep.CHUNK + 7), 3 * 12, 3 * 4])
+def test_checker_accepts_right_results_and_counts_wrong_ones(collective, dtype, op, count):
+    """Blocks longer than a chunk and not a multiple of the period, blocks of a few periods
+    and blocks shorter than one."""
+    n = 3
     dt = getattr(torch, dtype)
-    ref = sweep.Reference(n, dt, op if collective in sweep.REDUCING else None)
+    ref = sweep.Reference(collective, n, count, dt, op if collective in sweep.REDUCING else None)
     bufs = [sweep.Buffers(collective, r, n, count, dt, ref) for r in range(n)]
     for b in bufs:
         b.reset()
@@ -131,7 +137,7 @@ def test_checker_accepts_right_results_and_counts_wrong_ones(collective, dtype, 
     assert [b.wrong() for b in bufs] == [0] * n
     last = bufs[-1].out
     last[-1] += 1
-    last[3] = last[3] * 2 + 1
+    last[0] = last[0] * 2 + 1
     assert bufs[-1].wrong() == 2
 
 
@@ -161,7 +167,7 @@ def test_quick_run_end_to_end(tmp_path):
             assert r["wrong"] == 0, r
             assert r["world_size"] == 2
             assert 0 < r["min_time_us"] <= r["time_us"] < 5e6, r
-            factor = sweep.BUSBW_FACTOR[collective](2)
+            factor = COLLECTIVES[collective].busbw_factor(2)
             assert math.isclose(r["busbw_GBps"], r["algbw_GBps"] * factor, rel_tol=1e-9)
             assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_us"] / 1e3, rel_tol=1e-9)
             assert 0 < r["busbw_GBps"] < 1000
