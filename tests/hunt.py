@@ -33,12 +33,13 @@ import ml_dtypes
 import numpy as np
 
 from ringcomm import CommError
+from ringcomm.plan.collectives import COLLECTIVES as TABLE
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
                "scatter", "alltoall")
 STEPS = ("op", "follow-up", "barrier")
-REDUCING = {"allreduce", "reduce", "reduce_scatter"}
-ROOTED = {"broadcast", "reduce", "gather", "scatter"}
+REDUCING = {c for c in COLLECTIVES if TABLE[c].reduces}
+ROOTED = {c for c in COLLECTIVES if TABLE[c].rooted}
 FIELDS = ("count", "dtype", "op", "root", "collective", "algorithm", "segment")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int16")
 OPS = ("sum", "prod", "min", "max")
@@ -95,8 +96,8 @@ def _base_call(rng: random.Random, world: int, max_bytes: int) -> Call:
     collective = rng.choice(COLLECTIVES)
     dtype = rng.choice(DTYPES)
     per_rank_limit = max(1, max_bytes // _dtype(dtype).itemsize)
-    if collective in ("allgather", "reduce_scatter", "gather", "scatter", "alltoall"):
-        per_rank_limit //= world  # the whole buffer is world blocks
+    if TABLE[collective].blocked:
+        per_rank_limit //= world  # the larger buffer is world blocks
     count = min(rng.choices(COUNTS, COUNT_WEIGHTS)[0], max(1, per_rank_limit))
     nbytes = count * _dtype(dtype).itemsize * world
     return Call(collective, count, dtype,
@@ -176,42 +177,20 @@ def data(rank: int, count: int, dtype: str, salt: int = 0) -> np.ndarray:
     return values.astype(_dtype(dtype))
 
 
-_FOLD = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
-
-def _fold(op: str, arrays: list[np.ndarray]) -> np.ndarray:
-    out = arrays[0].copy()
-    for a in arrays[1:]:
-        _FOLD[op](out, a, out=out)
-    return out
+def contribution(call: Call, rank: int, world: int) -> np.ndarray | None:
+    """What ``rank`` contributes to ``call``: its buffer of the collective's source role
+    (a scatter's root holds one made for each rank; the other ranks hold none)."""
+    spec, n, dt = TABLE[call.collective], call.count, call.dtype
+    if call.collective == "scatter":
+        return np.concatenate([data(100 + r, n, dt) for r in range(world)]) \
+            if rank == call.root else None
+    return data(rank, spec.sizes(n, world)[spec.source], dt)
 
 
 def expected(call: Call, rank: int, world: int) -> np.ndarray | None:
     """What ``call`` must leave on ``rank`` if every rank made the same call."""
-    n, dt = call.count, call.dtype
-    c = call.collective
-    if c == "allreduce":
-        return _fold(call.op, [data(r, n, dt) for r in range(world)])
-    if c == "broadcast":
-        return data(call.root, n, dt)
-    if c == "reduce":
-        if rank != call.root:
-            return data(rank, n, dt)
-        return _fold(call.op, [data(r, n, dt) for r in range(world)])
-    if c == "allgather":
-        return np.concatenate([data(r, n, dt) for r in range(world)])
-    if c == "reduce_scatter":
-        total = _fold(call.op, [data(r, n * world, dt) for r in range(world)])
-        return total[rank * n:(rank + 1) * n]
-    if c == "gather":
-        return np.concatenate([data(r, n, dt) for r in range(world)]) if rank == call.root \
-            else None
-    if c == "scatter":
-        return data(100 + rank, n, dt)
-    if c == "alltoall":
-        return np.concatenate([data(s, n * world, dt)[rank * n:(rank + 1) * n]
-                               for s in range(world)])
-    raise ValueError(c)
+    everyone = [contribution(call, r, world) for r in range(world)]
+    return TABLE[call.collective].reference(everyone, call.op, call.root)[rank]
 
 
 def run_call(comm: Any, call: Call) -> np.ndarray | None:
@@ -219,39 +198,35 @@ def run_call(comm: Any, call: Call) -> np.ndarray | None:
     output it produced."""
     rank, world, n, dt = comm.rank, comm.world_size, call.count, call.dtype
     c = call.collective
+    x = contribution(call, rank, world)
     if c == "allreduce":
-        x = data(rank, n, dt)
         comm.allreduce(x, call.op, algorithm=call.algorithm)
         return x
     if c == "broadcast":
-        x = data(rank, n, dt)
         comm.broadcast(x, root=call.root)
         return x
     if c == "reduce":
-        x = data(rank, n, dt)
         comm.reduce(x, root=call.root, op=call.op)
         return x
     if c == "allgather":
         out = np.empty(n * world, _dtype(dt))
-        comm.allgather(out, data(rank, n, dt))
+        comm.allgather(out, x)
         return out
     if c == "reduce_scatter":
         out = np.empty(n, _dtype(dt))
-        comm.reduce_scatter(out, data(rank, n * world, dt), call.op)
+        comm.reduce_scatter(out, x, call.op)
         return out
     if c == "gather":
         out = np.empty(n * world, _dtype(dt)) if rank == call.root else None
-        comm.gather(out, data(rank, n, dt), root=call.root)
+        comm.gather(out, x, root=call.root)
         return out
     if c == "scatter":
         out = np.empty(n, _dtype(dt))
-        inputs = np.concatenate([data(100 + r, n, dt) for r in range(world)]) \
-            if rank == call.root else None
-        comm.scatter(out, inputs, root=call.root)
+        comm.scatter(out, x, root=call.root)
         return out
     if c == "alltoall":
         out = np.empty(n * world, _dtype(dt))
-        comm.alltoall(out, data(rank, n * world, dt))
+        comm.alltoall(out, x)
         return out
     raise ValueError(c)
 

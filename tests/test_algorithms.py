@@ -1,7 +1,7 @@
 """Every collective, every world size from 1 to 16, odd counts: one process, in-memory channels.
 
-Results are compared with numpy references; integer-valued data keeps float sums exact, so
-the comparisons are exact too.
+Results are compared with the numpy references of the table of collectives; integer-valued
+data keeps float sums exact, so the comparisons are exact too.
 """
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcomm import ArgumentError, CommTimeout, DesyncError, RemoteError
+from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.runtime.local import run_group
-from ringcomm.schedules import (
-    ALLREDUCE,
-    Kind,
-    dbtree,
-    direct,
-    halving_doubling,
-    recursive_doubling,
-    ring,
-    rooted,
-    tree,
-)
+from ringcomm.schedules import ALLREDUCE, Kind, direct, ring
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,6 +32,10 @@ def data(rank: int, count: int, dtype=np.float64) -> np.ndarray:
 counts = st.sampled_from([0, 1, 2, 3, 5, 7, 16, 17, 31, 64, 100])
 
 
+def reference(collective, inputs, op="sum", root=0):
+    return COLLECTIVES[collective].reference(inputs, op, root)
+
+
 @settings(max_examples=120, deadline=None)
 @given(world=st.sampled_from(WORLDS), count=counts, algorithm=st.sampled_from(list(ALLREDUCE)))
 def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count, algorithm):
@@ -50,17 +45,15 @@ def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count
         return x
 
     results = run_group(world, fn, segment_bytes=SEG)
-    expected = sum(data(r, count) for r in range(world))
-    for res in results:
-        assert res.tobytes() == expected.tobytes()
+    expected = reference("allreduce", [data(r, count) for r in range(world)])
+    for res, want in zip(results, expected, strict=True):
+        assert res.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("op,ref", [("max", np.maximum), ("min", np.minimum),
-                                    ("prod", np.multiply), ("band", np.bitwise_and),
-                                    ("bor", np.bitwise_or), ("bxor", np.bitwise_xor)])
+@pytest.mark.parametrize("op", ["max", "min", "prod", "band", "bor", "bxor"])
 @pytest.mark.parametrize("world", [2, 3, 5])
 @pytest.mark.parametrize("algorithm", list(ALLREDUCE))
-def test_allreduce_ops_on_ints(op, ref, world, algorithm):
+def test_allreduce_ops_on_ints(op, world, algorithm):
     count = 37
 
     def fn(comm):
@@ -68,11 +61,9 @@ def test_allreduce_ops_on_ints(op, ref, world, algorithm):
         comm.allreduce(x, op, algorithm=algorithm)
         return x
 
-    expected = data(0, count, np.int64)
-    for r in range(1, world):
-        expected = ref(expected, data(r, count, np.int64))
-    for res in run_group(world, fn, segment_bytes=SEG):
-        np.testing.assert_array_equal(res, expected)
+    expected = reference("allreduce", [data(r, count, np.int64) for r in range(world)], op)
+    for res, want in zip(run_group(world, fn, segment_bytes=SEG), expected, strict=True):
+        np.testing.assert_array_equal(res, want)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 7])
@@ -98,10 +89,11 @@ def test_reduce_scatter_and_allgather(world, count):
         comm.allgather(gathered, out)
         return out, gathered
 
-    total = sum(data(r, count * world) for r in range(world))
+    blocks = reference("reduce_scatter", [data(r, count * world) for r in range(world)])
+    gathered_blocks = reference("allgather", blocks)
     for rank, (out, gathered) in enumerate(run_group(world, fn, segment_bytes=SEG)):
-        np.testing.assert_array_equal(out, total[rank * count:(rank + 1) * count])
-        np.testing.assert_array_equal(gathered, total)
+        np.testing.assert_array_equal(out, blocks[rank])
+        np.testing.assert_array_equal(gathered, gathered_blocks[rank])
 
 
 @settings(max_examples=30, deadline=None)
@@ -118,10 +110,12 @@ def test_broadcast_and_reduce(world, count, root_pick, big):
         comm.reduce(y, root=root, op="sum")
         return x, y
 
-    total = sum(data(r, n) for r in range(world))
+    inputs = [data(r, n) for r in range(world)]
+    broadcast = reference("broadcast", inputs, root=root)
+    reduced = reference("reduce", inputs, root=root)
     for rank, (x, y) in enumerate(run_group(world, fn, segment_bytes=SEG * 100)):
-        np.testing.assert_array_equal(x, data(root, n))
-        np.testing.assert_array_equal(y, total if rank == root else data(rank, n))
+        np.testing.assert_array_equal(x, broadcast[rank])
+        np.testing.assert_array_equal(y, reduced[rank])
 
 
 @settings(max_examples=30, deadline=None)
@@ -129,19 +123,22 @@ def test_broadcast_and_reduce(world, count, root_pick, big):
 def test_gather_and_scatter(world, count, root_pick):
     root = root_pick % world
 
+    blocks = np.concatenate([data(100 + r, count) for r in range(world)])
+
     def fn(comm):
         out = np.empty(count * world) if comm.rank == root else None
         comm.gather(out, data(comm.rank, count), root=root)
         got = np.empty(count)
-        inputs = np.concatenate([data(100 + r, count) for r in range(world)])
-        comm.scatter(got, inputs if comm.rank == root else None, root=root)
+        comm.scatter(got, blocks if comm.rank == root else None, root=root)
         return out, got
 
+    gathered = reference("gather", [data(r, count) for r in range(world)], root=root)
+    scattered = reference("scatter", [blocks if r == root else None for r in range(world)],
+                          root=root)
     for rank, (out, got) in enumerate(run_group(world, fn, segment_bytes=SEG)):
         if rank == root:
-            np.testing.assert_array_equal(out, np.concatenate(
-                [data(r, count) for r in range(world)]))
-        np.testing.assert_array_equal(got, data(100 + rank, count))
+            np.testing.assert_array_equal(out, gathered[rank])
+        np.testing.assert_array_equal(got, scattered[rank])
 
 
 @settings(max_examples=30, deadline=None)
@@ -153,10 +150,9 @@ def test_alltoall_even(world, count):
         comm.alltoall(out, x)
         return out
 
-    for rank, out in enumerate(run_group(world, fn, segment_bytes=SEG)):
-        expected = np.concatenate(
-            [data(src, count * world)[rank * count:(rank + 1) * count] for src in range(world)])
-        np.testing.assert_array_equal(out, expected)
+    expected = reference("alltoall", [data(r, count * world) for r in range(world)])
+    for out, want in zip(run_group(world, fn, segment_bytes=SEG), expected, strict=True):
+        np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -217,27 +213,16 @@ def test_p2p_sent_before_a_collective_does_not_break_it():
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_send_has_a_matching_receive(world):
     """Static check of the schedules: per ordered pair, the sequence of message sizes sent
-    is the sequence the receiver expects, for every collective (channels are FIFO)."""
+    is the sequence the receiver expects, for every algorithm of every collective in the
+    table, from several roots (channels are FIFO)."""
     count, seg = 23, 4
-    makers = {
-        "allreduce": lambda r: ring.allreduce(r, world, count, seg),
-        "tree": lambda r: tree.allreduce(r, world, count, seg),
-        "dbtree": lambda r: dbtree.allreduce(r, world, count, seg),
-        "hd": lambda r: halving_doubling.allreduce(r, world, count, seg),
-        "rd": lambda r: recursive_doubling.allreduce(r, world, count, seg),
-        "reduce_scatter": lambda r: ring.reduce_scatter(r, world, count, seg),
-        "allgather": lambda r: ring.allgather(r, world, (count,) * world, seg),
-        "bcast_chain": lambda r: rooted.broadcast_chain(r, world, world // 2, count, seg),
-        "bcast_tree": lambda r: rooted.broadcast_binomial(r, world, world - 1, count),
-        "reduce": lambda r: rooted.reduce_chain(r, world, 0, count, seg),
-        "gather": lambda r: direct.gather(r, world, 0, count, seg),
-        "scatter": lambda r: direct.scatter(r, world, world - 1, count, seg),
-        "alltoall": lambda r: direct.alltoall(r, world, (count,) * world, (count,) * world, seg),
-        "barrier": lambda r: direct.barrier(r, world),
-    }
-    for name, make in makers.items():
-        sends, recvs = message_sizes([make(r) for r in range(world)])
-        assert sends == recvs, name
+    for spec in COLLECTIVES.values():
+        roots = sorted({0, world // 2, world - 1}) if spec.rooted else [0]
+        for algorithm, root in itertools.product(spec.algorithms, roots):
+            sends, recvs = message_sizes([spec.schedule(r, world, count, seg, root=root,
+                                                        algorithm=algorithm)
+                                          for r in range(world)])
+            assert sends == recvs, (spec.name, algorithm, root)
 
 
 def message_sizes(schedules):
@@ -292,19 +277,14 @@ def test_every_dtype_with_every_op_it_supports(dtype):
             out[op] = x
         return out
 
-    refs = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-            "avg": np.add, "band": np.bitwise_and, "bor": np.bitwise_or,
-            "bxor": np.bitwise_xor}
-    for res in run_group(world, fn, segment_bytes=SEG):
+    # small positive integers: every result is exact in every dtype, but avg's, which rounds
+    # to the nearest value in the dtype in the reference too
+    expected = {op: reference("allreduce", [values(r) for r in range(world)], op)
+                for op in ops}
+    for rank, res in enumerate(run_group(world, fn, segment_bytes=SEG)):
         for op in ops:
-            expected = values(0)
-            for r in range(1, world):
-                expected = refs[op](expected, values(r))
-            if op == "avg":  # the only op that rounds: to the nearest value in the dtype
-                expected = (expected / world).astype(dt)
-            # small positive integers: every other result is exact in every dtype
             assert res[op].dtype == dt
-            assert res[op].tobytes() == expected.astype(dt).tobytes(), (op, res[op], expected)
+            assert res[op].tobytes() == expected[op][rank].tobytes(), (op, res[op], expected)
 
 
 @pytest.mark.parametrize("dtype,op", [("complex64", "max"), ("float32", "band"),
