@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import report, sweep
+from bench import report, sweep, versions
 from bench.common import format_size, parse_size
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.schedules import ALLREDUCE, HOST_AWARE
@@ -372,3 +372,20 @@ def test_hosts_run_end_to_end(tmp_path):
             params=local, hosts=((0, 1), (2, 3)), remote=remote,
             share=meta["cores_per_rank"]), rel=1e-9), r
     assert {e["bytes"] for e in result["hosts_summary"]} == {1 << 10, 64 << 10}
+
+
+def test_versions_calls_a_size_slower_only_beyond_the_noise_of_its_own_rounds():
+    """The A/B comparison: each version's median over its rounds; the noise is the larger
+    spread between rounds of one version; slower means new/old above that spread."""
+    old = [{(2, 8): 10.0, (2, 1024): 100.0}, {(2, 8): 12.0, (2, 1024): 100.0},
+           {(2, 8): 11.0, (2, 1024): 101.0}]
+    new = [{(2, 8): 12.5, (2, 1024): 130.0}, {(2, 8): 11.5, (2, 1024): 131.0},
+           {(2, 8): 13.0, (2, 1024): 129.0, (4, 8): 1.0}]  # a size only one run has: skipped
+    rows = {(r["world_size"], r["bytes"]): r for r in versions.compare(old, new)}
+    assert set(rows) == {(2, 8), (2, 1024)}
+    small, large = rows[(2, 8)], rows[(2, 1024)]
+    assert small["old_us"] == 11.0 and small["new_us"] == 12.5
+    assert math.isclose(small["noise"], 12.0 / 10.0) and math.isclose(small["new_over_old"],
+                                                                      12.5 / 11.0)
+    assert not small["slower"]  # 1.14x, within the 1.2x the old rounds differ by
+    assert math.isclose(large["noise"], 131.0 / 129.0) and large["slower"]  # 1.30x > 1.02x
