@@ -46,6 +46,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def transport_pair(mode: str = "ipc", shm: bool = True,
+                   hosts: tuple[str, str] = ("h", "h")) -> list:
+    """Two connected ZmqTransports (ranks 0 and 1 of this process), made in threads."""
+    from ringcomm.bootstrap.store import StoreClient, StoreServer
+    from ringcomm.transport.zmq_transport import ZmqTransport
+
+    port = free_port()
+    server = StoreServer("127.0.0.1", port)
+    made, errors = [None, None], []
+
+    def make(rank: int) -> None:
+        client = StoreClient(f"127.0.0.1:{port}", timeout=10)
+        try:
+            made[rank] = ZmqTransport(rank, 2, client, hosts=list(hosts), mode=mode, shm=shm,
+                                      timeout=10)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    server.close()
+    assert not errors, errors
+    return made
+
+
 # --------------------------------------------------------------------------- the pool
 
 
@@ -548,7 +578,7 @@ def job_peer_dies(rank: int, world: int, store: str, transport: str, victim: int
 
     if rank == victim:
         with open(report, "w") as f:  # where its ipc sockets were, for the test to clean up
-            f.write(comm.transport._ipc_dir or "")
+            f.write(comm.transport.ipc_dir or "")
         if when == "during":  # queues many ops and dies part-way through them
             x = np.ones(BIG, np.float32)
             for _ in range(100):
@@ -597,7 +627,7 @@ def job_lifecycle(rank: int, world: int, store: str, stores: list, transport: st
     seen = []
     for i, address in enumerate([store, *stores[:2]]):
         comm = init(rank, world, address, transport)
-        ipc_dir = comm.transport._ipc_dir
+        ipc_dir = comm.transport.ipc_dir
         if transport == "ipc":
             assert ipc_dir and os.path.isdir(ipc_dir), ipc_dir
             assert os.path.dirname(ipc_dir) == IPC_BASE, ipc_dir

@@ -17,16 +17,17 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
 import pytest
+from mp_helpers import transport_pair
 
 import ringcomm
 from ringcomm.bootstrap.store import StoreClient, StoreServer
-from ringcomm.transport import shm_ring, zmq_channel
-from ringcomm.transport.zmq_channel import ZmqTransport, ipc_base
+from ringcomm.transport import files, shm_ring
+from ringcomm.transport.files import ipc_base
+from ringcomm.transport.zmq_transport import ZmqTransport
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -152,38 +153,12 @@ def test_a_torch_program_without_destroy_process_group_leaves_nothing():
 # --------------------------------------------------------------------------- in one process
 
 
-def _transport_pair():
-    """Two connected ZmqTransports (ranks 0 and 1 of this process), made in threads."""
-    port = free_port()
-    server = StoreServer("127.0.0.1", port)
-    made, errors = [None, None], []
-
-    def make(rank: int) -> None:
-        client = StoreClient(f"127.0.0.1:{port}", timeout=10)
-        try:
-            made[rank] = ZmqTransport(rank, 2, client, hosts=["h", "h"], mode="ipc",
-                                      shm=True, timeout=10)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    server.close()
-    assert not errors, errors
-    return made
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_a_transport_that_is_garbage_collected_removes_its_files():
     """Also shows that the finalizer does not keep the transport alive."""
-    pair = _transport_pair()
-    dirs = [t._ipc_dir for t in pair]
+    pair = transport_pair()
+    dirs = [t.ipc_dir for t in pair]
     assert all(d and os.path.isdir(d) for d in dirs), dirs
     assert all(os.path.basename(d).startswith(f"{os.getpid()}-") for d in dirs), dirs
     del pair
@@ -193,7 +168,7 @@ def test_a_transport_that_is_garbage_collected_removes_its_files():
 
 @pytest.mark.timeout(30)
 def test_close_and_the_finalizer_remove_once_and_close_tolerates_names_already_gone():
-    a, b = _transport_pair()
+    a, b = transport_pair()
     try:
         paths = list(a._files.shm_paths)  # its ring to b, and b's to it
         assert len(paths) == 2, paths
@@ -203,11 +178,11 @@ def test_close_and_the_finalizer_remove_once_and_close_tolerates_names_already_g
         os.unlink(paths[0])  # as the reader would have, or a sweep after a crash
         a.close()
         a.close()
-        assert not a._remove_files.alive and not os.path.exists(a._ipc_dir)
+        assert not a._remove_files.alive and not os.path.exists(a.ipc_dir)
     finally:  # an unclosed transport left to the garbage collector can hang pytest's exit
         a.close()
         b.close()
-    assert [p for p in paths + [a._ipc_dir, b._ipc_dir] if os.path.exists(p)] == []
+    assert [p for p in paths + [a.ipc_dir, b.ipc_dir] if os.path.exists(p)] == []
 
 
 def test_names_are_built_only_from_tokens_of_our_own_form():
@@ -271,7 +246,7 @@ def test_the_sweep_removes_only_ringcomm_files_of_ended_processes(tmp_path):
         (base / f"{name}0").touch()  # not a folder: kept whatever its name
 
     assert shm_ring.sweep(str(shm)) == [n for n, kept in rings.items() if not kept]
-    assert zmq_channel._sweep_ipc_dirs(str(base)) == [str(base / n) for n, kept
+    assert files.sweep_ipc_dirs(str(base)) == [str(base / n) for n, kept
                                                       in folders.items() if not kept]
     assert sorted(os.listdir(shm)) == sorted(
         [n for n, kept in rings.items() if kept] + [f"{n}-dir" for n in rings])
@@ -285,7 +260,7 @@ def test_the_sweep_leaves_a_base_folder_that_is_not_this_users_own(tmp_path):
     (real / f"{_dead_pid()}-{shm_ring.owner_tag().split('-')[1]}-abc").mkdir()
     link = tmp_path / "link"
     link.symlink_to(real)
-    assert zmq_channel._sweep_ipc_dirs(str(link)) == []
+    assert files.sweep_ipc_dirs(str(link)) == []
     assert len(os.listdir(real)) == 1
 
 
@@ -312,8 +287,8 @@ def test_owners_alive_zombie_and_gone():
 
 _FORK = """
 import os, sys
-from ringcomm.transport import zmq_channel
-files = zmq_channel._Files()
+from ringcomm.transport.files import TransportFiles
+files = TransportFiles()
 files.ipc_dir = sys.argv[1]
 os.makedirs(files.ipc_dir)
 if os.fork() == 0:  # the child runs the parent's finalizer, as its atexit would
@@ -338,8 +313,6 @@ def test_a_forked_child_that_exits_leaves_its_parents_files_alone(tmp_path):
 def test_a_transport_whose_set_up_fails_closes_without_hanging():
     """Binding to an address this host does not have fails half-way through the set-up;
     the error must come back, not a close() that waits forever for the half-made socket."""
-    from ringcomm.bootstrap.store import StoreClient, StoreServer
-    from ringcomm.transport.zmq_channel import ZmqTransport
 
     with StoreServer("127.0.0.1", 0) as server:
         store = StoreClient(server.address, timeout=5)

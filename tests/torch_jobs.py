@@ -505,7 +505,7 @@ def job_reinit(rank: int, world: int, ports: list[int], file: str, **_: Any) -> 
             t = torch.ones(2)
             dist.all_reduce(t)
             check_equal(t, torch.full((2,), float(world)), how)
-            ipc_dir = dist.group.WORLD.comm.transport._ipc_dir
+            ipc_dir = dist.group.WORLD.comm.transport.ipc_dir
         if ipc_dir is not None and os.path.exists(ipc_dir):
             left.append(ipc_dir)
         left += ringcomm_threads()

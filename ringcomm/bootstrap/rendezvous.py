@@ -27,7 +27,7 @@ from .._support import check_platform
 from ..errors import ArgumentError, CommError
 from ..plan.settings import agree, propose
 from ..runtime.communicator import Communicator, env_int
-from ..transport.zmq_channel import ZmqTransport
+from ..transport.zmq_transport import ZmqTransport
 from .link_probe import measure_remote
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 

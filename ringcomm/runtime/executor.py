@@ -105,7 +105,6 @@ def run_schedule(
     sent = [0] * world
     received = [0] * world
     pending = _PendingSends(transport, ctx)
-    transport.waiting_op = ctx.name  # errors raised below a send name the op too
 
     def view(region: Region) -> np.ndarray:
         return buffers[region.buf][region.offset: region.offset + region.count]
@@ -139,7 +138,8 @@ def run_schedule(
                 src = step.src
                 header = desc.outgoing(peer, rank, sent[peer], src.count * itemsize)
                 sent[peer] += 1
-                track(transport.send(peer, header, view(src) if src.count else None), src, peer)
+                track(transport.send(peer, header, view(src) if src.count else None, ctx.name),
+                      src, peer)
             elif kind is Kind.RECV:
                 dst = claim(step.dst)
                 transport.recv_into(peer, expect(peer, step.dst.count), dst, ctx.deadline,
@@ -160,11 +160,11 @@ def run_schedule(
                 slot = transport.reserve(to, nbytes)
                 if slot is not None:  # the sum goes straight into the outgoing message
                     reduce_into(slot.view(ctx.dtype), view(step.src), payload, ctx.reduce)
-                    track(transport.send_reserved(to, header), step.dst, to)
+                    track(transport.send_reserved(to, header, ctx.name), step.dst, to)
                 else:
                     dst = claim(step.dst)
                     reduce_into(dst, view(step.src), payload, ctx.reduce)
-                    track(transport.send(to, header, dst), step.dst, to)
+                    track(transport.send(to, header, dst, ctx.name), step.dst, to)
             else:
                 np.copyto(claim(step.dst), view(step.src))
         except CommTimeout as err:

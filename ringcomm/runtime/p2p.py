@@ -135,12 +135,11 @@ class P2PEngine:
         try:
             steps = direct.send(comm.rank, comm.world_size, op.peer, op.data.size,
                                 comm._segment(op.data)).steps
-            comm.transport.waiting_op = op.name  # names the op in a send's errors
             for index, step in enumerate(steps):
                 src = step.src
                 header = self._header(op, comm.rank, index, src.count, op.seq)
                 payload = op.data[src.offset: src.offset + src.count] if src.count else None
-                handle = comm.transport.send(op.peer, header, payload)
+                handle = comm.transport.send(op.peer, header, payload, op.name)
                 if handle is not None:
                     sending.handles.append(handle)
         except CommError as err:

@@ -1,4 +1,4 @@
-"""In-memory channels: all ranks of a group inside one process, one thread each.
+"""In-memory links: all ranks of a group inside one process, one thread each.
 
 Every message is copied on send, as a wire would, so a schedule that reuses a buffer too
 early gives wrong results here too. Used by the tests to run every algorithm at every
@@ -17,13 +17,21 @@ import numpy as np
 from ..errors import CommTimeout
 from .base import Transport
 from .header import Header
+from .link import ControlPlane, Link, Wait, remote_error
 
 
 class _Mailbox:
+    """What one rank receives: a queue per sender, and the aborts of any rank."""
+
     def __init__(self, world_size: int) -> None:
         self.cond = threading.Condition()
         self.queues: list[deque[tuple[Header, bytes]]] = [deque() for _ in range(world_size)]
         self.aborts: deque[tuple[Header, bytes]] = deque()
+
+    def deliver(self, sender: int, header: Header, data: bytes, *, abort: bool) -> None:
+        with self.cond:
+            (self.aborts if abort else self.queues[sender]).append((header, data))
+            self.cond.notify_all()
 
 
 class InMemoryNetwork:
@@ -48,55 +56,61 @@ class InMemoryNetwork:
             return net
 
 
-class InMemoryTransport(Transport):
-    def __init__(self, network: InMemoryNetwork, rank: int) -> None:
-        super().__init__(rank, network.world_size)
-        self._net = network
-        self._box = network.mailboxes[rank]
-        self._current: list[bytes | None] = [None] * network.world_size
+class InMemoryLink(Link):
+    kind = "in-memory"
 
-    def _deliver(self, peer: int, header: Header, data: bytes, *, abort: bool) -> None:
-        box = self._net.mailboxes[peer]
-        with box.cond:
-            (box.aborts if abort else box.queues[self.rank]).append((header, data))
-            box.cond.notify_all()
+    def __init__(self, network: InMemoryNetwork, rank: int, peer: int) -> None:
+        super().__init__(rank, peer)
+        self._theirs = network.mailboxes[peer]
+        self._mine = network.mailboxes[rank]
+        self._current: bytes | None = None
 
-    def _send(self, peer: int, header: Header, payload: np.ndarray | None) -> None:
+    def send(self, header: Header, payload: np.ndarray | None, op: str) -> None:
         data = b"" if payload is None else payload.reshape(-1).view(np.uint8).tobytes()
-        self._deliver(peer, header, data, abort=False)
+        self._theirs.deliver(self.rank, header, data, abort=False)
 
-    def _send_abort(self, peer: int, header: Header, text: bytes) -> None:
-        self._deliver(peer, header, text, abort=True)
-
-    def _recv_header(self, peer: int, deadline: float, op: str) -> Header:
-        box = self._box
+    def recv_header(self, wait: Wait) -> Header:
+        box = self._mine
         with box.cond:
             while True:
                 if box.aborts:
                     header, text = box.aborts[0]
-                    self.raise_remote(header, text, op)
-                if box.queues[peer]:
-                    header, data = box.queues[peer].popleft()
-                    self._current[peer] = data
+                    raise remote_error(header, text, self.rank, wait.op)
+                if box.queues[self.peer]:
+                    header, self._current = box.queues[self.peer].popleft()
                     return header
-                left = deadline - time.monotonic()
+                left = wait.deadline - time.monotonic()
                 if left <= 0:
-                    raise CommTimeout(f"no message from rank {peer} in time", rank=self.rank,
-                                      op=op, peer=peer)
+                    raise CommTimeout(f"no message from rank {self.peer} in time",
+                                      rank=self.rank, op=wait.op, peer=self.peer)
                 box.cond.wait(left)
 
-    def _peek(self, peer: int) -> bool:
-        with self._box.cond:
-            return bool(self._box.queues[peer])
+    def peek(self) -> bool:
+        with self._mine.cond:
+            return bool(self._mine.queues[self.peer])
 
-    def _recv_payload(self, peer: int) -> Any:
-        data, self._current[peer] = self._current[peer], None
+    def recv_payload(self, op: str) -> Any:
+        data, self._current = self._current, None
         return data
 
-    def _recv_payload_into(self, peer: int, out: np.ndarray) -> int:
-        data = self._recv_payload(peer)
+    def recv_payload_into(self, out: np.ndarray, op: str) -> int:
+        data = self.recv_payload(op)
         out[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         return len(data)
 
-    def close(self) -> None:
-        pass
+
+class _InMemoryControl(ControlPlane):
+    def __init__(self, network: InMemoryNetwork) -> None:
+        self._net = network
+
+    def abort(self, peer: int, header: Header, text: bytes) -> None:
+        self._net.mailboxes[peer].deliver(header.sender, header, text, abort=True)
+
+
+class InMemoryTransport(Transport):
+    """Rank ``rank``'s links in ``network``."""
+
+    def __init__(self, network: InMemoryNetwork, rank: int) -> None:
+        links = [None if peer == rank else InMemoryLink(network, rank, peer)
+                 for peer in range(network.world_size)]
+        super().__init__(rank, network.world_size, links, _InMemoryControl(network))

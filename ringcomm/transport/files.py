@@ -1,0 +1,101 @@
+"""No litter, even after a crash: what a transport leaves on the file system, and the sweep.
+
+A transport's files are its ipc folder (``<tmp>/ringcomm-<uid>/<pid>-<pid namespace>-<random>``:
+the ipc sockets and, briefly, the named pipes) and the names of its shared-memory rings
+(``shm_ring``; each reader removes the name as soon as it has mapped the ring). ``close``
+removes them; so does a finalizer when the transport is garbage-collected or still open at
+interpreter exit (a program that never calls ``close`` or ``destroy_process_group``, or ends
+in an exception). A process that dies without running Python's exit hooks (SIGKILL, a
+SIGTERM that Python does not handle) cannot: the next transport set up on the host
+(``sweep_litter``) removes the files whose owner pid, which their names carry, has ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+
+from . import shm_ring
+
+log = logging.getLogger("ringcomm")
+
+
+def ipc_base() -> str:
+    """The folder of this user's ipc folders: ``<tmp>/ringcomm-<uid>``."""
+    return os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
+
+
+# an ipc folder: tempfile.mkdtemp(prefix=f"{shm_ring.owner_tag()}-") in ipc_base()
+_IPC_DIR_NAME = re.compile(r"(\d+)-([0-9a-f]+)-[a-z0-9_]+")
+
+
+def sweep_ipc_dirs(base: str) -> list[str]:
+    """Remove the ipc folders in ``base`` whose owner has ended (``shm_ring.owner_gone``):
+    only folders named like ours, in a ``base`` that is this user's own folder."""
+    removed: list[str] = []
+    try:
+        info = os.lstat(base)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return removed
+        entries = os.scandir(base)
+    except OSError:
+        return removed
+    with entries:
+        for entry in entries:
+            m = _IPC_DIR_NAME.fullmatch(entry.name)
+            try:
+                if m is None or not entry.is_dir(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            if shm_ring.owner_gone(int(m[1]), m[2]):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def sweep_litter() -> list[str]:
+    """Remove what transports of processes that have ended left on this host: ipc folders
+    in ``ipc_base()`` and shared-memory rings in /dev/shm, each named with its owner's pid.
+    Only names of ringcomm's own patterns are touched, and only where the owner has ended;
+    a pid that an unrelated live process has taken over since just delays the sweep until
+    that process ends too (see ``shm_ring.owner_gone``). Never raises; returns the paths
+    removed. Every transport runs it as it starts."""
+    try:
+        removed = [os.path.join(shm_ring.SHM_DIR, name) for name in shm_ring.sweep()]
+        removed += sweep_ipc_dirs(ipc_base())
+    except Exception as err:  # noqa: BLE001 - a clean-up must never stop a set-up
+        log.debug("sweeping files of ended processes failed: %s", err)
+        return []
+    if removed:
+        log.info("removed %d files that ended ringcomm processes left behind: %s",
+                 len(removed), ", ".join(removed))
+    return removed
+
+
+class TransportFiles:
+    """What a transport has on the file system: its ipc folder and the names of the rings
+    to and from its local peers. ``remove`` runs from ``close``, or from a
+    ``weakref.finalize`` when the transport is garbage-collected or still open at interpreter
+    exit (the finalizer's ``atexit``), whichever comes first, and only once. It holds no
+    reference to the transport, so the finalizer does not keep the transport alive; it only
+    unlinks and removes names (no socket, no thread), so it cannot hold up an exit."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.ipc_dir: str | None = None
+        self.shm_paths: list[str] = []
+
+    def remove(self) -> None:
+        if os.getpid() != self.pid:  # a forked child exiting: the files are its parent's
+            return
+        for path in self.shm_paths:  # the rings' memory lives on while mapped
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)

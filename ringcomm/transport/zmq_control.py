@@ -1,0 +1,165 @@
+"""The ZeroMQ control plane, and waiting on a link while watching it.
+
+Every rank binds one control socket; peers push aborts and probes to it. A link that waits
+for data polls its own file descriptor or socket together with the control socket, so an
+abort from any rank (or a probe from a rank in another op) ends the wait at once.
+
+A receive that has waited ``STALL_PROBE_S`` sends the peer it waits for a *probe* naming
+the op it is in and the header it expects. A peer that waits in a different collective
+under the same sequence number (say ``broadcast #1`` against ``allreduce #1``) raises
+``DesyncError`` at once: schedules in which nobody receives a wrong header (trees,
+halving-doubling) would otherwise wait for the timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ..errors import CommTimeout, DesyncError, PeerLostError
+from .header import SIZE as HEADER_SIZE
+from .header import Header, OpKind, differences
+from .link import ControlPlane, Link, Wait, remote_error
+
+_POLL_SLICE_MS = 1000
+_ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
+STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
+
+
+class ZmqControl(ControlPlane):
+    """This rank's control socket (``socket``, bound by the transport) and push sockets to
+    the peers' control sockets, made on first use with ``connect``."""
+
+    def __init__(self, rank: int, socket: zmq.Socket, endpoints: dict[int, str],
+                 connect: Callable[[str], zmq.Socket]) -> None:
+        self.rank = rank
+        self.socket = socket
+        self.endpoints = endpoints  # peer -> its control socket's address
+        self._connect = connect
+        self._push: dict[int, zmq.Socket] = {}
+
+    def _to(self, peer: int) -> zmq.Socket:
+        sock = self._push.get(peer)
+        if sock is None:
+            sock = self._push[peer] = self._connect(self.endpoints[peer])
+        return sock
+
+    def abort(self, peer: int, header: Header, text: bytes) -> None:
+        self._to(peer).send_multipart((header.pack(), text))
+
+    def probe(self, peer: int, expected: Header, op: str) -> None:
+        probe = Header.control(OpKind.PROBE, expected.seq, self.rank)
+        self._to(peer).send_multipart((probe.pack(), expected.pack() + op.encode()))
+
+    def handle(self, wait: Wait) -> None:
+        """Read one notice. An abort raises RemoteError; a probe from a rank that waits in
+        the same op as this one (same sequence number) but sees it differently raises
+        DesyncError; other probes are fine and dropped."""
+        header = Header.unpack(self.socket.recv())
+        payload = self.socket.recv()
+        if header.kind != OpKind.PROBE:
+            raise remote_error(header, payload, self.rank, wait.op)
+        mine = wait.expected
+        theirs = Header.unpack(payload[:HEADER_SIZE])
+        if mine is None or mine.is_p2p or theirs.is_p2p or theirs.seq != mine.seq:
+            return
+        # what they expect from this rank, as sent by them; an all-to-all's counts belong
+        # to pairs and cannot be compared across them
+        theirs = theirs._replace(
+            sender=header.sender,
+            count=mine.count if mine.kind == OpKind.ALLTOALL else theirs.count)
+        diffs = differences(mine, theirs, rank=self.rank)
+        if diffs:
+            their_op = payload[HEADER_SIZE:].decode(errors="replace")
+            raise DesyncError(
+                f"rank {header.sender} waits in {their_op} while this rank waits in "
+                f"{wait.op}, and the ranks disagree about it: {'; '.join(diffs)}. Every rank "
+                "must call the same collectives in the same order with the same dtype, "
+                "element count, reduce op and root.",
+                rank=self.rank, op=wait.op, peer=header.sender,
+            )
+
+    def explain_loss(self, op: str) -> None:
+        """Before reporting a lost peer: an abort from some rank, arriving within a grace
+        period, explains it better (a peer may close because another rank failed and
+        aborted it), and is raised instead."""
+        grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
+        wait = Wait(op, grace_end)
+        while self.socket.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
+            self.handle(wait)
+
+    def close(self) -> None:
+        for sock in self._push.values():
+            sock.close(linger=500)
+
+
+class PolledLink(Link):
+    """A link whose incoming data shows up in a ``zmq.Poller`` (a socket or a pipe's file
+    descriptor), waited on together with the control plane."""
+
+    def __init__(self, rank: int, peer: int, control: ZmqControl, spin_s: float) -> None:
+        super().__init__(rank, peer)
+        self.control = control
+        self.spin_s = spin_s
+        self.poller = zmq.Poller()
+        self.poller.register(control.socket, zmq.POLLIN)
+
+    @abc.abstractmethod
+    def _readable(self, events: dict) -> bool:
+        """Whether ``events`` (from ``poller``) show this link's data."""
+
+    def _ready_or_lost(self, wait: Wait) -> bool:
+        """Checked on every turn: True if data is there; raise if the peer is known lost."""
+        return False
+
+    def _on_events(self, events: dict) -> None:
+        """Handle this link's own other events (a socket monitor's)."""
+
+    def peer_lost(self, op: str, what: str = "") -> None:
+        """Raise PeerLostError, unless an abort from some rank explains it better."""
+        self.control.explain_loss(op)
+        what = what or (f"the connection from rank {self.peer} closed while this rank waited "
+                        "for its data")
+        raise PeerLostError(f"{what}: rank {self.peer} died or left the group early",
+                            rank=self.rank, op=op, peer=self.peer)
+
+    def wait_readable(self, wait: Wait) -> None:
+        """Wait until the peer's data is here, handling aborts, probes, a lost connection
+        and the deadline meanwhile. A receive polls without sleeping for ``spin_s`` first
+        (yielding the CPU on every turn): waking a process that sleeps costs tens of
+        microseconds."""
+        control = self.control.socket
+        started = time.monotonic()
+        probe_at, spin_until = started + STALL_PROBE_S, started + self.spin_s
+        while True:
+            if self._ready_or_lost(wait):
+                return
+            now = time.monotonic()
+            left = wait.deadline - now
+            if left <= 0:
+                raise CommTimeout(f"no message from rank {self.peer} within the timeout",
+                                  rank=self.rank, op=wait.op, peer=self.peer)
+            if probe_at is not None and now >= probe_at:
+                probe_at = None
+                if wait.expected is not None and not wait.expected.is_p2p:
+                    self.control.probe(self.peer, wait.expected, wait.op)
+            wake = left if probe_at is None else min(left, probe_at - now)
+            if now < spin_until:
+                events = dict(self.poller.poll(0))
+                if not events:
+                    os.sched_yield()
+                    continue
+            else:
+                events = dict(self.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
+            # data first: a peer's message sent before another rank's abort may arrive with
+            # it, and the op it belongs to can still finish (the abort stays queued for the
+            # next wait, so the op after it raises)
+            if self._readable(events):
+                return
+            if control in events:
+                self.control.handle(wait)
+            self._on_events(events)

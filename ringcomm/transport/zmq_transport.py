@@ -1,0 +1,278 @@
+"""The transport of a real group: set-up through the store, one link per peer, teardown.
+
+Why this shape:
+- One ordered link per pair keeps each peer's messages in order and lets a rank wait for
+  exactly the peer its schedule names, with no demultiplexing on the hot path.
+- Ranks that report the same host get a ``LocalLink`` (named pipes + a shared-memory ring);
+  others a ``SocketLink`` (ZeroMQ over ``tcp://``). ``RINGCOMM_TRANSPORT`` (``ipc``,
+  ``tcp``, ``auto``) forces sockets of one kind; ``RINGCOMM_SHM=0`` turns pipes and shared
+  memory off (then local pairs use ``ipc://`` sockets). Shared memory is used only where
+  both ranks offer it.
+- One control socket per rank carries aborts and probes (``zmq_control``), so a failure
+  on one rank wakes every rank that waits.
+
+Set-up goes through the store: knowing from the caller which ranks share its host (the
+host identities gathered at init), every rank binds one receiving socket per peer and a
+control socket, and publishes the addresses (and its shared-memory offer). Nothing is left
+behind, even after a crash (``files``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from ..errors import ArgumentError, CommError
+from . import shm_ring
+from .base import Transport
+from .files import TransportFiles, ipc_base, sweep_litter
+from .link import Link
+from .local_link import LocalLink
+from .pipe import Flusher, PipeReader
+from .socket_link import SocketLink
+from .zmq_control import ZmqControl
+
+DEFAULT_SPIN_US = 50  # a receive polls this long before it sleeps; RINGCOMM_SPIN_US overrides
+
+
+def spin_seconds() -> float:
+    """How long a receive polls without sleeping before it blocks in ``poll``. Waking a
+    process that sleeps costs tens of microseconds (more on a virtual machine, whose idle
+    CPU halts); a message that arrives within the spin is taken at once. The spin yields the
+    CPU on every turn, so ranks that share a core still run. ``RINGCOMM_SPIN_US`` sets it
+    (0 turns it off)."""
+    env = os.environ.get("RINGCOMM_SPIN_US")
+    if env is None or env == "":
+        return DEFAULT_SPIN_US / 1e6
+    try:
+        value = float(env)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise ArgumentError(f"RINGCOMM_SPIN_US={env!r} is not a number of microseconds "
+                            "from 0 to 1000000; unset it for the default "
+                            f"({DEFAULT_SPIN_US})")
+    return value / 1e6
+
+
+def shm_ring_bytes(local_peers: int) -> int:
+    """Capacity of each shared-memory ring: room for many segments, less per ring when a
+    rank has many local peers. ``RINGCOMM_SHM_BYTES`` overrides it."""
+    env = os.environ.get("RINGCOMM_SHM_BYTES")
+    if env:
+        return int(env)
+    return max(8 << 20, min(32 << 20, (256 << 20) // max(1, local_peers)))
+
+
+class _Sockets:
+    """The ZeroMQ context and every socket made in it. Apart from the transport so that
+    nothing it hands out (the control plane's connect) refers back to the transport: a
+    reference cycle would leave the context to the garbage collector, whose ``term`` then
+    waits forever for sockets it can no longer see."""
+
+    def __init__(self, io_threads: int) -> None:
+        self.ctx = zmq.Context(io_threads=io_threads)
+        self.made: list[zmq.Socket] = []
+
+    def pull(self) -> zmq.Socket:
+        pull = self.ctx.socket(zmq.PULL)
+        self.made.append(pull)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        pull.setsockopt(zmq.LINGER, 0)
+        return pull
+
+    def push(self, endpoint: str) -> zmq.Socket:
+        push = self.ctx.socket(zmq.PUSH)
+        self.made.append(push)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.copy_threshold = 0  # track every copy=False frame
+        push.connect(endpoint)
+        return push
+
+    def close(self, *, abandon: bool) -> None:
+        """Close what is still open (each with its own linger) and end the context;
+        ``abandon`` drops queued messages (a set-up that failed)."""
+        for sock in self.made:
+            if not sock.closed:
+                sock.close()
+        if abandon:
+            self.ctx.destroy(linger=0)
+        else:
+            self.ctx.term()
+
+
+class ZmqTransport(Transport):
+    """Links from ``rank`` to every other rank, set up through ``store``.
+
+    ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.bootstrap.store.Store``);
+    keys are written under ``prefix``. ``hosts`` holds every rank's host identity (equal
+    where ranks share pipes and shared memory); ``host`` is the address other hosts reach
+    this one at.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        *,
+        hosts: Sequence[str],
+        prefix: str = "",
+        host: str = "127.0.0.1",
+        mode: str | None = None,
+        timeout: float = 300.0,
+        io_threads: int = 1,
+        shm: bool | None = None,
+    ) -> None:
+        if len(hosts) != world_size:
+            raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
+        mode = (mode or os.environ.get("RINGCOMM_TRANSPORT", "auto")).lower()
+        if mode not in ("auto", "ipc", "tcp"):
+            raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
+        self.mode = mode
+        if shm is None:
+            shm = os.environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
+        self.shm = shm and shm_ring.available()
+        self.spin_s = spin_seconds()
+        self._sockets = _Sockets(io_threads)
+        self._flusher = Flusher()
+        self._files = TransportFiles()
+        self._remove_files = weakref.finalize(self, self._files.remove)
+        self._abandon = False  # set-up failed: close without waiting for any socket
+        self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []  # (socket, its monitor)
+        self._unused_pipes: dict[int, PipeReader] = {}  # made for peers, no link yet
+        control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
+        super().__init__(rank, world_size, [None] * world_size, control)
+        sweep_litter()
+        try:
+            self._connect(store, prefix, host, timeout, list(hosts))
+        except BaseException:
+            # a socket half set up (one that failed to bind) is in no list that close()
+            # walks, and would keep the context's term() waiting forever: destroy it
+            self._abandon = True
+            self.close()
+            raise
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """This transport's folder of ipc sockets and pipes (None without local peers)."""
+        return self._files.ipc_dir
+
+    # ------------------------------------------------------------------ set-up
+    def _key(self, prefix: str, what: str, rank: int) -> str:
+        return f"{prefix}zmq/{what}/{rank}"
+
+    def _connect(self, store: Any, prefix: str, host: str, timeout: float,
+                 hosts: list[str]) -> None:
+        n, me = self.world_size, self.rank
+        if n == 1:
+            return
+        use_ipc = [self.mode == "ipc" or (self.mode == "auto" and hosts[r] == hosts[me])
+                   for r in range(n)]
+        ipc_dir = None
+        if any(use_ipc[r] for r in range(n) if r != me):
+            base = ipc_base()
+            os.makedirs(base, exist_ok=True)
+            ipc_dir = self._files.ipc_dir = tempfile.mkdtemp(
+                prefix=f"{shm_ring.owner_tag()}-", dir=base)
+
+        # One receiving socket per peer, and the control socket at index `me`.
+        pulls: list[zmq.Socket] = []
+        monitors: dict[int, zmq.Socket] = {}
+        endpoints: list[str] = []
+        for peer in range(n):
+            pull = self.control.socket if peer == me else self._sockets.pull()
+            if (peer != me and use_ipc[peer]) or (peer == me and ipc_dir):
+                endpoint = f"ipc://{ipc_dir}/{peer}"
+                pull.bind(endpoint)
+            else:
+                port = pull.bind_to_random_port(f"tcp://{host}")
+                endpoint = f"tcp://{host}:{port}"
+            if peer != me:
+                monitors[peer] = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._monitors.append((pull, monitors[peer]))
+            pulls.append(pull)
+            endpoints.append(endpoint)
+        # A control socket bound to ipc is useless to peers on other hosts: bind tcp too.
+        if ipc_dir and not all(use_ipc):
+            port = self.control.socket.bind_to_random_port(f"tcp://{host}")
+            endpoints[me] += f" tcp://{host}:{port}"
+        # Shared memory with peers on this host that use ipc: offered by both sides or not used.
+        local = [r for r in range(n) if r != me and use_ipc[r] and hosts[r] == hosts[me]]
+        capacity = shm_ring_bytes(len(local)) if self.shm and local else 0
+        token = shm_ring.new_token()  # names this transport's rings; carries our pid
+        pipes_in = self._unused_pipes
+        if capacity:  # a pipe from each local peer, used if it offers shared memory too
+            pipes_in.update({r: PipeReader(f"{ipc_dir}/pipe-from-{r}") for r in local})
+        endpoints.append(f"shm {token if capacity else '-'} {capacity}")
+        store.set(self._key(prefix, "ep", me), "\n".join(endpoints).encode())
+
+        ep_keys = [self._key(prefix, "ep", r) for r in range(n)]
+        store.wait(ep_keys, timeout)
+        links: list[Link | None] = [None] * n
+        for peer in range(n):
+            if peer == me:
+                continue
+            theirs = store.get(ep_keys[peer]).decode().split("\n")
+            control = theirs[peer].split(" ")
+            # our messages to `peer` go to the socket it bound for us; aborts to its control
+            self.control.endpoints[peer] = next(
+                (e for e in control if e.startswith("ipc") == use_ipc[peer]), control[-1])
+            _, their_token, their_capacity = theirs[n].split(" ")
+            if their_token != "-" and not shm_ring.valid_token(their_token):
+                raise CommError(f"rank {peer} offers shared memory under a malformed name "
+                                f"({their_token!r}); is it running another ringcomm version?",
+                                rank=me, peer=peer)
+            if peer in pipes_in and their_token != "-":
+                ring_out = shm_ring.ring_name(token, me, peer)
+                ring_in = shm_ring.ring_name(their_token, peer, me)
+                # ours until the reader maps it; theirs is not needed once we stop reading
+                self._files.shm_paths += [os.path.join(shm_ring.SHM_DIR, name)
+                                          for name in (ring_out, ring_in)]
+                their_dir = theirs[me][len("ipc://"):].rsplit("/", 1)[0]
+                links[peer] = LocalLink(
+                    me, peer, self.control, self.spin_s, pipe_in=pipes_in.pop(peer),
+                    pipe_out_path=f"{their_dir}/pipe-from-{me}", flusher=self._flusher,
+                    ring_out=ring_out, ring_in=ring_in, capacity=capacity,
+                    capacity_in=int(their_capacity))
+            else:
+                if peer in pipes_in:  # the peer has no shared memory: sockets only
+                    pipes_in.pop(peer).close()
+                links[peer] = SocketLink(me, peer, self.control, self.spin_s,
+                                         push=self._sockets.push(theirs[me]), pull=pulls[peer],
+                                         monitor=monitors[peer])
+        self.links = links
+        local_links = [link for link in links if isinstance(link, LocalLink)]
+        if local_links:  # a pipe's reader sees end-of-file until its writer has opened it
+            store.set(self._key(prefix, "pipes", me), b"open")
+            store.wait([self._key(prefix, "pipes", link.peer) for link in local_links],
+                       timeout)
+            for link in local_links:
+                link.opened()
+
+    # ------------------------------------------------------------------ teardown
+    def _close(self) -> None:
+        try:
+            links = [link for link in self.links if link is not None]
+            for link in links:  # queued frames first: live peers may still read them
+                link.finish_sending()
+            self._flusher.stop()
+            for link in links:
+                link.close()
+            for pipe in self._unused_pipes.values():
+                pipe.close()
+            for pull, monitor in self._monitors:
+                with contextlib.suppress(zmq.ZMQError):
+                    pull.disable_monitor()
+                monitor.close(linger=0)
+            self.control.close()  # its push sockets linger a little: aborts must get out
+            self._sockets.close(abandon=self._abandon)
+        finally:
+            self._remove_files()  # also if closing failed part-way; runs once

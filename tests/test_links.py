@@ -1,0 +1,143 @@
+"""Every kind of link keeps the same contract, and each call's op travels with the call.
+
+The kinds: in-memory (threads of one process), local (a named pipe and a shared-memory ring),
+and ZeroMQ sockets over ipc and over tcp. Each pair is two transports in this process, so
+the tests read one side's errors directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mp_helpers import transport_pair
+
+from ringcomm import CommTimeout, PeerLostError, RemoteError
+from ringcomm.transport import InMemoryNetwork, Transport
+from ringcomm.transport.header import Header, OpKind
+from ringcomm.transport.local_link import SHM_MIN_BYTES, LocalLink
+from ringcomm.transport.socket_link import SocketLink
+
+KINDS = ["in-memory", "local", "socket-ipc", "socket-tcp"]
+
+
+def make_pair(kind: str) -> list[Transport]:
+    if kind == "in-memory":
+        net = InMemoryNetwork(2)
+        return [net.transport(0), net.transport(1)]
+    if kind == "local":
+        return transport_pair("ipc", shm=True)
+    if kind == "socket-ipc":
+        return transport_pair("ipc", shm=False)
+    return transport_pair("tcp", shm=False, hosts=("a", "b"))
+
+
+@pytest.fixture(params=KINDS)
+def pair(request):
+    made = make_pair(request.param)
+    yield made
+    for t in made:
+        t.close()
+
+
+def header(seq: int, nbytes: int, index: int = 0, sender: int = 0) -> Header:
+    count = nbytes // 4
+    return Header(seq, nbytes, count, 1 << 20, sender, index, 0, OpKind.ALLREDUCE, 0, 0, 0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kind_of_link_follows_from_hosts_and_settings(kind):
+    a, b = make_pair(kind)
+    try:
+        expected = {"in-memory": "in-memory", "local": "pipe + shared memory",
+                    "socket-ipc": "ipc://", "socket-tcp": "tcp://"}[kind]
+        assert expected in a.describe() and expected in b.describe(), a.describe()
+        assert type(a.links[1]) is {"local": LocalLink, "socket-ipc": SocketLink,
+                                    "socket-tcp": SocketLink}.get(kind, type(a.links[1]))
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_messages_arrive_in_order_whole_and_into_place(pair):
+    """Empty, small (inline) and large (shared memory where there is some) payloads, mixed,
+    read both as a buffer and straight into place; each header checked by the receiver."""
+    a, b = pair
+    rng = np.random.default_rng(0)
+    sizes = [0, 4, 4096, SHM_MIN_BYTES, 3 << 20, 8, SHM_MIN_BYTES * 2]
+    payloads = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+    handles = [a.send(1, header(0, n, i), p if n else None, "allreduce #0")
+               for i, (n, p) in enumerate(zip(sizes, payloads, strict=True))]
+    deadline = time.monotonic() + 10
+    for i, (n, p) in enumerate(zip(sizes, payloads, strict=True)):
+        expected = header(0, n, i)
+        if i % 2:
+            out = np.zeros(n, np.uint8)
+            b.recv_into(0, expected, out, deadline, "allreduce #0")
+        else:
+            out = np.frombuffer(bytes(b.recv(0, expected, deadline, "allreduce #0")), np.uint8)
+        assert np.array_equal(out, p), f"message {i} ({n} B) arrived changed"
+    for h in handles:
+        if h is not None:
+            a.wait_sent(1, h, deadline, "allreduce #0")
+    assert not b.ready(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_receive_times_out_naming_its_own_op_and_peer(pair):
+    a, b = pair
+    a.send(1, header(0, 8), np.zeros(8, np.uint8), "allreduce #0")
+    b.recv(0, header(0, 8), time.monotonic() + 10, "allreduce #0")
+    started = time.monotonic()
+    with pytest.raises(CommTimeout) as info:  # the op named is this call's, not the last one's
+        b.recv(0, header(1, 8), time.monotonic() + 0.3, "broadcast #1")
+    assert 0.25 < time.monotonic() - started < 3
+    assert info.value.op == "broadcast #1" and info.value.peer == 0 and info.value.rank == 1
+
+
+@pytest.mark.timeout(30)
+def test_an_abort_wakes_a_receive_that_waits_on_another_peer(pair):
+    a, b = pair
+    a.abort(3, "ValueError: out of memory on rank 0")
+    with pytest.raises(RemoteError, match="rank 0 failed.*out of memory") as info:
+        b.recv(0, header(3, 8), time.monotonic() + 10, "allreduce #3")
+    assert info.value.peer == 0 and info.value.op == "allreduce #3"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["local", "socket-tcp"])
+def test_a_send_to_a_closed_peer_names_the_op_of_the_send(kind):
+    """The per-op state travels with the call: a send that finds its peer gone names the op
+    it belongs to, even after a receive of another op ran on the same transport."""
+    a, b = make_pair(kind)
+    try:
+        b.send(0, header(0, 8, sender=1), np.zeros(8, np.uint8), "barrier #0")
+        a.recv(1, header(0, 8, sender=1), time.monotonic() + 10, "barrier #0")
+        b.close()
+        big = np.zeros(4 << 20, np.uint8)
+        deadline = time.monotonic() + 10
+        with pytest.raises(PeerLostError) as info:
+            for i in range(64):  # until the pipe (or the socket's tracker) tells
+                h = a.send(1, header(1, big.nbytes, i), big, "allgather #1")
+                if h is not None:
+                    a.wait_sent(1, h, deadline, "allgather #1")
+        assert info.value.op == "allgather #1" and info.value.peer == 1
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_counters_show_which_path_payloads_took():
+    a, b = make_pair("local")
+    try:
+        a.send(1, header(0, 16), np.zeros(16, np.uint8), "x")
+        a.send(1, header(0, SHM_MIN_BYTES, 1), np.zeros(SHM_MIN_BYTES, np.uint8), "x")
+        assert a.counters == {"pipe": 1, "shm": 1, "shm_full": 0}
+        assert a.counters["socket"] == 0
+    finally:
+        a.close()
+        b.close()
