@@ -4,7 +4,7 @@
     comm = ringcomm.init()                 # under torchrun, or init(rank=, world_size=, store=)
     comm.allreduce(x, op="sum")            # numpy array or CPU tensor, in place
 
-A collective is a *schedule* (``ringcomm.schedules``), executed over *channels*
+A collective is a *schedule* (``ringcomm.schedules``), executed over *links*
 (``ringcomm.transport``) by the executor; ``print(schedule)`` shows it step by step.
 
 ``import ringcomm`` is cheap on purpose: it loads only the errors. ``Communicator``, ``Work``

@@ -11,10 +11,10 @@ Where the store comes from:
 Every communicator made on one store gets its own key prefix, so re-initialising in the
 same job (or under a torchrun restart) never reads stale addresses.
 
-Before any channel exists the ranks agree (``ringcomm.plan.settings.agree``): each publishes its
+Before any link exists the ranks agree (``ringcomm.plan.settings.agree``): each publishes its
 settings and its facts (host, cores), every rank checks the settings that must match and
 takes rank 0's agreed ones, and every rank ends up holding the same table of facts. The
-channels and every later decision are built from that, never from a local look.
+links and every later decision are built from that, never from a local look.
 """
 
 from __future__ import annotations

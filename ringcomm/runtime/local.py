@@ -1,4 +1,4 @@
-"""Run a whole group inside one process: one thread per rank over in-memory channels.
+"""Run a whole group inside one process: one thread per rank over in-memory links.
 
 For tests, notebooks and teaching: ``run_group(4, fn)`` calls ``fn(comm)`` on four
 communicators at once and returns their results in rank order. Errors are raised after all

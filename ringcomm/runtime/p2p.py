@@ -5,8 +5,8 @@ that thread, since every rank runs them in the same order; point-to-point ops ma
 ranks that each post a receive before their send (``batch_isend_irecv`` does exactly that)
 would wait for each other forever. So the worker hands sends and receives to this engine:
 
-- a send issues every message of ``direct.send``'s schedule at once (channels never block
-  on send) and completes when the channel says the data has left this process;
+- a send issues every message of ``direct.send``'s schedule at once (links never block
+  on send) and completes when the link says the data has left this process;
 - a receive is *posted*; whenever its queue is empty the worker waits a few milliseconds
   at a time for the first message of the oldest receive that each peer could satisfy, then
   takes the rest of that message's segments (already on their way).
@@ -14,7 +14,7 @@ would wait for each other forever. So the worker hands sends and receives to thi
 A message from rank ``p`` goes to the earliest-posted receive that names ``p`` or any rank,
 as in MPI; messages between two ranks match in the order they were sent, and the header
 check makes a different tag, size or dtype a ``DesyncError``. Messages of collectives that
-arrive meanwhile are set aside by the channel (collectives and point-to-point are two
+arrive meanwhile are set aside by the transport (collectives and point-to-point are two
 streams), and the other way round.
 
 The engine relies on one property of ``Transport.recv_into``: a receive whose deadline

@@ -35,7 +35,7 @@ from .schedule import Region, Schedule, StepList
 DATA = "data"
 
 
-EXCHANGE_WINDOW = 8  # segments sent ahead of the first receive; bounds what a channel holds
+EXCHANGE_WINDOW = 8  # segments sent ahead of the first receive; bounds what a link holds
 
 
 def exchange(steps: StepList, partner: int, send: tuple[int, int], keep: tuple[int, int],
@@ -44,7 +44,7 @@ def exchange(steps: StepList, partner: int, send: tuple[int, int], keep: tuple[i
 
     Segments go ``EXCHANGE_WINDOW`` ahead of the receives, then one more after each receive:
     both partners run the same order, so neither waits on a segment the other has not sent,
-    and the channel never holds more than the window (a whole half of a large message sent
+    and the link never holds more than the window (a whole half of a large message sent
     at once would overflow shared memory onto the slower socket). ``send`` and ``keep`` may
     be the same range (recursive doubling): segment ``k`` is sent before it is reduced into."""
     sends = [Region(DATA, o, c) for o, c in segments(send[0], send[1] - send[0], segment)]

@@ -22,7 +22,7 @@ Pipelining: slices enter the ring one behind the other, like cars on a road. Ran
 works through *ticks*; at tick ``k`` it performs round ``k - stride * j`` of every slice
 ``j`` in flight (oldest first), and slice ``j`` starts at tick ``stride * j``. So while one
 slice is being reduced, the next is already on the wire, and at most about
-``rounds / stride`` slices (``PIPELINE_DEPTH``) are in flight: the memory a channel holds is
+``rounds / stride`` slices (``PIPELINE_DEPTH``) are in flight: the memory a link holds is
 bounded by a few segments, whatever the message size. Every rank uses the same order, so
 the messages on each link arrive in exactly the order they are expected.
 
@@ -44,7 +44,7 @@ from ..core.buffers import Partition
 from .schedule import Region, Schedule, StepList
 
 DATA, INPUT, OUTPUT, SCRATCH = "data", "input", "output", "scratch"
-PIPELINE_DEPTH = 8  # slices in flight at most; bounds what a channel must hold
+PIPELINE_DEPTH = 8  # slices in flight at most; bounds what a link must hold
 
 
 def pipeline_order(slices: int, rounds: int) -> Iterator[tuple[int, int]]:

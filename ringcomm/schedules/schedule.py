@@ -7,10 +7,10 @@ in-place ops, ``input``/``output`` for out-of-place ones, ``scratch`` for partia
 and an element range, so one schedule serves every dtype and every buffer type.
 
 Because it is data, the same schedule is executed for real, run in one process over
-in-memory channels by the tests, priced by a cost model, and printed for teaching
+in-memory links by the tests, priced by a cost model, and printed for teaching
 (``print(schedule)``).
 
-Sends never block (channels queue them), so a schedule only has to put every receive after
+Sends never block (links queue them), so a schedule only has to put every receive after
 the sends it depends on; segments are ordered so that a rank forwards segment ``k`` as soon
 as it has reduced it, which is what pipelines a ring.
 """

@@ -41,7 +41,7 @@ class OpKind(IntEnum):
     ALLTOALL = 8
     BARRIER = 9
     P2P = 10  # send/recv: their own stream, numbered per pair of ranks
-    PROBE = 254  # a stalled receive asks which op the peer is in (control channel only)
+    PROBE = 254  # a stalled receive asks which op the peer is in (control plane only)
     ABORT = 255  # a rank failed; the payload is its error message
 
 
