@@ -259,7 +259,7 @@ def _np_dtype(name):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_every_dtype_with_every_op_it_supports(dtype):
-    from ringcomm.core.buffers import REDUCE_OPS
+    from ringcomm.core.dtypes import REDUCE_OPS
 
     world, dt = 3, _np_dtype(dtype)
     ops = [name for name, op in REDUCE_OPS.items() if dtype in op.dtypes]

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.buffers import ReduceOp, dtype_code, dtype_name, flat_view, reduce_op
+from ..core.buffers import flat_view
+from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
 from ..errors import (
     ArgumentError,
     CommAborted,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.buffers import ReduceOp, finish_reduction, reduce_into
+from ..core.dtypes import ReduceOp, finish_reduction, reduce_into
 from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport

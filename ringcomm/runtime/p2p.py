@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..core.buffers import dtype_code
+from ..core.dtypes import dtype_code
 from ..errors import CommAborted, CommError, CommTimeout, PeerLostError
 from ..schedules import direct
 from ..transport.base import SendHandle, Transport

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..core.buffers import Partition, segments
+from ..core.partition import Partition, segments
 from .schedule import Region, Schedule, StepList
 
 DATA = "data"

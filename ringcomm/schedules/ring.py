@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import lru_cache
 
-from ..core.buffers import Partition
+from ..core.partition import Partition
 from .schedule import Region, Schedule, StepList
 
 DATA, INPUT, OUTPUT, SCRATCH = "data", "input", "output", "scratch"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..core.buffers import segments
+from ..core.partition import segments
 from .schedule import Region, Schedule, StepList
 
 DATA, SCRATCH = "data", "scratch"

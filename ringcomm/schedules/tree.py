@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..core.buffers import segments
+from ..core.partition import segments
 from .schedule import Region, Schedule, StepList
 
 DATA = "data"

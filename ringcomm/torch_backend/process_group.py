@@ -45,7 +45,7 @@ log = logging.getLogger("ringcomm")
 BACKEND_NAME = "ringcomm"
 _MONITORED_TAG = 2**31 - 16  # monitored_barrier's messages, apart from the user's tags
 
-# dtypes the core reduces and moves as they are (see ringcomm.core.buffers)
+# dtypes the core reduces and moves as they are (see ringcomm.core.dtypes)
 _CORE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
