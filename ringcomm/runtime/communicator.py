@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.buffers import flat_view
+from ..core.arrays import Buffer, HostBuffer, as_buffer, concatenate
 from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
 from ..errors import (
     ArgumentError,
@@ -84,7 +84,7 @@ class _Collective:
 
     spec: Collective
     dtype: np.dtype
-    buffers: dict[str, np.ndarray]
+    buffers: dict[str, Buffer]
     result: Any
     reduce: ReduceOp | None = None
     arg: int = -1
@@ -213,11 +213,11 @@ class Communicator:
         and the table of every rank's host and cores, so it is the same on every rank; a
         forced one that differs between ranks is caught at the first message.
         """
-        data = flat_view(x, name="x")
+        data = as_buffer(x, name="x")
         rop = reduce_op(op, data.dtype)
-        name = self.allreduce_algorithm(data.nbytes, data.itemsize, algorithm)
+        name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize, algorithm)
         return self._submit(_Collective(
-            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, rop, count=data.size,
+            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, rop, count=data.count,
             segment=self.segment_bytes, algorithm=name), async_op)
 
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
@@ -248,59 +248,61 @@ class Communicator:
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
-        data = flat_view(x, name="x")
         self._check_rank(root, "root")
+        data = as_buffer(x, name="x", reads=self.rank == root)
         return self._submit(_Collective(COLLECTIVES["broadcast"], data.dtype, {"data": data}, x,
-                                        arg=root, count=data.size,
+                                        arg=root, count=data.count,
                                         segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks into root's ``x``; other ranks' ``x`` is left unchanged."""
-        data = flat_view(x, name="x")
+        data = as_buffer(x, name="x")
         self._check_rank(root, "root")
         rop = reduce_op(op, data.dtype)
         return self._submit(_Collective(
             COLLECTIVES["reduce"], data.dtype, {"data": data}, x, rop, arg=root,
-            count=data.size, segment=self.segment_bytes), async_op)
+            count=data.count, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
         """Concatenate every rank's ``x`` (rank order) into ``out`` on every rank."""
-        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        data = as_buffer(x, name="x", writable=False)
+        result = as_buffer(out, name="out", reads=False)
         self._check_same_dtype(result, data, "out", "x")
-        self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
+        self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
         return self._submit(_Collective(
             COLLECTIVES["allgather"], data.dtype, {"input": data, "output": result}, out,
-            count=data.size, segment=self.segment_bytes), async_op)
+            count=data.count, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,
                        async_op: bool = False) -> Any:
         """Reduce ``x`` (``world_size`` equal blocks) across ranks; rank ``r`` gets block ``r``."""
-        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        data = as_buffer(x, name="x", writable=False)
+        result = as_buffer(out, name="out", reads=False)
         self._check_same_dtype(result, data, "out", "x")
-        self._check_size(data, result.size * self.world_size, "x", "world_size * out.size")
+        self._check_size(data, result.count * self.world_size, "x", "world_size * out.size")
         rop = reduce_op(op, data.dtype)
         return self._submit(_Collective(
             COLLECTIVES["reduce_scatter"], data.dtype, {"input": data, "output": result}, out,
-            rop, count=result.size, segment=self.segment_bytes), async_op)
+            rop, count=result.count, segment=self.segment_bytes), async_op)
 
     @_names_bad_input
     def gather(self, out: Any | None, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Concatenate every rank's ``x`` into root's ``out``; ``out`` is ignored elsewhere."""
         self._check_rank(root, "root")
-        data = flat_view(x, name="x", writable=False)
+        data = as_buffer(x, name="x", writable=False)
         buffers = {"input": data}
         if self.rank == root:
             if out is None:
                 raise ArgumentError("gather: the root must pass `out` for the result")
-            result = flat_view(out, name="out")
+            result = as_buffer(out, name="out", reads=False)
             self._check_same_dtype(result, data, "out", "x")
-            self._check_size(result, data.size * self.world_size, "out", "world_size * x.size")
+            self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
             buffers["output"] = result
         return self._submit(_Collective(
-            COLLECTIVES["gather"], data.dtype, buffers, out, arg=root, count=data.size,
+            COLLECTIVES["gather"], data.dtype, buffers, out, arg=root, count=data.count,
             segment=self.segment_bytes), async_op)
 
     @_names_bad_input
@@ -309,7 +311,7 @@ class Communicator:
         """Root's ``inputs`` (one array of ``world_size`` blocks, or a list of them) is cut
         into blocks; rank ``r`` receives block ``r`` into ``x``."""
         self._check_rank(root, "root")
-        result = flat_view(x, name="x")
+        result = as_buffer(x, name="x", reads=False)
         buffers = {"output": result}
         if self.rank == root:
             if inputs is None:
@@ -318,20 +320,20 @@ class Communicator:
                 if len(inputs) != self.world_size:
                     raise ArgumentError(
                         f"scatter: {len(inputs)} inputs for a world of {self.world_size}")
-                parts = [flat_view(t, name=f"inputs[{i}]", writable=False)
+                parts = [as_buffer(t, name=f"inputs[{i}]", writable=False)
                          for i, t in enumerate(inputs)]
                 for i, part in enumerate(parts):
                     self._check_same_dtype(part, result, f"inputs[{i}]", "x")
-                    self._check_size(part, result.size, f"inputs[{i}]", "x.size")
-                source = np.concatenate(parts) if parts else result[:0]
+                    self._check_size(part, result.count, f"inputs[{i}]", "x.size")
+                source = concatenate(parts, "inputs")
             else:
-                source = flat_view(inputs, name="inputs", writable=False)
+                source = as_buffer(inputs, name="inputs", writable=False)
                 self._check_same_dtype(source, result, "inputs", "x")
-                self._check_size(source, result.size * self.world_size, "inputs",
+                self._check_size(source, result.count * self.world_size, "inputs",
                                  "world_size * x.size")
             buffers["input"] = source
         return self._submit(_Collective(
-            COLLECTIVES["scatter"], result.dtype, buffers, x, arg=root, count=result.size,
+            COLLECTIVES["scatter"], result.dtype, buffers, x, arg=root, count=result.count,
             segment=self.segment_bytes), async_op)
 
     @_names_bad_input
@@ -347,7 +349,8 @@ class Communicator:
         """Block ``i`` of ``x`` goes to rank ``i``; block ``j`` of ``out`` comes from rank ``j``.
 
         Blocks are equal unless ``in_splits``/``out_splits`` give their sizes (elements)."""
-        data, result = flat_view(x, name="x", writable=False), flat_view(out, name="out")
+        data = as_buffer(x, name="x", writable=False)
+        result = as_buffer(out, name="out", reads=False)
         self._check_same_dtype(result, data, "out", "x")
         send_counts = self._splits(in_splits, data, "in_splits", "x")
         recv_counts = self._splits(out_splits, result, "out_splits", "out")
@@ -358,7 +361,7 @@ class Communicator:
     @_names_bad_input
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
-        empty = np.zeros(0, np.uint8)
+        empty = HostBuffer(np.zeros(0, np.uint8), "barrier")
         return self._submit(_Collective(COLLECTIVES["barrier"], empty.dtype, {"data": empty},
                                         None), async_op)
 
@@ -368,7 +371,7 @@ class Communicator:
 
         Completes once the data has left this process (the receiver need not have posted
         its receive yet, except for large payloads that wait in the socket)."""
-        data = flat_view(x, name="x", writable=False)
+        data = as_buffer(x, name="x", writable=False)
         self._check_rank(dst, "dst", allow_self=False)
         self._check_tag(tag)
         if self._closed:
@@ -385,7 +388,7 @@ class Communicator:
 
         ``src=None`` takes the next message from any rank; the returned ``Work`` (with
         ``async_op=True``) then tells which in ``work.source``. Returns ``x``."""
-        data = flat_view(x, name="x")
+        data = as_buffer(x, name="x", reads=False)
         if src is None:
             if self.world_size == 1:
                 raise ArgumentError("recv from any source in a world of one rank: there is "
@@ -533,7 +536,8 @@ class Communicator:
                       schedule.algorithm, dtype_name(dtype))
         buffers = op.buffers
         if schedule.scratch:
-            buffers = dict(buffers, scratch=self._scratch(dtype, schedule.scratch))
+            buffers = dict(buffers, scratch=HostBuffer(self._scratch(dtype, schedule.scratch),
+                                                       "scratch"))
         desc = OpDescriptor(int(op.spec.kind), seq, dtype_code(dtype),
                             algorithm_code(schedule.algorithm), reduce_code(op.reduce), op.arg,
                             op.segment, op.count, op.send_counts, op.recv_counts)
@@ -554,8 +558,8 @@ class Communicator:
             self._scratch_buf = np.empty(need, np.uint8)
         return self._scratch_buf[:need].view(dtype)
 
-    def _segment(self, data: np.ndarray) -> int:
-        return max(1, self.segment_bytes // max(1, data.itemsize))
+    def _segment(self, data: Buffer) -> int:
+        return max(1, self.segment_bytes // max(1, data.dtype.itemsize))
 
     def _check_rank(self, r: int, what: str, *, allow_self: bool = True) -> None:
         if not isinstance(r, (int, np.integer)) or isinstance(r, bool):
@@ -572,31 +576,31 @@ class Communicator:
                 not 0 <= tag < 2**31:
             raise ArgumentError(f"tag must be an int in 0..2**31-1, got {tag!r}", rank=self.rank)
 
-    def _check_same_dtype(self, a: np.ndarray, b: np.ndarray, an: str, bn: str) -> None:
+    def _check_same_dtype(self, a: Buffer, b: Buffer, an: str, bn: str) -> None:
         if a.dtype != b.dtype:
             raise ArgumentError(
                 f"{an} is {dtype_name(a.dtype)} but {bn} is {dtype_name(b.dtype)}; "
                 "they must match", rank=self.rank)
 
-    def _check_size(self, a: np.ndarray, want: int, an: str, wantn: str) -> None:
-        if a.size != want:
+    def _check_size(self, a: Buffer, want: int, an: str, wantn: str) -> None:
+        if a.count != want:
             raise ArgumentError(
-                f"{an} has {a.size} elements but must have {wantn} = {want}", rank=self.rank)
+                f"{an} has {a.count} elements but must have {wantn} = {want}", rank=self.rank)
 
-    def _splits(self, splits: Sequence[int] | None, arr: np.ndarray, what: str,
+    def _splits(self, splits: Sequence[int] | None, arr: Buffer, what: str,
                 arrn: str) -> tuple[int, ...]:
         n = self.world_size
         if splits is None:
-            if arr.size % n:
+            if arr.count % n:
                 raise ArgumentError(
-                    f"{arrn} has {arr.size} elements, not divisible by world_size {n}; "
+                    f"{arrn} has {arr.count} elements, not divisible by world_size {n}; "
                     f"pass {what}", rank=self.rank)
-            return (arr.size // n,) * n
+            return (arr.count // n,) * n
         counts = tuple(int(s) for s in splits)
-        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != arr.size:
+        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != arr.count:
             raise ArgumentError(
                 f"{what}={list(counts)} must be {n} non-negative sizes adding up to "
-                f"{arrn}.size = {arr.size}", rank=self.rank)
+                f"{arrn}.size = {arr.count}", rank=self.rank)
         return counts
 
 

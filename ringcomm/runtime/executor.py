@@ -15,6 +15,11 @@ being written here and then copied out.
 Every message gets a header built from the op's descriptor (collective, sequence number,
 algorithm, dtype, reduce op, root, segment size, the pair's element count) that the
 receiver checks against its own, and every receive runs against the op's one deadline.
+
+Buffers are ``ringcomm.core.arrays.Buffer`` objects: the executor sends from and receives
+into their host regions, copies and reduces through them, and calls their hooks before the
+first step and after the last send is out, so it never asks what kind of array is behind
+one (host memory, or a device array staged through the host).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.dtypes import ReduceOp, finish_reduction, reduce_into
+from ..core.arrays import Buffer
+from ..core.dtypes import ReduceOp
 from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport
@@ -92,22 +98,24 @@ class _PendingSends:
 
 def run_schedule(
     schedule: Schedule,
-    buffers: dict[str, np.ndarray],
+    buffers: dict[str, Buffer],
     transport: Transport,
     ctx: OpContext,
     trace: list[TraceEvent] | None = None,
 ) -> None:
-    """Execute ``schedule`` on ``buffers`` (flat arrays of ``ctx.dtype`` keyed by role)."""
+    """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
     rank, world = transport.rank, transport.world_size
     itemsize = ctx.dtype.itemsize
     desc = ctx.desc
-    addresses = {name: arr.ctypes.data for name, arr in buffers.items()}
+    for buf in buffers.values():
+        buf.before_op()
+    addresses = {name: buf.address for name, buf in buffers.items()}
     sent = [0] * world
     received = [0] * world
     pending = _PendingSends(transport, ctx)
 
     def view(region: Region) -> np.ndarray:
-        return buffers[region.buf][region.offset: region.offset + region.count]
+        return buffers[region.buf].region(region.offset, region.count)
 
     def claim(region: Region) -> np.ndarray:
         """The region's view, once no pending send still reads its memory."""
@@ -148,9 +156,8 @@ def run_schedule(
                 dst = claim(step.dst)
                 payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
                                          ctx.name)
-                reduce_into(dst, view(step.src), payload, ctx.reduce)
-                if step.final:
-                    finish_reduction(dst, ctx.reduce, world)
+                buffers[step.dst.buf].reduce_into(dst, view(step.src), payload, ctx.reduce,
+                                                  world if step.final else 1)
             elif kind is Kind.RECV_REDUCE_SEND:
                 payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
                                          ctx.name)
@@ -158,15 +165,17 @@ def run_schedule(
                 header = desc.outgoing(to, rank, sent[to], nbytes)
                 sent[to] += 1
                 slot = transport.reserve(to, nbytes)
+                target = buffers[step.dst.buf]
                 if slot is not None:  # the sum goes straight into the outgoing message
-                    reduce_into(slot.view(ctx.dtype), view(step.src), payload, ctx.reduce)
+                    target.reduce_into(slot.view(ctx.dtype), view(step.src), payload,
+                                       ctx.reduce)
                     track(transport.send_reserved(to, header, ctx.name), step.dst, to)
                 else:
                     dst = claim(step.dst)
-                    reduce_into(dst, view(step.src), payload, ctx.reduce)
+                    target.reduce_into(dst, view(step.src), payload, ctx.reduce)
                     track(transport.send(to, header, dst, ctx.name), step.dst, to)
             else:
-                np.copyto(claim(step.dst), view(step.src))
+                buffers[step.dst.buf].copy(claim(step.dst), view(step.src))
         except CommTimeout as err:
             raise CommTimeout(
                 f"{err.detail}; the step was: {step.describe()} "
@@ -186,6 +195,8 @@ def run_schedule(
             "Check that every rank runs this op, or raise the timeout.",
             rank=rank, op=ctx.name, peer=err.peer,
         ) from None
+    for buf in buffers.values():
+        buf.after_op()
 
 
 def _step_order(steps: tuple[Step, ...], runs: dict[int, int],

@@ -17,6 +17,9 @@ check makes a different tag, size or dtype a ``DesyncError``. Messages of collec
 arrive meanwhile are set aside by the transport (collectives and point-to-point are two
 streams), and the other way round.
 
+A buffer's hooks run around its op: ``before_op`` when the op starts (a receive: when it
+is posted), ``after_op`` when it completes (a send: once its data has left this process).
+
 The engine relies on one property of ``Transport.recv_into``: a receive whose deadline
 passes before a message of its stream arrives raises ``CommTimeout`` and consumes nothing,
 so a short deadline is a poll.
@@ -32,8 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
+from ..core.arrays import Buffer
 from ..core.dtypes import dtype_code
 from ..errors import CommAborted, CommError, CommTimeout, PeerLostError
 from ..schedules import direct
@@ -54,7 +56,7 @@ class P2POp:
     is_send: bool
     peer: int | None  # destination of a send; source of a receive (None: any rank)
     tag: int
-    data: np.ndarray
+    data: Buffer
     seq: int  # a send's number among the messages to ``peer``; receives learn theirs on match
     name: str
     result: Any
@@ -92,7 +94,7 @@ class Owner(Protocol):
     segment_bytes: int
     _failure: CommError | None
 
-    def _segment(self, data: np.ndarray) -> int: ...
+    def _segment(self, data: Buffer) -> int: ...
 
     def _fail(self, err: CommError, seq: int) -> None: ...
 
@@ -123,6 +125,11 @@ class P2PEngine:
                 "any more: create a new one", rank=comm.rank, op=op.name))
             return
         deadline = time.monotonic() + comm.timeout
+        try:
+            op.data.before_op()
+        except Exception as err:  # noqa: BLE001 - the op's own error, delivered via its future
+            future.set_exception(err)
+            return
         if not op.is_send:
             posted = _Posted(op, future, next(self._serials), deadline)
             if op.peer is None:
@@ -133,12 +140,12 @@ class P2PEngine:
             return
         sending = _Sending(op, future, deadline)
         try:
-            steps = direct.send(comm.rank, comm.world_size, op.peer, op.data.size,
+            steps = direct.send(comm.rank, comm.world_size, op.peer, op.data.count,
                                 comm._segment(op.data)).steps
             for index, step in enumerate(steps):
                 src = step.src
                 header = self._header(op, comm.rank, index, src.count, op.seq)
-                payload = op.data[src.offset: src.offset + src.count] if src.count else None
+                payload = op.data.region(src.offset, src.count) if src.count else None
                 handle = comm.transport.send(op.peer, header, payload, op.name)
                 if handle is not None:
                     sending.handles.append(handle)
@@ -195,7 +202,7 @@ class P2PEngine:
         """A message's header: sender and receiver must agree on the tag, the dtype and the
         whole message's element count, not only on this segment's."""
         data = op.data
-        return Header(seq, count * data.itemsize, data.size, self.comm.segment_bytes, sender,
+        return Header(seq, count * data.dtype.itemsize, data.count, self.comm.segment_bytes, sender,
                       index, op.tag, OpKind.P2P, dtype_code(data.dtype), _DIRECT)
 
     def _check_sends(self) -> None:
@@ -206,7 +213,7 @@ class P2PEngine:
         for s in self.sending:
             s.handles = [h for h in s.handles if not h.done]
             if not s.handles:
-                s.future.set_result(s.op.result)
+                self._complete(s.op, s.future)
             elif now >= s.deadline:
                 self._failed(s, CommTimeout(
                     f"the message to rank {s.op.peer} did not leave this process within "
@@ -251,14 +258,14 @@ class P2PEngine:
         if posted is None:
             return False
         comm, op = self.comm, posted.op
-        steps = direct.recv(comm.rank, comm.world_size, peer, op.data.size,
+        steps = direct.recv(comm.rank, comm.world_size, peer, op.data.count,
                             comm._segment(op.data)).steps
         seq = self.matched[peer]
         name = f"recv #{seq} from rank {peer}" + (" (any source)" if op.peer is None else "")
         try:
             first = steps[0].dst
             comm.transport.recv_into(peer, self._header(op, peer, 0, first.count, seq),
-                                     op.data[first.offset: first.offset + first.count],
+                                     op.data.region(first.offset, first.count),
                                      time.monotonic() + wait, name)
         except CommTimeout:
             return False  # nothing from this peer yet
@@ -280,15 +287,25 @@ class P2PEngine:
             for index, step in enumerate(steps[1:], 1):
                 dst = step.dst
                 comm.transport.recv_into(peer, self._header(op, peer, index, dst.count, seq),
-                                         op.data[dst.offset: dst.offset + dst.count],
+                                         op.data.region(dst.offset, dst.count),
                                          posted.deadline, name)
         except CommError as err:
             self._failed(posted, err)
             return True
         if op.work is not None:
             op.work.source = peer
-        posted.future.set_result(op.result)
+        self._complete(op, posted.future)
         return True
+
+    @staticmethod
+    def _complete(op: P2POp, future: concurrent.futures.Future) -> None:
+        """The op's data has left or arrived: its buffer's ``after_op``, then its result."""
+        try:
+            op.data.after_op()
+        except Exception as err:  # noqa: BLE001 - the op's own error, delivered via its future
+            future.set_exception(err)
+            return
+        future.set_result(op.result)
 
     def _unpost(self, posted: _Posted, peer: int) -> None:
         if self.any_source and self.any_source[0] is posted:

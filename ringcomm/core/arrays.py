@@ -1,0 +1,313 @@
+"""The buffer protocol: what the executor needs of an array, whatever kind of array it is.
+
+The communicator turns every array argument into a ``Buffer`` with ``as_buffer``; the
+executor and the point-to-point engine use nothing else of it:
+
+    before_op()                    once, before the op reads or writes the buffer
+    address, dtype, count, nbytes  where its host memory starts (to tell which pending sends
+                                   read a region about to be written) and how much there is
+    region(offset, count)          a 1-D numpy view of host memory to send from or receive into
+    copy(dst, src)                 ``dst[:] = src``, both views of regions
+    reduce_into(dst, a, payload, op, divide_by)
+                                   ``dst = a (op) payload``, then ``avg``'s division
+    after_op()                     once, after the op is done with it (only if it succeeded)
+
+Every region is host memory because every transport moves host memory. Two buffers cover
+every kind of array:
+
+- ``HostBuffer``, for memory the CPU addresses (numpy arrays, torch CPU tensors): regions
+  are views of the caller's memory, so results land in place without a copy, and the hooks
+  do nothing.
+- ``StagedBuffer``, for memory it does not address (a device): a host mirror of the whole
+  buffer. ``before_op`` waits for the device work that produces the array, then copies it
+  into the mirror if the op reads it; ``after_op`` copies the mirror back if the op writes
+  it, then records that the result is there, so later device work can wait for it. When an
+  op fails, ``after_op`` is not called and the device memory keeps its old values.
+
+An ``ArrayKind`` turns one type of array into a buffer, or says clearly why it cannot;
+``register`` adds one and ``as_buffer`` finds it. numpy and torch CPU are registered here
+(torch by duck typing: it is never imported here). A device kind is a ``DeviceKind``: a
+check (``layout``), the producer to wait for, taken on the caller's thread when the op is
+issued (what a CUDA kind takes from the current stream), and ``wait_for``, ``to_host``,
+``from_host`` and ``record``. ``ringcomm.core.fake_device`` is one, so a CuPy or torch CUDA
+kind is the same few methods and changes neither the algorithms nor the executor.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+# numpy first: without it, ml_dtypes fails with an ImportError that names no module
+import numpy as np  # isort: split
+
+import ml_dtypes
+
+from ..errors import ArgumentError
+from .dtypes import ReduceOp, dtype_code, finish_reduction, reduce_into
+
+
+class Buffer(abc.ABC):
+    """``count`` elements of ``dtype`` as the executor sees them (see the module docstring).
+
+    Made for one op and used by it only: the hooks run once each.
+    """
+
+    __slots__ = ("name", "dtype", "count", "nbytes")
+
+    name: str
+    dtype: np.dtype
+    count: int
+    nbytes: int
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> int:
+        """Where the memory that ``region`` views starts: two regions whose byte ranges from
+        here do not overlap never share memory."""
+
+    @abc.abstractmethod
+    def region(self, offset: int, count: int) -> np.ndarray:
+        """Elements ``[offset, offset + count)`` as a 1-D numpy view of host memory."""
+
+    @abc.abstractmethod
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` (a region of any buffer of the op) into ``dst``, a region of this one."""
+
+    @abc.abstractmethod
+    def reduce_into(self, dst: np.ndarray, a: np.ndarray, payload: Any, op: ReduceOp,
+                    divide_by: int = 1) -> None:
+        """``dst = a (op) payload`` for a result meant for a region of this buffer: ``dst``
+        is that region, or the transport's outgoing message standing in for it. ``divide_by``
+        is the world size where this completes the region's reduction (``avg`` divides)."""
+
+    @abc.abstractmethod
+    def before_op(self) -> None:
+        """Make the array's current values readable through ``region``."""
+
+    @abc.abstractmethod
+    def after_op(self) -> None:
+        """Make what the op wrote through ``region`` the array's values, visible to whoever
+        reads the array next."""
+
+
+class HostBuffer(Buffer):
+    """A buffer over host memory: every region is a view of ``host`` (no copies)."""
+
+    __slots__ = ("_host",)
+
+    def __init__(self, host: np.ndarray, name: str = "x") -> None:
+        self._host = host
+        self.name = name
+        self.dtype = host.dtype
+        self.count = host.size
+        self.nbytes = host.nbytes
+
+    @property
+    def address(self) -> int:
+        return self._host.ctypes.data
+
+    def region(self, offset: int, count: int) -> np.ndarray:
+        return self._host[offset: offset + count]
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def reduce_into(self, dst: np.ndarray, a: np.ndarray, payload: Any, op: ReduceOp,
+                    divide_by: int = 1) -> None:
+        reduce_into(dst, a, payload, op)
+        if divide_by > 1:
+            finish_reduction(dst, op, divide_by)
+
+    def before_op(self) -> None:
+        pass
+
+    def after_op(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}: {self.count} x {self.dtype}>"
+
+
+class StagedBuffer(HostBuffer):
+    """A device array seen through a host mirror of all of it (see the module docstring):
+    regions, copies and reductions work on the mirror; the hooks move it."""
+
+    __slots__ = ("_kind", "_array", "_reads", "_writes", "_producer")
+
+    def __init__(self, kind: DeviceKind, array: Any, name: str, dtype: np.dtype, count: int,
+                 *, reads: bool, writes: bool) -> None:
+        super().__init__(np.empty(count, dtype), name)
+        self._kind = kind
+        self._array = array
+        self._reads = reads
+        self._writes = writes
+        self._producer = kind.producer(array)
+
+    def before_op(self) -> None:
+        self._kind.wait_for(self._array, self._producer)
+        if self._reads:
+            self._kind.to_host(self._array, self._host)
+
+    def after_op(self) -> None:
+        if self._writes:
+            self._kind.from_host(self._array, self._host)
+        self._kind.record(self._array)
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+class ArrayKind(abc.ABC):
+    """One type of array that the communicator accepts."""
+
+    noun = "an array"  # what an error calls it: "x must be a numpy array or ..."
+
+    @abc.abstractmethod
+    def owns(self, x: Any) -> bool:
+        """Whether ``x`` is of this kind; if so, this kind's ``buffer`` takes or refuses it."""
+
+    @abc.abstractmethod
+    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+        """``x`` as a buffer, or an ``ArgumentError`` that says what to pass instead."""
+
+
+class HostKind(ArrayKind):
+    """Arrays in host memory: a buffer is a flat view of the array itself."""
+
+    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+        return HostBuffer(self.flat_view(x, name, writable), name)
+
+    @abc.abstractmethod
+    def flat_view(self, x: Any, name: str, writable: bool) -> np.ndarray:
+        """A 1-D numpy view sharing memory with ``x``; refuses what cannot be viewed without
+        a copy, because results written into a copy would be lost silently."""
+
+
+class DeviceKind(ArrayKind):
+    """Arrays in memory the host cannot address: buffers are ``StagedBuffer`` mirrors."""
+
+    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+        dtype, count = self.layout(x, name)
+        return StagedBuffer(self, x, name, dtype, count, reads=reads, writes=writable)
+
+    @abc.abstractmethod
+    def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
+        """``x``'s element dtype (as numpy names it) and element count; an
+        ``ArgumentError`` for what this kind cannot move."""
+
+    def producer(self, x: Any) -> Any:
+        """Taken when the op is issued, on the caller's thread: what ``wait_for`` waits for
+        (a CUDA kind: an event recorded on the current stream). None by default."""
+        return None
+
+    @abc.abstractmethod
+    def wait_for(self, x: Any, producer: Any) -> None:
+        """Return once the work that ``producer`` stands for has written ``x``."""
+
+    @abc.abstractmethod
+    def to_host(self, x: Any, out: np.ndarray) -> None:
+        """Copy all of ``x`` into ``out`` (1-D, host memory), finished on return."""
+
+    @abc.abstractmethod
+    def from_host(self, x: Any, src: np.ndarray) -> None:
+        """Copy ``src`` (1-D, host memory) into all of ``x``."""
+
+    @abc.abstractmethod
+    def record(self, x: Any) -> None:
+        """Mark the op done with ``x``: later work that reads ``x`` waits for this point."""
+
+
+class NumpyKind(HostKind):
+    noun = "a numpy array"
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def flat_view(self, x: np.ndarray, name: str, writable: bool) -> np.ndarray:
+        if not x.flags.c_contiguous:
+            raise ArgumentError(
+                f"{name} is not contiguous; pass np.ascontiguousarray({name}) and copy results "
+                "back")
+        if writable and not x.flags.writeable:
+            raise ArgumentError(f"{name} is read-only but the op writes its result into it")
+        dtype_code(x.dtype)
+        return x.reshape(-1)
+
+
+class TorchCPUKind(HostKind):
+    """torch tensors, recognised without importing torch; bfloat16 is viewed as
+    ``ml_dtypes.bfloat16``. Tensors on a device are refused here until a kind for them is
+    registered."""
+
+    noun = "a torch CPU tensor"
+
+    def owns(self, x: Any) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and isinstance(x, torch.Tensor)
+
+    def flat_view(self, t: Any, name: str, writable: bool) -> np.ndarray:
+        import torch  # already imported, or ``t`` would not be a tensor
+
+        if t.device.type != "cpu":
+            raise ArgumentError(
+                f"{name} is on {t.device}; this communicator moves CPU buffers: use .cpu() "
+                "or the CUDA (NCCL) channel")
+        if not t.is_contiguous():
+            raise ArgumentError(
+                f"{name} is not contiguous; pass {name}.contiguous() and copy results back")
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).reshape(-1).numpy().view(ml_dtypes.bfloat16)
+        try:
+            arr = t.reshape(-1).numpy()
+        except TypeError:
+            raise ArgumentError(f"{name} has dtype {t.dtype}, which is not supported") from None
+        dtype_code(arr.dtype)
+        return arr
+
+
+# Asked newest first, so a kind registered later can take a type that an earlier one
+# refuses (a torch CUDA kind, tensors that the torch CPU kind turns away).
+_KINDS: list[ArrayKind] = [TorchCPUKind(), NumpyKind()]
+
+
+def register(kind: ArrayKind) -> None:
+    """Accept ``kind``'s arrays from now on, in every communicator."""
+    _KINDS.insert(0, kind)
+
+
+def kinds() -> tuple[ArrayKind, ...]:
+    """The registered kinds, in the order ``as_buffer`` asks them."""
+    return tuple(_KINDS)
+
+
+def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = True) -> Buffer:
+    """``x`` as a buffer of its kind, for one op.
+
+    ``writable``: the op writes results into ``x``. ``reads``: the op reads the values ``x``
+    holds (False for an output the op only fills, which a device kind then does not copy
+    in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``.
+    """
+    if not (reads or writable):
+        raise ValueError("a buffer that the op neither reads nor writes has no use")
+    for kind in _KINDS:
+        if kind.owns(x):
+            return kind.buffer(x, name=name, writable=writable, reads=reads)
+    accepted = " or ".join(kind.noun for kind in reversed(_KINDS))
+    raise ArgumentError(f"{name} must be {accepted}, got {type(x).__name__}")
+
+
+def concatenate(parts: Sequence[Buffer], name: str) -> HostBuffer:
+    """A host buffer holding ``parts`` one after another, copied now: for an op that takes a
+    list of arrays as one input."""
+    out = np.empty(sum(p.count for p in parts), parts[0].dtype)
+    offset = 0
+    for part in parts:
+        part.before_op()
+        out[offset: offset + part.count] = part.region(0, part.count)
+        part.after_op()
+        offset += part.count
+    return HostBuffer(out, name)
