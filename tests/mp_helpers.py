@@ -789,3 +789,22 @@ def job_split(rank: int, world: int, store: str, transport: str, **_: Any) -> di
                "parent": float(y[0]), "none": comm.split(None) is None}
         sub.close()
     return out
+
+
+def job_fake_device_allreduce(rank: int, world: int, store: str, transport: str,
+                              **_: Any) -> list:
+    """Ring allreduces of fake-device arrays over real channels, staged through host memory:
+    a small one, and 1 MiB in 64 KiB segments (payloads that take the shared-memory path).
+    Returns each array's log of copies and hooks."""
+    from ringcomm.core.fake_device import FakeDeviceArray
+
+    logs = []
+    with init(rank, world, store, transport, segment_bytes=64 * 1024) as comm:
+        for count in (5, MiB // 4):
+            x = FakeDeviceArray(values(rank, count), dtype=np.float32)
+            assert comm.allreduce(x, algorithm="ring") is x
+            logs.append(list(x.log))
+            want = sum(values(r, count) for r in range(world))
+            expect_equal(f"fake-device allreduce x{count}", x.to_host().astype(np.float64),
+                         want, "float32")
+    return logs
