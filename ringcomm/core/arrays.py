@@ -170,14 +170,14 @@ class ArrayKind(abc.ABC):
         """Whether ``x`` is of this kind; if so, this kind's ``buffer`` takes or refuses it."""
 
     @abc.abstractmethod
-    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+    def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Buffer:
         """``x`` as a buffer, or an ``ArgumentError`` that says what to pass instead."""
 
 
 class HostKind(ArrayKind):
     """Arrays in host memory: a buffer is a flat view of the array itself."""
 
-    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+    def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Buffer:
         return HostBuffer(self.flat_view(x, name, writable), name)
 
     @abc.abstractmethod
@@ -189,7 +189,7 @@ class HostKind(ArrayKind):
 class DeviceKind(ArrayKind):
     """Arrays in memory the host cannot address: buffers are ``StagedBuffer`` mirrors."""
 
-    def buffer(self, x: Any, *, name: str, writable: bool, reads: bool) -> Buffer:
+    def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Buffer:
         dtype, count = self.layout(x, name)
         return StagedBuffer(self, x, name, dtype, count, reads=reads, writes=writable)
 
@@ -227,11 +227,12 @@ class NumpyKind(HostKind):
         return isinstance(x, np.ndarray)
 
     def flat_view(self, x: np.ndarray, name: str, writable: bool) -> np.ndarray:
-        if not x.flags.c_contiguous:
+        flags = x.flags
+        if not flags.c_contiguous:
             raise ArgumentError(
                 f"{name} is not contiguous; pass np.ascontiguousarray({name}) and copy results "
                 "back")
-        if writable and not x.flags.writeable:
+        if writable and not flags.writeable:
             raise ArgumentError(f"{name} is read-only but the op writes its result into it")
         dtype_code(x.dtype)
         return x.reshape(-1)
@@ -295,7 +296,7 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
         raise ValueError("a buffer that the op neither reads nor writes has no use")
     for kind in _KINDS:
         if kind.owns(x):
-            return kind.buffer(x, name=name, writable=writable, reads=reads)
+            return kind.buffer(x, name, writable, reads)
     accepted = " or ".join(kind.noun for kind in reversed(_KINDS))
     raise ArgumentError(f"{name} must be {accepted}, got {type(x).__name__}")
 
