@@ -38,6 +38,9 @@ DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in _DTYPES}
 
 def dtype_code(dtype: np.dtype) -> int:
     """The one-byte wire code of a supported dtype."""
+    code = DTYPE_CODES.get(dtype)  # a numpy dtype, as every op has: no conversion (slow)
+    if code is not None:
+        return code
     try:
         return DTYPE_CODES[np.dtype(dtype)]
     except KeyError:
