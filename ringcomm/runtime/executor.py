@@ -75,6 +75,9 @@ class _PendingSends:
         self._transport = transport
         self._ctx = ctx
 
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
     def add(self, lo: int, hi: int, peer: int, handle: SendHandle) -> None:
         self._items.append((lo, hi, peer, handle))
 
@@ -109,7 +112,7 @@ def run_schedule(
     desc = ctx.desc
     for buf in buffers.values():
         buf.before_op()
-    addresses = {name: buf.address for name, buf in buffers.items()}
+    addresses: dict[str, int] = {}  # read when first needed: reading one takes a microsecond
     sent = [0] * world
     received = [0] * world
     pending = _PendingSends(transport, ctx)
@@ -117,17 +120,25 @@ def run_schedule(
     def view(region: Region) -> np.ndarray:
         return buffers[region.buf].region(region.offset, region.count)
 
+    def start(region: Region) -> int:
+        """The address of the region's first byte."""
+        base = addresses.get(region.buf)
+        if base is None:
+            base = addresses[region.buf] = buffers[region.buf].address
+        return base + region.offset * itemsize
+
     def claim(region: Region) -> np.ndarray:
         """The region's view, once no pending send still reads its memory."""
-        lo = addresses[region.buf] + region.offset * itemsize
-        pending.wait_overlapping(lo, lo + region.count * itemsize)
+        if pending:
+            lo = start(region)
+            pending.wait_overlapping(lo, lo + region.count * itemsize)
         return view(region)
 
     def track(handle: SendHandle | None, region: Region, peer: int) -> None:
         """Keep a send's handle until it is out; it blocks writes to ``region`` meanwhile
         if it still reads it."""
         if handle is not None:
-            lo = addresses[region.buf] + region.offset * itemsize
+            lo = start(region)
             hi = lo + region.count * itemsize if handle.reads_buffer else lo
             pending.add(lo, hi, peer, handle)
 
