@@ -103,6 +103,9 @@ class Communicator:
     process (tests, ``ringcomm.runtime.local``) build them directly over in-memory transports,
     where every rank reads the same environment; ``segment_bytes`` overrides the agreed
     segment size (every rank must pass the same).
+
+    Arrays may be numpy arrays or torch CPU tensors, used in place, or of any kind
+    registered in ``ringcomm.core.arrays`` (a device array is staged through host memory).
     """
 
     def __init__(
