@@ -16,7 +16,8 @@ Example::
 
     x = FakeDeviceArray(np.arange(4.0))
     comm.allreduce(x)
-    x.to_host()       # the sum;  x.log == ["wait", "to_host", "from_host", "record"]
+    x.log             # ["wait", "to_host", "from_host", "record"]
+    x.to_host()       # the sum, copied to the host
 """
 
 from __future__ import annotations
