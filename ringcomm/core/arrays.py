@@ -22,7 +22,10 @@ every kind of array:
   buffer. ``before_op`` waits for the device work that produces the array, then copies it
   into the mirror if the op reads it; ``after_op`` copies the mirror back if the op writes
   it, then records that the result is there, so later device work can wait for it. When an
-  op fails, ``after_op`` is not called and the device memory keeps its old values.
+  op fails, ``after_op`` is not called and the device memory keeps its old values. Whole
+  buffers keep the executor unaware of devices, at a price: the copies do not overlap the
+  wire (staging region by region would need the executor to say which regions it reads and
+  which it writes).
 
 An ``ArrayKind`` turns one type of array into a buffer, or says clearly why it cannot;
 ``register`` adds one and ``as_buffer`` finds it. numpy and torch CPU are registered here
