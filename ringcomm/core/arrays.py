@@ -257,8 +257,9 @@ class TorchCPUKind(HostKind):
 
         if t.device.type != "cpu":
             raise ArgumentError(
-                f"{name} is on {t.device}; this communicator moves CPU buffers: use .cpu() "
-                "or the CUDA (NCCL) channel")
+                f"{name} is on {t.device}; Communicator takes host memory: copy it with "
+                f"{name}.cpu() (and back after the op), or use the torch backend "
+                "(dist.init_process_group('ringcomm')), which stages CUDA tensors itself")
         if not t.is_contiguous():
             raise ArgumentError(
                 f"{name} is not contiguous; pass {name}.contiguous() and copy results back")

@@ -170,7 +170,7 @@ class Communicator:
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """A communicator of the ranks that pass the same ``color`` (every rank calls this,
         as with ``MPI_Comm_split``), ranked by ``key`` (default: this rank), then by rank;
-        ``color=None`` takes no part and gets None. The new one has its own channels, so
+        ``color=None`` takes no part and gets None. The new one has its own links, so
         its ops never mix with this one's; close it before this one.
 
         Example::
@@ -406,7 +406,7 @@ class Communicator:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Finish queued ops, stop the worker, close channels (and the store, if ours).
+        """Finish queued ops, stop the worker, close the links (and the store, if ours).
 
         Sends still in flight get until their deadline to leave; receives still waiting for
         their message fail with ``CommAborted``. If a peer's message of a collective is

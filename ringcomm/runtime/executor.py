@@ -1,8 +1,8 @@
 """The executor: runs one rank's schedule over a transport.
 
 It walks the steps in order. Sends are queued and return at once, so while this rank
-reduces segment ``k`` the channel is already moving segment ``k + 1``; receives block until
-their message arrives. Zero-copy sends leave the buffer in the channel's hands until the
+reduces segment ``k`` the link is already moving segment ``k + 1``; receives block until
+their message arrives. Zero-copy sends leave the buffer in the link's hands until the
 bytes are out, so before a step writes a region the executor waits for any pending send
 that reads overlapping memory, and before the op returns it waits for all of them: the
 caller may then reuse its buffers at once. Independent receives from several peers (an

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
-from ..core.buffers import REDUCE_OPS, dtype_name
+from ..core.dtypes import REDUCE_OPS, dtype_name
 from ..errors import DesyncError
 
 WIRE_VERSION = 2  # bumped whenever the header or the framing changes; agreed at init
@@ -61,7 +61,7 @@ def algorithm_code(name: str) -> int:
 
 
 def reduce_code(op: object | None) -> int:
-    """The wire code of a ``ringcomm.core.buffers.ReduceOp`` (0 for ops that do not reduce)."""
+    """The wire code of a ``ringcomm.core.dtypes.ReduceOp`` (0 for ops that do not reduce)."""
     return 0 if op is None else op.code + 1  # type: ignore[attr-defined]
 
 
