@@ -239,7 +239,8 @@ def test_inputs_no_kind_takes_are_refused_with_what_to_pass():
     with pytest.raises(ArgumentError, match="x must be a numpy array or a torch CPU tensor or "
                        "a ringcomm FakeDeviceArray, got list"):
         as_buffer([1.0])
-    with pytest.raises(ArgumentError, match="y is on meta; this communicator moves CPU"):
+    with pytest.raises(ArgumentError, match=r"y is on meta; Communicator takes host memory: "
+                       r"copy it with y.cpu\(\).*or use the torch backend"):
         as_buffer(torch.empty(3, device="meta"), name="y")
     with pytest.raises(ArgumentError, match="dtype <U1 is not supported"):
         as_buffer(FakeDeviceArray(np.array(["a"])))
