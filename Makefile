@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(VENV)/bin/ringcomm bench --collectives allgather reduce_scatter broadcast alltoall \
 		-n 2 4 -b 8 -e 64M -f 8 --json $(RESULTS)/collectives.json --plot-dir $(RESULTS)/plots
 	$(VENV)/bin/ringcomm bench ddp -n 2 4 --json $(RESULTS)/ddp.json
-	$(PY) bench/peak_memory.py --world-sizes 2 4 --mib 256 --json $(RESULTS)/peak_memory.json
+	$(PY) -m ringcomm_bench.peak_memory --world-sizes 2 4 --mib 256 --json $(RESULTS)/peak_memory.json
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/ringcomm bench --quick

@@ -13,7 +13,7 @@ between the hosts (each host's ranks pinned to cores of their own, as on separat
 unless ``--shared-cpus`` is given or there are fewer cores than hosts.
 
 The ranks run the same ``sweep.rank_main`` as on one host, in processes started inside the
-namespaces (``python -m bench.multihost rank DIR R``), so they cannot use the sweep's
+namespaces (``python -m ringcomm_bench.multihost rank DIR R``), so they cannot use the sweep's
 multiprocessing queue. Instead each rank appends its reports to ``DIR/rankR.jsonl``, one
 JSON line per report, flushed at once, its output going to ``DIR/rankR.log``; the driver
 follows those files and watches the processes: a traceback, a rank that exits without
@@ -25,7 +25,7 @@ Predicted times on several hosts are the cost model's for the layout the communi
 found (``comm.hosts``), priced with the link constants its ranks agreed at init
 (``comm.settings.remote``, measured by ``ringcomm.bootstrap.link_probe``), the agreed
 local constants and the cores per rank of the agreed topology: what the communicator's own
-choice is made from. ``python -m bench.multihost table A.json [B.json ...]`` prints the
+choice is made from. ``python -m ringcomm_bench.multihost table A.json [B.json ...]`` prints the
 README's table of saved runs.
 """
 
@@ -257,7 +257,7 @@ def launch(layout: Layout, target: Callable, args_for: Callable[[str], tuple],
                 h = layout.host_of(rank)
                 with open(run_dir / f"rank{rank}.log", "wb") as log:
                     procs.append(hosts[h].popen(
-                        [sys.executable, "-m", "bench.multihost", "rank", str(run_dir),
+                        [sys.executable, "-m", "ringcomm_bench.multihost", "rank", str(run_dir),
                          str(rank)], cpus=cpus[h], env=_rank_env(hosts[h].ifname), cwd=ROOT,
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             yield from _follow(procs, run_dir, timeout)
@@ -410,7 +410,7 @@ def markdown(runs: list[dict], sizes: set[int] | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.multihost",
+    p = argparse.ArgumentParser(prog="python -m ringcomm_bench.multihost",
                                 description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = p.add_subparsers(dest="what", required=True)
     rank = sub.add_parser("rank", help="one rank inside its host (started by the driver)")

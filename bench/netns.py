@@ -28,7 +28,7 @@ sweep (run at every start) removes what dead runs left behind. Everything is rem
 exit from the ``with`` block, on exceptions, and on SIGTERM/SIGINT/SIGHUP (the signal is
 turned into an exception inside the block; cleanup then runs before it propagates).
 
-    from bench import netns
+    from ringcomm_bench import netns
     if (why := netns.available()) is None:
         with netns.hosts(2, rate="1gbit") as (a, b):
             p = b.popen([sys.executable, "-c", "import socket; print(socket.gethostname())"])
@@ -36,8 +36,8 @@ turned into an exception inside the block; cleanup then runs before it propagate
 The command line runs one command on every host (``{index}``, ``{addr}``, ``{name}`` and
 ``{hosts}`` in it are filled in per host), or measures a link::
 
-    python -m bench.netns --hosts 2 -- sh -c 'hostname; ip -4 -o addr show data0'
-    python -m bench.netns --hosts 2 --rate 1gbit --measure
+    python -m ringcomm_bench.netns --hosts 2 -- sh -c 'hostname; ip -4 -o addr show data0'
+    python -m ringcomm_bench.netns --hosts 2 --rate 1gbit --measure
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ def measure(src: Host, dst: Host, nbytes: int = 1 << 30) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.netns", description=__doc__.split("\n\n")[0])
+        prog="python -m ringcomm_bench.netns", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     parser.add_argument("--rate", help="shape each link, e.g. 1gbit (tc tbf, both ends)")
     parser.add_argument("--mgmt", action="store_true", help="add a second network (mgmt0)")

@@ -1,6 +1,6 @@
 """Peak memory of a large allreduce: resident set size per rank against the tensor's size.
 
-    python bench/peak_memory.py --world-sizes 2 4 --mib 256
+    python -m ringcomm_bench.peak_memory --world-sizes 2 4 --mib 256
 
 Each rank records VmRSS before allocating the tensor, after allocating and touching it, and
 its peak (VmHWM) after three allreduces. Target: peak below 2x the tensor size per rank,

@@ -1,7 +1,7 @@
 """Presenting sweep rows: terminal tables, the JSON file and PNG plots.
 
 Rows are the plain dicts ``sweep`` produces, so a saved JSON file can be re-plotted or
-re-tabulated (``python -m bench.report results.json --plot-dir DIR``) without re-running.
+re-tabulated (``python -m ringcomm_bench.report results.json --plot-dir DIR``) without re-running.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Two versions of ringcomm, one sweep: is the new one slower anywhere?
 
-    python -m bench.versions OLD [NEW] [--rounds 3] [--json F] -- [ringcomm bench args]
+    python -m ringcomm_bench.versions OLD [NEW] [--rounds 3] [--json F] -- [ringcomm bench args]
 
 Checks out ``OLD`` and ``NEW`` (commits; ``NEW`` defaults to the working tree) into temporary
 worktrees and runs ``ringcomm bench`` from each in turn, round after round (old, new, old,
@@ -54,10 +54,16 @@ def checkout(commit: str | None) -> Iterator[Path]:
 
 
 def run_bench(tree: Path, args: Sequence[str], out: Path) -> list[dict]:
-    """One ``ringcomm bench`` run with the code in ``tree``; its rows."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    subprocess.run([sys.executable, "-m", "ringcomm.cli", "bench", *args, "--json", str(out)],
-                   cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    """One ``ringcomm bench`` run with the code in ``tree``, its harness included; its rows.
+
+    The harness folder ``bench/`` imports as ``ringcomm_bench`` only where it is installed,
+    which would be this checkout's; a link named so, after ``tree`` on the path, gives each
+    tree its own (trees from before the rename import it as ``bench`` from ``tree``)."""
+    with tempfile.TemporaryDirectory(prefix="ringcomm-harness-") as harness:
+        (Path(harness) / "ringcomm_bench").symlink_to(tree / "bench", target_is_directory=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), harness]))
+        subprocess.run([sys.executable, "-m", "ringcomm.cli", "bench", *args, "--json",
+                        str(out)], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     data = json.loads(out.read_text())
     return data["rows"] if isinstance(data, dict) else data
 
@@ -103,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, bench_args = argv[:at], argv[at + 1:]
-    p = argparse.ArgumentParser(prog="python -m bench.versions", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ringcomm_bench.versions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("old", help="the commit to compare against")
     p.add_argument("new", nargs="?", default=None, help="default: this checkout as it is")

@@ -78,13 +78,15 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _bench(argv: list[str]) -> None:
-    """The benchmarks live in the ``bench`` package, which depends on ringcomm, not the
-    other way round: import it only when asked for."""
+    """The benchmarks live in the ``ringcomm_bench`` package (the ``bench/`` folder), which
+    depends on ringcomm, not the other way round: import it only when asked for. It says
+    itself which extra a run needs."""
     try:
-        from bench.cli import main as bench_main
+        from ringcomm_bench.cli import main as bench_main
     except ImportError as err:
-        raise SystemExit(f"ringcomm bench: cannot import the bench package ({err}); install "
-                         "ringcomm with its benchmark extra: pip install -e '.[bench]'") from None
+        raise SystemExit(f"ringcomm bench: the benchmark harness cannot be imported ({err}); "
+                         "install ringcomm with its extra: pip install 'ringcomm[bench]'"
+                         ) from None
     raise SystemExit(bench_main(argv))
 
 

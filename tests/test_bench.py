@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import report, sweep, versions
-from bench.common import format_size, parse_size
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.schedules import ALLREDUCE, HOST_AWARE
+from ringcomm_bench import report, sweep, versions
+from ringcomm_bench.common import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,7 +195,7 @@ def _settings(*argv):
 def test_hosts_option_parses_and_is_checked():
     """``--hosts HxR`` sets the world (H x R ranks), ``--rate`` takes tc's rates; wrong
     values and combinations are refused with the option named. Needs no root."""
-    from bench import multihost
+    from ringcomm_bench import multihost
 
     s, worlds = _settings("--hosts", "2x2")
     assert (s.hosts, s.rate, s.shared_cpus, worlds) == ("2x2", None, False, [4])
@@ -220,7 +220,7 @@ def test_hosts_option_parses_and_is_checked():
 
 
 def test_hosts_without_namespaces_fail_with_the_reason(monkeypatch, capsys):
-    from bench import netns
+    from ringcomm_bench import netns
 
     monkeypatch.setattr(netns, "available", lambda: "network namespaces need root: not root")
     assert sweep.main(["--hosts", "2x2", "--quick"]) == 2
@@ -229,7 +229,7 @@ def test_hosts_without_namespaces_fail_with_the_reason(monkeypatch, capsys):
 
 
 def test_cores_are_split_between_simulated_hosts(monkeypatch):
-    from bench import multihost
+    from ringcomm_bench import multihost
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     assert multihost.cpu_groups(2, False) == [[0, 1, 2], [3, 4]]
@@ -264,8 +264,8 @@ def test_ranks_on_hosts_are_heard_through_files(tmp_path, how):
     """The driver's side of ``--hosts``: reports follow from each rank's file; a traceback,
     an exit without ``done`` and silence for the timeout each end in ``RankFailed`` naming
     the rank, within seconds, never a hang. (Plain processes here: needs no root.)"""
-    from bench import multihost
-    from bench.common import RankFailed
+    from ringcomm_bench import multihost
+    from ringcomm_bench.common import RankFailed
 
     procs = [subprocess.Popen(
         [sys.executable, "-c", _FAKE_RANK, str(tmp_path / f"rank{r}.jsonl"), str(r),
@@ -294,9 +294,9 @@ def test_predictions_on_hosts_use_the_layout_and_the_agreed_link():
     row's algorithm is the communicator's own choice."""
     from dataclasses import replace
 
-    from bench import multihost
     from ringcomm.plan import cost
     from ringcomm.runtime.local import run_group
+    from ringcomm_bench import multihost
 
     slow = cost.CostParams(alpha=100e-6, beta=8e-9, gamma=0.09e-9)  # about 1 Gbit/s
 
@@ -330,8 +330,8 @@ def test_hosts_run_end_to_end(tmp_path):
     """``ringcomm bench --hosts 2x2``: four real ranks in two network namespaces; rows for
     the automatic choice, ring and hier with #wrong 0 and the model's time for the layout
     the ranks found, priced with the link they measured; no namespace left behind."""
-    from bench import netns
     from ringcomm.plan import cost
+    from ringcomm_bench import netns
 
     why = netns.available()
     if why is not None:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from bench import netns
 from ringcomm import ArgumentError
 from ringcomm.bootstrap import rendezvous
 from ringcomm.plan import cost
 from ringcomm.plan.settings import SETTINGS, Scope
 from ringcomm.schedules import ALLREDUCE
+from ringcomm_bench import netns
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = str(ROOT / "tests" / "multihost_rank.py")
@@ -410,7 +410,7 @@ def test_a_host_lost_mid_allreduce_ends_every_survivor_with_a_typed_error(sim, t
 _CHILD = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-from bench import netns
+from ringcomm_bench import netns
 with netns.hosts(2, rate="100mbit") as hs:
     print(hs[0].netns.rsplit("-", 1)[0], flush=True)
     sys.stdin.readline()  # the test has counted the namespaces
