@@ -255,7 +255,7 @@ class TorchCPUKind(HostKind):
     def flat_view(self, t: Any, name: str, writable: bool) -> np.ndarray:
         import torch  # already imported, or ``t`` would not be a tensor
 
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ArgumentError(
                 f"{name} is on {t.device}; Communicator takes host memory: copy it with "
                 f"{name}.cpu() (and back after the op), or use the torch backend "
@@ -263,11 +263,12 @@ class TorchCPUKind(HostKind):
         if not t.is_contiguous():
             raise ArgumentError(
                 f"{name} is not contiguous; pass {name}.contiguous() and copy results back")
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).reshape(-1).numpy().view(ml_dtypes.bfloat16)
+            return t.view(torch.int16).numpy().reshape(-1).view(ml_dtypes.bfloat16)
         try:
-            arr = t.reshape(-1).numpy()
+            arr = t.numpy().reshape(-1)  # the numpy reshape: a fraction of torch's cost
         except TypeError:
             raise ArgumentError(f"{name} has dtype {t.dtype}, which is not supported") from None
         dtype_code(arr.dtype)

@@ -77,6 +77,9 @@ SETTINGS: tuple[Setting, ...] = (
             "capacity of this rank's outgoing shared-memory rings (published to its peers)"),
     Setting("spin_us", Scope.LOCAL, "RINGCOMM_SPIN_US", None,
             "microseconds a receive polls before it sleeps"),
+    Setting("inline_bytes", Scope.LOCAL, "RINGCOMM_INLINE_BYTES", None,
+            "async collectives up to this size per buffer run on the caller's thread when "
+            "nothing is queued (default 64 KiB; 0: always on the worker)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

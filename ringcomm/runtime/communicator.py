@@ -139,6 +139,7 @@ class Communicator:
         self._seq = itertools.count()
         self._p2p_sent = [0] * self.world_size
         self._p2p = P2PEngine(self)
+        self.inline_bytes = inline_bytes()
         self._failure: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -458,29 +459,37 @@ class Communicator:
     def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
         if self._closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
-        inline = not async_op and not isinstance(item, P2POp)
+        inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
         with self._count_lock:
-            # A blocking collective with nothing ahead of it runs on the caller's thread:
-            # the order is the same, and two thread hand-offs (tens of microseconds each on
-            # a busy machine) are saved. The worker cannot start anything meanwhile: its
-            # queue is empty and no receive is posted.
+            # A collective with nothing ahead of it runs on the caller's thread when the
+            # caller waits for it anyway, or when it is small (``inline_bytes``): the order
+            # is the same, and two thread hand-offs (tens of microseconds each on a busy
+            # machine, more than a small op takes) are saved. A small async op then returns
+            # completed, its error (if any) kept for ``wait``. The worker cannot start
+            # anything meanwhile: its queue is empty and no receive is posted.
             inline = inline and self._outstanding == 0 and not self._p2p.busy
             self._outstanding += 1
         if inline:
             try:
-                return self._run(*item)
-            except BaseException:
+                result = self._run(*item)
+            except BaseException as err:
                 if self._failure is not None:
                     self._p2p.fail_all(self._failure)
+                if async_op and isinstance(err, Exception):
+                    return Work.finished(name, self.timeout, error=err)
                 raise
             finally:
                 self._op_done()
+            return Work.finished(name, self.timeout, result) if async_op else result
         future: concurrent.futures.Future = concurrent.futures.Future()
         work = Work(future, name, self.timeout)
         if isinstance(item, P2POp):
             item.work = work
         self._queue.put((item, future))
         return work if async_op else work.wait()
+
+    def _small(self, op: _Collective) -> bool:
+        return all(b.nbytes <= self.inline_bytes for b in op.buffers.values())
 
     def _op_done(self) -> None:
         with self._count_lock:
@@ -615,3 +624,20 @@ def env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ArgumentError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+DEFAULT_INLINE_BYTES = 64 * 1024
+
+
+def inline_bytes() -> int:
+    """Async collectives up to this many bytes per buffer run on the caller's thread when
+    nothing is queued (``RINGCOMM_INLINE_BYTES``; 0 sends every async op to the worker).
+    Below it an op takes less than the thread hand-offs it would cost; above it, overlap
+    with the caller's work (DDP's buckets during backward) pays."""
+    value = env_int("RINGCOMM_INLINE_BYTES")
+    if value is None:
+        return DEFAULT_INLINE_BYTES
+    if value < 0:
+        raise ArgumentError(f"RINGCOMM_INLINE_BYTES={value} is negative; use 0 (never) or a "
+                            f"number of bytes (default {DEFAULT_INLINE_BYTES})")
+    return value

@@ -22,12 +22,25 @@ class Work:
         self._timeout = timeout
         self.source: int | None = None
 
+    @classmethod
+    def finished(cls, name: str, timeout: float, result: Any = None, *,
+                 error: BaseException | None = None) -> Work:
+        """The handle of an op that already ran (on the caller's thread)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+        return cls(future, name, timeout)
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the op is done and return its result; raise its error if it failed.
 
         ``timeout`` (seconds) bounds only this wait and is unlimited by default: the op
         enforces its own deadline once it starts, so a stuck peer still ends in an error.
         """
+        if self._future.done():  # most small ops: they ran on the caller's thread
+            return self._future.result()
         done, _ = concurrent.futures.wait([self._future], timeout=timeout)
         if not done:
             raise CommTimeout(

@@ -72,6 +72,11 @@ def _unwrap(fut: torch.futures.Future) -> Any:
     return value
 
 
+_DONE = threading.Event()  # the wait of every Work that was complete when it was made
+_DONE.set()
+_FUTURE_LOCK = threading.Lock()  # guards get_future of those Works (they have no lock)
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -110,39 +115,47 @@ class RingcommWork(dist.Work):
         self._finish = finish
         self._error: BaseException | None = None
         self._source = -1
-        self._done = threading.Event()
         # a future holding CUDA tensors must say so, or completing it fails
-        devices = sorted({t.device for t in _tensors(result) if t.device.type != "cpu"},
-                         key=str)
+        devices = sorted({t.device for t in _tensors(result) if not t.is_cpu}, key=str)
         self._src: torch.futures.Future = torch.futures.Future(devices=devices or None)
-        self._future = self._src.then(_unwrap)
+        self._future: torch.futures.Future | None = None  # made when asked for
+        self._parts = list(parts)
+        if all(part.is_completed() for part in parts):  # ran on the caller's thread
+            self._done, self._lock = _DONE, _FUTURE_LOCK  # nothing left to wait or count
+            for part in parts:
+                self._take(part)
+            self._complete(signal=False)
+            return
+        self._done = threading.Event()
         self._lock = threading.Lock()
         self._left = len(parts)
-        self._parts = list(parts)
-        if not parts:
-            self._complete()
         for part in parts:
             part.add_done_callback(self._part_done)
+
+    def _take(self, part: CommWork) -> None:
+        """Note what a finished part says: its error (the first one wins), its source."""
+        if self._error is None and part.exception() is not None:
+            self._error = _torch_style(part.exception(), self._timeout)
+        if part.source is not None:
+            self._source = part.source
 
     def _part_done(self, part: CommWork) -> None:
         with self._lock:
             self._left -= 1
-            if self._error is None and part.exception() is not None:
-                self._error = _torch_style(part.exception(), self._timeout)
-            if part.source is not None:
-                self._source = part.source
+            self._take(part)
             last = self._left == 0
         if last:
             self._complete()
 
-    def _complete(self) -> None:
+    def _complete(self, signal: bool = True) -> None:
         if self._error is None and self._finish is not None:
             try:
                 self._finish()
             except Exception as err:  # noqa: BLE001 - reported through wait() and the future
                 self._error = err
         self._src.set_result((self._result if self._error is None else None, self._error))
-        self._done.set()
+        if signal:
+            self._done.set()
 
     # -- the torch.distributed.Work interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -157,7 +170,13 @@ class RingcommWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        """Made on first use (most callers only ``wait``): ``_src.then(_unwrap)``, so the
+        future handed out fails with the op's error without Python ever setting an exception
+        on a future C++ may hold."""
+        with self._lock:
+            if self._future is None:
+                self._future = self._src.then(_unwrap)
+            return self._future
 
     def is_completed(self) -> bool:
         return self._done.is_set()
