@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .runtime.communicator import Communicator
     from .runtime.work import Work
 
+from ._support import configure_logging  # noqa: E402 - stdlib only
 from ._version import __version__ as __version__  # noqa: E402 - written in one place
 
 # names loaded on first use (PEP 562) -> the module that defines them
@@ -103,6 +104,7 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
 
 
 _register_torch_backend()
+configure_logging()
 
 __all__ = [
     "ArgumentError",

@@ -1,4 +1,4 @@
-"""The ``ringcomm`` command.
+"""ringcomm's command line: print schedules, serve a store, tune, benchmark, report.
 
     ringcomm schedule allreduce --world-size 4 --count 8      # every rank's steps
     ringcomm schedule allreduce -n 4 -c 8 --rank 1 --segment 1
@@ -6,6 +6,8 @@
     ringcomm store --port 29500                                # a stand-alone store
     ringcomm tune -n 2 4                                       # fit the cost model here
     ringcomm bench --quick                                     # against gloo (and nccl)
+    ringcomm env                                               # for bug reports
+    ringcomm --version                                         # also: python -m ringcomm
 
 ``schedule`` prints exactly the step lists the executor runs, so a reader can follow a
 collective rank by rank: which chunk goes to which neighbour in which round.
@@ -17,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from ._version import __version__
 from .errors import ArgumentError
 from .plan.collectives import COLLECTIVES
 from .schedules import HOST_AWARE, Schedule
@@ -40,6 +43,11 @@ def _schedule_entries() -> dict[str, tuple[str, Callable[[int, int, int, int, in
 
 
 _SCHEDULES = _schedule_entries()
+
+
+_EPILOG = ("Most users meet ringcomm through torch: dist.init_process_group(\"ringcomm\") "
+           "under torchrun. RINGCOMM_DEBUG=INFO prints one line per rank at start-up, "
+           "DEBUG one per op.")
 
 
 def _print_schedules(args: argparse.Namespace) -> None:
@@ -77,6 +85,12 @@ def _tune(args: argparse.Namespace) -> None:
     tune.main(argv + (["-o", args.output] if args.output else []))
 
 
+def _env(args: argparse.Namespace) -> None:
+    from .environment import report
+
+    print(report())
+
+
 def _bench(argv: list[str]) -> None:
     """The benchmarks live in the ``ringcomm_bench`` package (the ``bench/`` folder), which
     depends on ringcomm, not the other way round: import it only when asked for. It says
@@ -94,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its options are its own, parsed by the bench package
         _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="ringcomm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ringcomm", description=__doc__.split("\n\n")[0] + "\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ringcomm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sched = sub.add_parser("schedule", help="print a collective's steps, rank by rank",
@@ -109,10 +126,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     sched.add_argument("--root", type=int, default=0)
     sched.set_defaults(run=_print_schedules)
 
-    store = sub.add_parser("store", help="serve a rendezvous store until interrupted")
-    store.add_argument("--host", default="0.0.0.0")
-    store.add_argument("--port", type=int, default=29500)
+    store = sub.add_parser(
+        "store", help="serve a rendezvous store until interrupted",
+        description="Serve the key-value store ranks meet through, apart from any rank: "
+        "start it, then give every rank store='HOST:PORT' (ringcomm.init), and rank 0 "
+        "connects to it instead of serving one itself.")
+    store.add_argument("--host", default="0.0.0.0",
+                       help="interface address to listen on (default: all)")
+    store.add_argument("--port", type=int, default=29500,
+                       help="TCP port to listen on (default: 29500)")
     store.set_defaults(run=_serve_store)
+
+    env = sub.add_parser("env", help="versions, cores, settings and links here (for bug "
+                         "reports)", description="Print what a bug report needs: versions, "
+                         "platform, cores and affinity, the cost profile in use, every "
+                         "RINGCOMM_* setting and its class, and what links this host has.")
+    env.set_defaults(run=_env)
 
     tune = sub.add_parser("tune", help="measure this machine and fit the cost model",
                           description="Time every allreduce algorithm on localhost ranks and "

@@ -203,5 +203,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(profile.to_json())
-    print(f"wrote {path}")
+    if Path(path).resolve() == cost.profile_path().resolve():
+        found = "ringcomm reads it from there at every init (rank 0's is agreed by all ranks)"
+    else:
+        found = (f"ringcomm reads {cost.profile_path()} by default: set RINGCOMM_PROFILE={path} "
+                 "on rank 0 (whose profile every rank agrees on) to use this one")
+    print(f"wrote the profile to {path}; {found}")
     return 0

@@ -20,16 +20,24 @@ links and every later decision are built from that, never from a local look.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import platform
 import socket
+import sys
+from datetime import timedelta
+from typing import Any
 
 from .._support import check_platform
-from ..errors import ArgumentError, CommError
+from .._version import __version__
+from ..errors import ArgumentError, CommError, StoreError
 from ..plan.settings import agree, propose
 from ..runtime.communicator import Communicator, env_int
 from ..transport.zmq_transport import ZmqTransport
 from .link_probe import measure_remote
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
+
+log = logging.getLogger("ringcomm")
 
 
 def init(
@@ -37,7 +45,7 @@ def init(
     world_size: int | None = None,
     store: Store | str | None = None,
     *,
-    timeout: float = 300.0,
+    timeout: float | timedelta = 300.0,
     segment_bytes: int | None = None,
     transport: str | None = None,
     host: str | None = None,
@@ -45,7 +53,8 @@ def init(
     """Join a group and return its communicator.
 
     Unset arguments come from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``,
-    as torchrun sets them. ``timeout`` (seconds) bounds the rendezvous and every op.
+    as torchrun sets them. ``timeout`` (seconds, or a ``timedelta`` as torch takes it)
+    bounds the rendezvous and every op.
     ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
     ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
     the IPv4 address of the interface named by ``RINGCOMM_SOCKET_IFNAME``, else the local
@@ -62,8 +71,7 @@ def init(
         raise ArgumentError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ArgumentError(f"rank {rank} is out of range for world_size {world_size}")
-    if timeout <= 0:
-        raise ArgumentError(f"timeout must be positive, got {timeout}")
+    timeout = _seconds(timeout)
 
     closers = []
     address = None
@@ -76,8 +84,9 @@ def init(
         address = address or store
         store_host, port = _split_address(address)  # not `host`: that is this rank's address
         if rank == 0:
-            server = StoreServer(_bind_host(store_host), port)
-            closers.append(server.close)
+            server = _serve_unless_served(store_host, port)
+            if server is not None:
+                closers.append(server.close)
         store = StoreClient(f"{store_host}:{port}", timeout=timeout)
         closers.insert(0, store.close)
     elif not isinstance(store, Store):
@@ -117,7 +126,57 @@ def init(
     except CommError:
         comm.close()
         raise
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", summary(comm))
     return comm
+
+
+def summary(comm: Communicator) -> str:
+    """One line about this rank of a group that has just started (``RINGCOMM_DEBUG=INFO``):
+    where it runs, how it reaches each peer, what the ranks agreed, which versions."""
+    me = comm.topology.ranks[comm.rank]
+    host_index = next(i for i, ranks in enumerate(comm.hosts) if comm.rank in ranks)
+    links = "; ".join(f"rank {peer}: {link.describe()}"
+                      for peer, link in enumerate(comm.transport.links) if link is not None)
+    agreed = ", ".join(f"{k}={v}" for k, v in comm.settings.describe().items())
+    versions = {"ringcomm": __version__, "python": platform.python_version()}
+    for name in ("numpy", "zmq", "torch"):  # only what is loaded already: no imports here
+        module = sys.modules.get(name)
+        if module is not None:
+            versions["pyzmq" if name == "zmq" else name] = getattr(module, "__version__", "?")
+    return (f"rank {comm.rank} of {comm.world_size} on {me.hostname} (host {host_index} of "
+            f"{len(comm.hosts)}, pid {me.pid}, {len(me.cpus)} cores) | links: "
+            f"{links or 'none'} | agreed: {agreed}, timeout={comm.timeout:g}s | "
+            + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+def _serve_unless_served(host: str, port: int) -> StoreServer | None:
+    """Rank 0 serves the store, unless one already answers at ``host:port`` (``ringcomm
+    store`` started apart from the ranks): then every rank, rank 0 included, uses that one.
+    A port held by something that is not a store stays an error."""
+    try:
+        return StoreServer(_bind_host(host), port)
+    except StoreError as err:
+        probe = StoreClient(f"{host}:{port}", timeout=2.0)
+        try:
+            probe.ping()
+        except StoreError:
+            raise err from None
+        finally:
+            probe.close()
+        return None
+
+
+def _seconds(timeout: Any) -> float:
+    """``timeout`` as positive seconds: a number or a ``timedelta``, else an error."""
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ArgumentError(f"timeout must be seconds (a number) or a datetime.timedelta, got "
+                            f"{type(timeout).__name__}")
+    if not timeout > 0:
+        raise ArgumentError(f"timeout must be positive, got {timeout:g} s")
+    return float(timeout)
 
 
 def _master_address() -> str:

@@ -28,7 +28,7 @@ from enum import Enum
 from typing import Any
 
 from .._version import __version__ as VERSION
-from ..errors import ArgumentError, StoreError
+from ..errors import ArgumentError, StoreError, StoreTimeout
 from ..schedules import ALLREDUCE
 from ..transport.header import WIRE_VERSION
 from . import cost
@@ -77,6 +77,9 @@ SETTINGS: tuple[Setting, ...] = (
             "capacity of this rank's outgoing shared-memory rings (published to its peers)"),
     Setting("spin_us", Scope.LOCAL, "RINGCOMM_SPIN_US", None,
             "microseconds a receive polls before it sleeps"),
+    Setting("debug", Scope.LOCAL, "RINGCOMM_DEBUG", None,
+            "INFO: one line per rank at start-up (host, links, agreed settings, versions); "
+            "DEBUG: one line per op as well"),
     Setting("inline_bytes", Scope.LOCAL, "RINGCOMM_INLINE_BYTES", None,
             "async collectives up to this size per buffer run on the caller's thread when "
             "nothing is queued (default 64 KiB; 0: always on the worker)"),
@@ -165,7 +168,17 @@ def agree(store: Any, rank: int, world_size: int, timeout: float, *,
         mine = json.dumps({"proposal": proposal, "facts": facts.to_json()})
     store.set(f"agree/{rank}", mine.encode())
     keys = [f"agree/{r}" for r in range(world_size)]
-    store.wait(keys, timeout)
+    try:
+        store.wait(keys, timeout)
+    except StoreTimeout:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            raise
+        it = "was it" if len(missing) == 1 else "were they"
+        raise StoreTimeout(
+            f"{_ranks(missing)} never joined within {timeout:g} s: {it} started, with the "
+            f"same store address (MASTER_ADDR/MASTER_PORT or store=) and world size "
+            f"({world_size})?") from None
     entries = []
     for r, key in enumerate(keys):
         raw = mine if r == rank else store.get(key).decode()

@@ -543,9 +543,6 @@ class Communicator:
             root=op.arg, algorithm=op.algorithm, hosts=self.topology.hosts,
             nbytes=op.count * dtype.itemsize, send_counts=op.send_counts,
             recv_counts=op.recv_counts)
-        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
-            log.debug("rank %d %s: %s/%s, %s", self.rank, name, schedule.collective,
-                      schedule.algorithm, dtype_name(dtype))
         buffers = op.buffers
         if schedule.scratch:
             buffers = dict(buffers, scratch=HostBuffer(self._scratch(dtype, schedule.scratch),
@@ -554,11 +551,17 @@ class Communicator:
                             algorithm_code(schedule.algorithm), reduce_code(op.reduce), op.arg,
                             op.segment, op.count, op.send_counts, op.recv_counts)
         ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, op.reduce)
+        started = time.perf_counter()
         try:
             run_schedule(schedule, buffers, self.transport, ctx, self.trace)
         except CommError as err:
             self._fail(err, seq)
             raise
+        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
+            log.debug("rank %d %s: %d B %s%s, %s, %.1f us", self.rank, name,
+                      op.count * dtype.itemsize, dtype_name(dtype),
+                      f" {op.reduce.name}" if op.reduce else "", schedule.algorithm,
+                      (time.perf_counter() - started) * 1e6)
         return op.result
 
     _scratch_buf: np.ndarray | None = None

@@ -24,6 +24,7 @@ reductions take the dtypes the core reduces.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -705,7 +706,20 @@ def _create(opts: Any, backend_options: Any = None) -> RingcommProcessGroup:
     comm = init(opts.group_rank, opts.group_size,
                 store=TorchStore(opts.store, timeout=timeout), timeout=timeout,
                 host=_reachable_host(address))
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        log.info(DETAIL_NOTE)
     return RingcommProcessGroup(comm)
+
+
+# torch wraps gloo and nccl groups in a checking wrapper under DETAIL; it does not wrap a
+# group implemented in Python, and ringcomm does not need it: its checks are always on
+DETAIL_NOTE = (
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL: ringcomm checks what DETAIL checks for other backends on "
+    "every op, always and at no extra cost: every message carries the op's descriptor "
+    "(collective, sequence number, dtype, element count, reduce op, root, algorithm), and a "
+    "rank that receives one that differs from its own raises DesyncError naming both ranks "
+    "and the difference; a stalled op asks its peers which op they are in. No wrapper is "
+    "added.")
 
 
 def register() -> None:

@@ -1,0 +1,5 @@
+"""``python -m ringcomm``: the ``ringcomm`` command."""
+
+from .cli import main
+
+main()

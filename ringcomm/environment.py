@@ -1,0 +1,69 @@
+"""``ringcomm env``: what a bug report needs to say about where ringcomm runs.
+
+Versions, the platform, cores and this process's affinity, the cost profile in use, every
+``RINGCOMM_*`` setting with its class (must match across ranks, agreed from rank 0, or
+local) and what this host's links can use. Read-only: nothing is started or written.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cores() -> str:
+    mine = sorted(os.sched_getaffinity(0))
+    spans, start = [], mine[0] if mine else None
+    for a, b in zip(mine, mine[1:] + [None], strict=True):
+        if b != a + 1:
+            spans.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return f"{os.cpu_count()} on this machine, this process may use {len(mine)} ({','.join(spans)})"
+
+
+def report() -> str:
+    """The report, as lines of ``name: value`` under a few headings."""
+    from .plan import cost
+    from .plan.settings import SETTINGS
+    from .transport import shm_ring
+    from .transport.files import ipc_base
+
+    lines = ["versions"]
+    lines += [f"  {name}: {_version(dist)}" for name, dist in (
+        ("ringcomm", "ringcomm"), ("torch", "torch"), ("numpy", "numpy"), ("pyzmq", "pyzmq"),
+        ("ml_dtypes", "ml_dtypes"), ("mpi4py", "mpi4py"), ("cupy", "cupy-cuda12x"))]
+    lines += [f"  python: {platform.python_version()} ({sys.executable})",
+              "platform", f"  system: {platform.platform()}", f"  cores: {_cores()}"]
+    path = cost.profile_path()
+    found = "found" if path.exists() else "absent: the built-in defaults are used"
+    lines += ["cost profile", f"  path: {path} ({found})",
+              "  set RINGCOMM_PROFILE to use another; `ringcomm tune` writes one"]
+    lines.append("settings (class: what happens when ranks differ)")
+    for s in SETTINGS:
+        if s.env is None:
+            continue
+        value = os.environ.get(s.env)
+        shown = repr(value) if value is not None else "unset"
+        lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning}")
+    others = sorted(k for k in os.environ if k.startswith("RINGCOMM_")
+                    and k not in {s.env for s in SETTINGS})
+    lines += [f"  {k} = {os.environ[k]!r}" for k in others]
+    shm = shm_ring.available()
+    free = shutil.disk_usage(shm_ring.SHM_DIR).free >> 20 if shm else 0
+    lines += ["links on this host",
+              f"  shared memory ({shm_ring.SHM_DIR}): "
+              + (f"available, {free} MiB free" if shm else "unavailable: local pairs use sockets"),
+              f"  named pipes and ipc sockets under: {ipc_base()}",
+              "  between hosts: ZeroMQ tcp (address: init(host=), RINGCOMM_IFADDR, "
+              "RINGCOMM_SOCKET_IFNAME, else the route to the store)"]
+    return "\n".join(lines)
