@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -59,12 +59,19 @@ from .work import Work
 log = logging.getLogger("ringcomm")
 
 
-def _names_bad_input(method: Callable) -> Callable:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _names_bad_input(
+        method: Callable[Concatenate[Communicator, _P], _R]
+) -> Callable[Concatenate[Communicator, _P], _R]:
     """Argument errors raised while checking a call name this rank and the op, like every
-    other error of a running collective."""
+    other error of a running collective. Typed with a ParamSpec, so the wrapped method keeps
+    its signature for IDEs and type checkers."""
 
     @functools.wraps(method)
-    def checked(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+    def checked(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return method(self, *args, **kwargs)
         except ArgumentError as err:
