@@ -85,3 +85,50 @@ def test_inline_bytes_comes_from_the_environment(monkeypatch):
         inline_bytes()
     monkeypatch.delenv("RINGCOMM_INLINE_BYTES")
     assert inline_bytes() == DEFAULT_INLINE_BYTES
+
+
+TORCH_PAIR = """
+import sys, time, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("ringcomm", rank=rank, world_size=2,
+                        init_method="tcp://127.0.0.1:{port}")
+pg = dist.group.WORLD
+big = torch.ones(1 << 18)  # 1 MiB: above inline_bytes
+for async_op in (False, True):
+    big.fill_(1.0)
+    if rank == 1:
+        time.sleep({late})
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = async_op
+    started = time.monotonic()
+    work = pg.allreduce([big], opts)
+    returned, done = time.monotonic() - started, work.is_completed()
+    work.wait()
+    if rank == 0:
+        print(async_op, round(returned, 2), done, big[0].item())
+    dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_torch_says_when_its_caller_waits_and_such_an_op_completes_in_the_call():
+    """``dist.all_reduce(t)`` sets ``opts.asyncOp = False``: the backend then runs the op as
+    a blocking call (no hand-off to the worker) and returns a completed Work, whatever its
+    size; with ``asyncOp`` True a large op still returns at once and overlaps."""
+    import os
+    import subprocess
+    import sys
+
+    from mp_helpers import free_port
+
+    script = TORCH_PAIR.format(port=free_port(), late=LATE_S)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ)) for r in range(2)]
+    outs = [p.communicate(timeout=80) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    sync, asyn = (line.split() for line in outs[0][0].splitlines())
+    assert sync[0] == "False" and sync[2] == "True" and float(sync[1]) >= LATE_S * 0.8, sync
+    assert asyn[0] == "True" and asyn[2] == "False" and float(asyn[1]) < LATE_S / 2, asyn
+    assert sync[3] == asyn[3] == "2.0"

@@ -37,7 +37,7 @@ from torch.distributed import ReduceOp
 
 from ..bootstrap.rendezvous import _reachable_host, init
 from ..bootstrap.store import TorchStore
-from ..errors import ArgumentError, CommTimeout
+from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
 from ..runtime.communicator import Work as CommWork
 
@@ -359,6 +359,24 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.comm.close()
 
+    def _start(self, opts: Any, method: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> CommWork:
+        """Start one communicator op for torch. torch says whether its caller waits at once
+        (``opts.asyncOp`` is False in ``dist.all_reduce(t)``): then the op runs as a
+        blocking call (on this thread when nothing is queued: no hand-off to the worker and
+        back) and comes back as a finished Work; its failure is raised by ``wait``, as an
+        async op's would be. Bad arguments raise here either way."""
+        if getattr(opts, "asyncOp", True):
+            return method(*args, async_op=True, **kwargs)
+        name = getattr(method, "__name__", "op")
+        try:
+            result = method(*args, async_op=False, **kwargs)
+        except ArgumentError:
+            raise
+        except CommError as err:
+            return CommWork.finished(name, self.comm.timeout, error=err)
+        return CommWork.finished(name, self.comm.timeout, result)
+
     def _work(self, name: str, parts: Sequence[CommWork], result: Any,
               stage: _Staging | None = None) -> RingcommWork:
         return RingcommWork(name, parts, result, stage.finisher() if stage else None,
@@ -372,7 +390,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         bufs = [stage.buffer(t, f"tensors[{i}]", reduce=True, write=True)
                 for i, t in enumerate(tensors)]
-        parts = [self.comm.allreduce(b, op, async_op=True) for b in bufs]
+        parts = [self._start(opts, self.comm.allreduce, b, op) for b in bufs]
         return self._work("allreduce", parts, tensors, stage)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None
@@ -388,13 +406,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         for same_dtype in groups.values():
             buf = stage.cat(same_dtype, "tensors", reduce=True)
             stage.split_back(buf, same_dtype)
-            parts.append(self.comm.allreduce(buf, op, async_op=True))
+            parts.append(self._start(opts, self.comm.allreduce, buf, op))
         return self._work("allreduce_coalesced", parts, tensors, stage)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
         stage = _Staging()
         buf = stage.buffer(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
-        part = self.comm.reduce(buf, root=opts.rootRank, op=_reduce_op(opts), async_op=True)
+        part = self._start(opts, self.comm.reduce, buf, root=opts.rootRank, op=_reduce_op(opts))
         return self._work("reduce", [part], tensors, stage)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
@@ -406,7 +424,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         src = stage.cat(inputs, "input_list", reduce=True)
         dst = stage.buffer(out, "output", reduce=True, write=True, read=False)
-        part = self.comm.reduce_scatter(dst, src, _reduce_op(opts), async_op=True)
+        part = self._start(opts, self.comm.reduce_scatter, dst, src, _reduce_op(opts))
         return self._work("reduce_scatter", [part], output_tensors, stage)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -442,7 +460,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         is_root = self.comm.rank == root
         bufs = [stage.buffer(t, f"tensors[{i}]", write=not is_root, read=is_root)
                 for i, t in enumerate(tensors)]
-        parts = [self.comm.broadcast(b, root=root, async_op=True) for b in bufs]
+        parts = [self._start(opts, self.comm.broadcast, b, root=root) for b in bufs]
         return self._work("broadcast", parts, tensors, stage)
 
     def allgather(self, output_lists: list[list[torch.Tensor]],
@@ -455,7 +473,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             src = stage.buffer(inp, f"input_list[{i}]")
             dst = stage.scratch(src.numel() * self.comm.world_size, src)
             stage.split_back(dst, outputs)
-            parts.append(self.comm.allgather(dst, src, async_op=True))
+            parts.append(self._start(opts, self.comm.allgather, dst, src))
         return self._work("allgather", parts, output_lists, stage)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -516,7 +534,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             _same(outputs, "gather_list", inp.numel(), inp.dtype)
             dst = stage.scratch(src.numel() * self.comm.world_size, src)
             stage.split_back(dst, outputs)
-        part = self.comm.gather(dst, src, root=root, async_op=True)
+        part = self._start(opts, self.comm.gather, dst, src, root=root)
         return self._work("gather", [part], output_lists, stage)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -531,7 +549,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             _same(inputs, "scatter_list", out.numel(), out.dtype)
             src = stage.cat(inputs, "scatter_list")
         dst = stage.buffer(out, "output", write=True, read=False)
-        part = self.comm.scatter(dst, src, root=root, async_op=True)
+        part = self._start(opts, self.comm.scatter, dst, src, root=root)
         return self._work("scatter", [part], output_tensors, stage)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
@@ -551,9 +569,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         src = stage.cat(input_tensors, "input_tensor_list")
         dst = stage.scratch(sum(t.numel() for t in output_tensors) * scale, src)
         stage.split_back(dst, output_tensors)
-        part = self.comm.alltoall(
-            dst, src, in_splits=[t.numel() * scale for t in input_tensors],
-            out_splits=[t.numel() * scale for t in output_tensors], async_op=True)
+        part = self._start(opts, self.comm.alltoall, dst, src,
+                           in_splits=[t.numel() * scale for t in input_tensors],
+                           out_splits=[t.numel() * scale for t in output_tensors])
         return self._work("all_to_all", [part], output_tensors, stage)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -565,14 +583,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
         dst = stage.buffer(output, "output", write=True, read=False)
         in_splits = self._rows(input, input_split_sizes, src.numel(), "input")
         out_splits = self._rows(output, output_split_sizes, dst.numel(), "output")
-        part = self.comm.alltoall(dst, src, in_splits=in_splits, out_splits=out_splits,
-                                  async_op=True)
+        part = self._start(opts, self.comm.alltoall, dst, src, in_splits=in_splits,
+                           out_splits=out_splits)
         return self._work("all_to_all_single", [part], [output], stage)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts: Any = None) -> RingcommWork:
-        return self._work("barrier", [self.comm.barrier(async_op=True)], [])
+        return self._work("barrier", [self._start(opts, self.comm.barrier)], [])
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
