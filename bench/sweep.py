@@ -10,7 +10,10 @@ tens of percent from one minute to the next, so backends are only compared when 
 in the same processes, on the same buffers, taking turns. For every world size the command
 spawns that many ranks on 127.0.0.1; each joins a Gloo process group (which is also the
 benchmark's own control channel: barriers, gathering times and error counts), a ringcomm
-communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
+communicator, a second process group of backend ``ringcomm`` and an NCCL group when there is
+one GPU per rank. ringcomm is timed both ways: ``ringcomm`` calls the ``Communicator``
+directly, ``ringcomm/torch`` calls ``torch.distributed`` on the ringcomm process group, which
+is what users run (``dist.all_reduce``, DDP). For every size, repetition
 ``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
 every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
 repetitions (``min`` the best), per call. Each repetition starts with one untimed call of
@@ -76,18 +79,21 @@ CHUNK = PERIOD * (1 << 18)  # elements filled or checked at a time (bounded extr
 @dataclass(frozen=True)
 class Backend:
     """One column of the comparison: ``ringcomm`` (its own choice or one forced
-    algorithm), ``gloo`` or ``nccl``."""
+    algorithm), ``ringcomm/torch``, ``gloo`` or ``nccl``."""
 
     name: str
     library: str
     algorithm: str | None = None
 
 
+TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
+
+
 def parse_backends(spec: list[str]) -> list[Backend]:
     """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all`` (the
     automatic choice and every flat algorithm; the two-level ``hier`` only where named:
-    on one host it is a reduce and a broadcast), ``gloo``, ``nccl``; commas or spaces
-    between them."""
+    on one host it is a reduce and a broadcast), ``ringcomm/torch``, ``gloo``, ``nccl``;
+    commas or spaces between them."""
     algorithms = adapter.allreduce_algorithms()
     out: list[Backend] = []
     for word in (w.strip().lower() for item in spec for w in item.split(",")):
@@ -95,6 +101,8 @@ def parse_backends(spec: list[str]) -> list[Backend]:
             continue
         if word in ("ringcomm", "ringcomm:auto"):
             found = [Backend("ringcomm", "ringcomm")]
+        elif word == TORCH:
+            found = [Backend(TORCH, TORCH)]
         elif word == "ringcomm:all":
             found = [Backend("ringcomm", "ringcomm")] + [
                 Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms
@@ -107,7 +115,7 @@ def parse_backends(spec: list[str]) -> list[Backend]:
         else:
             raise ValueError(
                 f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
-                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, gloo or nccl")
+                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, gloo or nccl")
         out += [b for b in found if b not in out]
     if not out:
         raise ValueError("--backends names no backend")
@@ -280,7 +288,9 @@ class Buffers:
 
 def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, comm: Any,
             group: Any) -> Any:
-    """A no-argument function that runs one call of ``collective`` on ``backend``."""
+    """A no-argument function that runs one call of ``collective`` on ``backend``: through
+    ``comm`` for ringcomm, through ``torch.distributed`` on ``group`` for the others (None:
+    the default group, Gloo)."""
     import torch.distributed as dist
 
     x, out = bufs.inp, bufs.out
@@ -340,8 +350,10 @@ def _timed(run: Any, iters: int, sync: Any) -> float:
 
 
 def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank: int,
-             world: int, s: Settings, comm: Any, nccl_group: Any) -> list[dict] | None:
-    """Check, warm up, time interleaved and check again every backend at one size."""
+             world: int, s: Settings, comm: Any, groups: dict[str, Any]) -> list[dict] | None:
+    """Check, warm up, time interleaved and check again every backend at one size.
+    ``groups``: the torch process group of each library that runs on one (``nccl``,
+    ``ringcomm/torch``)."""
     import torch
     import torch.distributed as dist
 
@@ -359,12 +371,15 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         b.library == "nccl" for b in backends) else None
     nothing = lambda: None  # noqa: E731
     runs, syncs, bufs_of = [], [], []
+    group_backend = {}  # what torch itself says each torch-run backend ran on
     for b in backends:
         bufs = gpu if b.library == "nccl" else cpu
-        group = nccl_group if b.library == "nccl" else None  # None: the default, gloo
+        group = groups.get(b.library)
         runs.append(_runner(b, collective, bufs, op, comm, group))
         syncs.append(torch.cuda.synchronize if b.library == "nccl" else nothing)
         bufs_of.append(bufs)
+        if b.library != "ringcomm":
+            group_backend[b.name] = str(dist.get_backend(group))
 
     def checked(i: int) -> int:
         bufs_of[i].reset()
@@ -407,10 +422,11 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         median, best = statistics.median(reps), min(reps)
         chosen = None
         predicted = None
-        if b.library == "ringcomm" and len(comm.hosts) > 1:  # the model for this layout
+        ours = b.library in ("ringcomm", TORCH)  # the torch path makes the same choice
+        if ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)
-        elif b.library == "ringcomm":
+        elif ours:
             if collective == "allreduce":
                 chosen = b.algorithm or adapter.chosen_algorithm(world, size, itemsize,
                                                                  comm.segment_bytes)
@@ -428,6 +444,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             "predicted_us": None if predicted is None else predicted * 1e6,
             "rep_times_us": [t * 1e6 for t in reps],
             "iters": iters[i], "reps": s.reps, "warmup": s.warmup,
+            "process_group": group_backend.get(b.name),
         })
     return rows
 
@@ -462,17 +479,19 @@ def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
                          timeout=s.timeout)
     if rank == 0 and len(comm.hosts) > 1:
         report("layout", multihost.layout_facts(comm))
-    nccl_group = None
+    groups: dict[str, Any] = {}
+    if any(b.library == TORCH for b in s.backends):  # beside Gloo, the control group
+        groups[TORCH] = dist.new_group(backend="ringcomm", timeout=timedelta(seconds=s.timeout))
     if s.nccl:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        nccl_group = dist.new_group(backend="nccl")
+        groups["nccl"] = dist.new_group(backend="nccl")
     try:
         for collective in s.collectives:
             for dtype in s.dtypes:
                 for op in (s.ops if collective in REDUCING else [None]):
                     for nbytes in s.sizes:
                         rows = _measure(collective, nbytes, dtype, op, rank, world, s, comm,
-                                        nccl_group)
+                                        groups)
                         if rank == 0:
                             report("rows", rows or [])
                             report("progress", (collective, dtype, op, nbytes))
@@ -517,10 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"reductions for allreduce and reduce_scatter ({', '.join(OPS)})")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES),
                    help=f"which collectives ({', '.join(COLLECTIVES)}; default all)")
-    p.add_argument("--backends", nargs="+", default=["ringcomm:all", "gloo", "nccl"],
-                   help="ringcomm (automatic choice), ringcomm:ALGO (forced; ALGO one of "
-                   f"{', '.join(adapter.allreduce_algorithms())}), ringcomm:all, gloo, nccl "
-                   "(default: ringcomm:all gloo nccl; nccl only with one GPU per rank)")
+    p.add_argument("--backends", nargs="+", default=["ringcomm:all", TORCH, "gloo", "nccl"],
+                   help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
+                   f"ALGO one of {', '.join(adapter.allreduce_algorithms())}), ringcomm:all, "
+                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
+                   f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
+                   "rank)")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     p.add_argument("--quick", action="store_true",

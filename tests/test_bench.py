@@ -90,6 +90,11 @@ def test_backends_parse_and_unknown_ones_are_named():
     assert [b.algorithm for b in sweep.parse_backends(["ringcomm:tree"])] == ["tree"]
     with pytest.raises(ValueError, match="ringcomm:bogus"):
         sweep.parse_backends(["ringcomm:bogus"])
+    torch_path = sweep.parse_backends(["ringcomm", "ringcomm/torch"])
+    assert [(b.name, b.library) for b in torch_path] == [("ringcomm", "ringcomm"),
+                                                         ("ringcomm/torch", "ringcomm/torch")]
+    s, _ = _settings()  # the default set times both paths
+    assert {"ringcomm", "ringcomm/torch", "gloo"} <= {b.name for b in s.backends}
 
 
 def _simulate(collective, bufs, op):
@@ -156,11 +161,11 @@ def test_quick_run_end_to_end(tmp_path):
     assert result["machine"]["cpus"] >= 1 and result["machine"]["torch"]
     rows = result["rows"]
     sizes = result["settings"]["sizes"]
-    allreduce = {"ringcomm", "gloo"} | {f"ringcomm:{a}" for a in ALLREDUCE
-                                        if a not in HOST_AWARE}
+    both = {"ringcomm", "ringcomm/torch", "gloo"}
+    allreduce = both | {f"ringcomm:{a}" for a in ALLREDUCE if a not in HOST_AWARE}
     for collective in sweep.COLLECTIVES:
         mine = [r for r in rows if r["collective"] == collective]
-        want = allreduce if collective == "allreduce" else {"ringcomm", "gloo"}
+        want = allreduce if collective == "allreduce" else both
         assert {r["backend"] for r in mine} >= want, collective
         assert {r["bytes"] for r in mine} == set(sizes), collective
         for r in mine:
@@ -172,9 +177,9 @@ def test_quick_run_end_to_end(tmp_path):
             assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_us"] / 1e3, rel_tol=1e-9)
             assert 0 < r["busbw_GBps"] < 1000
             assert len(r["rep_times_us"]) == r["reps"]
-            if r["library"] == "ringcomm":
+            if r["library"] in ("ringcomm", "ringcomm/torch"):
                 assert r["predicted_us"] > 0, r
-            if collective == "allreduce" and r["library"] == "ringcomm":
+            if collective == "allreduce" and r["library"] in ("ringcomm", "ringcomm/torch"):
                 assert r["chosen"] in ALLREDUCE
     if not torch.cuda.is_available():
         assert any("nccl skipped" in note for note in result["notes"])
@@ -183,6 +188,42 @@ def test_quick_run_end_to_end(tmp_path):
     assert "predicted_allreduce_n2_float32_sum.png" in pngs
     assert len(pngs) == 2 * len(sweep.COLLECTIVES)
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def _bench(tmp_path, *argv, timeout):
+    """``ringcomm bench ARGV --json``: the finished process and the JSON it wrote."""
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "bench", *argv, "--json",
+                           str(out_json)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out_json.read_text())
+
+
+def _table_rows(stdout, collective):
+    """The backend column of one collective's printed table."""
+    lines = stdout.split(f"{collective}, world size")[1].split("\n\n")[0].splitlines()
+    return [cells[4].strip() for line in lines if len(cells := line.split("│")) > 5]
+
+
+@pytest.mark.timeout(60)
+def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
+    """ringcomm through its Communicator and through ``torch.distributed`` on a process
+    group of backend ringcomm (beside Gloo's): real ranks, every collective, both checked and
+    both in the printed tables."""
+    proc, result = _bench(tmp_path, "-b", "4K", "-e", "4K", "--backends", "ringcomm",
+                          "ringcomm/torch", "--reps", "2", "--iters", "2", "--warmup", "1",
+                          timeout=55)
+    rows = result["rows"]
+    for collective in sweep.COLLECTIVES:
+        mine = {r["backend"]: r for r in rows if r["collective"] == collective}
+        assert set(mine) == {"ringcomm", "ringcomm/torch"}, collective
+        assert mine["ringcomm/torch"]["process_group"] == "ringcomm"  # as torch names it
+        assert mine["ringcomm"]["process_group"] is None  # the Communicator, no torch
+        for r in mine.values():
+            assert r["wrong"] == 0 and r["bytes"] == 4096, r
+            assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
+        assert _table_rows(proc.stdout, collective) == ["ringcomm", "ringcomm/torch"]
 
 
 # --------------------------------------------------------------------------- --hosts
