@@ -37,6 +37,7 @@ def _us(value: float | None) -> str:
     return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
 
 
+PEERS = ("gloo", "nccl", "mpi")  # the libraries ringcomm is compared with
 TORCH = "ringcomm/torch"
 
 
@@ -56,45 +57,47 @@ def ours(rows: Iterable[dict]) -> dict | None:
 def print_tables(rows: list[dict], console: Any) -> None:
     """One nccl-tests-style table per collective, world size, dtype and op.
 
-    ``vs gloo`` is Gloo's time over this backend's (above 1: faster than Gloo); ``vs best``,
-    on the automatic choice's rows (direct and through torch), is its time over the best
-    forced algorithm's."""
+    ``vs gloo`` is Gloo's time over this backend's (above 1: faster than Gloo), ``vs mpi``
+    MPI's (where MPI ran); ``vs best``, on the automatic choice's rows (direct and through
+    torch), is its time over the best forced algorithm's."""
     from rich.table import Table
 
     for (collective, world, dtype, op), group in groups(rows).items():
         title = f"{collective}, world size {world}, {dtype}" + ("" if op == "none" else f" {op}")
         table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
         algos = any(r["chosen"] for r in group)
-        for name in ("size (B)", "count", "type", "redop", "backend", "algo", "time (us)",
-                     "min (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong", "pred (us)",
-                     "vs gloo", "vs best"):
-            if name in ("algo", "vs best") and not algos:
-                continue
+        mpi = any(r["library"] == "mpi" for r in group)
+        names = [n for n in ("size (B)", "count", "type", "redop", "backend", "algo",
+                             "time (us)", "min (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong",
+                             "pred (us)", "vs gloo", "vs mpi", "vs best")
+                 if (algos or n not in ("algo", "vs best")) and (mpi or n != "vs mpi")]
+        for name in names:
             text = name in ("backend", "algo", "type", "redop")
             table.add_column(name, justify="left" if text else "right", no_wrap=text)
         for i, (nbytes, same) in enumerate(groupby(group, key=lambda r: r["bytes"])):
             same = list(same)
-            gloo = next((r for r in same if r["library"] == "gloo"), None)
+            peer = {p: next((r for r in same if r["library"] == p), None) for p in PEERS}
             forced = [r["time_us"] for r in same if r["library"] == "ringcomm"
                       and r["algorithm"] not in (None, "auto")]
             if i:
                 table.add_section()
             for r in same:
-                vs_gloo = f"{gloo['time_us'] / r['time_us']:.2f}x" if gloo else "-"
-                vs_best = (f"{r['time_us'] / min(forced):.2f}x"
-                           if r["algorithm"] == "auto" and forced else "")
+                ratio = {f"vs {p}": f"{peer[p]['time_us'] / r['time_us']:.2f}x" if peer[p]
+                         else "-" for p in ("gloo", "mpi")}
                 algo = r["chosen"] or ""
                 if r["algorithm"] == "auto":
                     algo = f"auto: {algo}"
-                cells = [
-                    f"{nbytes:,}", f"{r['count']:,}", r["dtype"], r["op"], r["backend"], algo,
-                    _us(r["time_us"]), _us(r["min_time_us"]), f"{r['algbw_GBps']:.3f}",
-                    f"{r['busbw_GBps']:.3f}",
-                    f"[red]{r['wrong']}[/]" if r["wrong"] else "0",
-                    _us(r["predicted_us"]), vs_gloo, vs_best]
-                if not algos:
-                    del cells[13], cells[5]
-                table.add_row(*cells)
+                cells = {
+                    "size (B)": f"{nbytes:,}", "count": f"{r['count']:,}", "type": r["dtype"],
+                    "redop": r["op"], "backend": r["backend"], "algo": algo,
+                    "time (us)": _us(r["time_us"]), "min (us)": _us(r["min_time_us"]),
+                    "algbw (GB/s)": f"{r['algbw_GBps']:.3f}",
+                    "busbw (GB/s)": f"{r['busbw_GBps']:.3f}",
+                    "#wrong": f"[red]{r['wrong']}[/]" if r["wrong"] else "0",
+                    "pred (us)": _us(r["predicted_us"]), **ratio,
+                    "vs best": (f"{r['time_us'] / min(forced):.2f}x"
+                                if r["algorithm"] == "auto" and forced else "")}
+                table.add_row(*(cells[n] for n in names))
         console.print(table)
         console.print()
 
@@ -187,11 +190,11 @@ def print_targets(summary: list[dict], console: Any) -> None:
 
 def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
     """The README's tables: per collective and world size, ringcomm's own choice (direct and,
-    where measured, through torch) against Gloo (and NCCL where measured), each peer's time
-    over ours (the torch row where measured) at each size; then the target summary."""
+    where measured, through torch) against Gloo, NCCL and MPI where measured, each peer's
+    time over ours (the torch row where measured) at each size; then the target summary."""
     out = []
     for (collective, world, dtype, op), group in groups(rows).items():
-        peers = [b for b in ("gloo", "nccl") if any(r["library"] == b for r in group)]
+        peers = [b for b in PEERS if any(r["library"] == b for r in group)]
         torch_rows = any(r["library"] == TORCH for r in group)
         head = ["size", "ringcomm (us)", "algorithm", "busbw (GB/s)"]
         if torch_rows:

@@ -95,6 +95,12 @@ def test_backends_parse_and_unknown_ones_are_named():
                                                          ("ringcomm/torch", "ringcomm/torch")]
     s, _ = _settings()  # the default set times both paths
     assert {"ringcomm", "ringcomm/torch", "gloo"} <= {b.name for b in s.backends}
+    with pytest.raises(ValueError, match="--peers mpi"):
+        sweep.parse_backends(["mpi"])
+    s, _ = _settings("--peers", "mpi")
+    assert s.peers == ["mpi"]
+    with pytest.raises(ValueError, match="leave out --hosts"):
+        _settings("--peers", "mpi", "--hosts", "2x2")
 
 
 def _simulate(collective, bufs, op):
@@ -224,6 +230,68 @@ def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
             assert r["wrong"] == 0 and r["bytes"] == 4096, r
             assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
         assert _table_rows(proc.stdout, collective) == ["ringcomm", "ringcomm/torch"]
+
+
+@pytest.mark.timeout(90)
+def test_mpi_takes_turns_as_a_peer_end_to_end(tmp_path):
+    """``--peers mpi``: MPI's ranks, started by mpiexec, run every collective at the same
+    sizes and dtypes, checked like the others; bfloat16 is moved but not reduced (noted);
+    the table has a ``vs mpi`` column."""
+    from ringcomm_bench import mpi_peer
+
+    if (why := mpi_peer.unavailable()) is not None:
+        pytest.skip(why)
+    proc, result = _bench(tmp_path, "-b", "8", "-e", "64K", "-f", "8192", "--dtype",
+                          "float32", "bfloat16", "--backends", "ringcomm/torch", "--peers",
+                          "mpi", "--reps", "2", "--iters", "2", "--warmup", "1", timeout=85)
+    rows = result["rows"]
+    mpi = [r for r in rows if r["backend"] == "mpi"]
+    want = {(c, d, n) for c in sweep.COLLECTIVES for d in ("float32", "bfloat16")
+            for n in (8, 64 << 10) if not (d == "bfloat16" and c in sweep.REDUCING)}
+    assert {(r["collective"], r["dtype"], r["bytes"]) for r in mpi} == want
+    for r in mpi:
+        assert r["wrong"] == 0 and r["library"] == "mpi" and r["world_size"] == 2, r
+        assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
+        assert r["iters"] >= 2 and r["predicted_us"] is None
+    assert all(r["wrong"] == 0 for r in rows)
+    assert _table_rows(proc.stdout, "alltoall")[:2] == ["ringcomm/torch", "mpi"]
+    assert "vs mpi" in proc.stdout
+    assert result["peers"]["mpi"]["library"].startswith("MPICH")
+    assert any("mpi skipped for allreduce bfloat16 sum" in n for n in result["notes"])
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_mpi_rank_is_named_with_its_traceback():
+    from ringcomm_bench import mpi_peer
+
+    if (why := mpi_peer.unavailable()) is not None:
+        pytest.skip(why)
+    peer = mpi_peer.MpiPeer(2, timeout=30)
+    try:
+        peer.connect()
+        assert peer.turn("prepare", "allreduce", "float32", "sum", 8) == [0, 0]
+        assert peer.turn("check") == [0, 0]
+        with pytest.raises(mpi_peer.MpiPeerFailed,
+                           match=r"rank 0 failed in 'bogus':\nTraceback[\s\S]*unknown instr"):
+            peer.turn("bogus")
+    finally:
+        peer.close()
+    assert peer.proc.returncode not in (None, 0)
+
+
+@pytest.mark.timeout(60)
+def test_peers_mpi_without_mpi4py_names_the_extra():
+    """Without mpi4py, ``--peers mpi`` says which extra to install, before any rank starts."""
+    from test_imports import BLOCK
+
+    code = BLOCK.format(top="mpi4py") + (
+        "from ringcomm_bench.cli import main\nsys.exit(main(['--peers', 'mpi', '--quick']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=55)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs mpi4py and MPICH" in proc.stderr, proc.stderr
+    assert "pip install 'ringcomm[mpi]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting ranks" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- --hosts
