@@ -82,6 +82,53 @@ def test_the_target_summary_finds_the_worst_size_of_each_target():
     assert (same["at_bytes"], same["worst"], same["sizes_met"]) == (8, 1.5, 2)  # 16 MiB: 1.17x
 
 
+def _timed_row(backend, nbytes, reps, chosen=None):
+    """A row whose time is the median of its repetitions, as the sweep makes them."""
+    algorithm = backend.split(":")[1] if ":" in backend else "auto"
+    row = _row(backend, algorithm, nbytes, sorted(reps)[len(reps) // 2], chosen=chosen)
+    row["library"] = "mpi" if backend == "mpi" else row["library"]
+    return {**row, "rep_times_us": list(reps)}
+
+
+def test_targets_use_the_torch_row_and_mpi_with_the_noise_of_each():
+    """With a ringcomm/torch row at a size, the targets against Gloo and MPI take it as
+    ringcomm's time (what users run); the torch path is also held to the direct one (+10
+    us) and 8 B to 10 us at world size 2. Beside each target: the band its value moved in
+    over the repetitions, and whether the bound lies inside it."""
+    rows = []
+    for nbytes, direct, torch_reps, gloo, mpi in [
+            (8, [20.0] * 5, [40.0, 42.0, 44.0, 46.0, 48.0], [400.0] * 5, [4.0] * 5),
+            (64 << 10, [50.0] * 5, [60.0] * 5, [600.0] * 5, [33.0, 38.0, 45.0, 50.0, 55.0]),
+            (1 << 20, [300.0] * 5, [310.0] * 5, [3000.0] * 5, [290.0, 300.0, 320.0, 330.0,
+                                                              340.0])]:
+        rows += [_timed_row("ringcomm", nbytes, direct, chosen="rd"),
+                 _timed_row("ringcomm/torch", nbytes, torch_reps, chosen="rd"),
+                 _timed_row("gloo", nbytes, gloo), _timed_row("mpi", nbytes, mpi)]
+    got = {t["target"]: t for t in report.target_summary(rows)}
+    assert {t["row"] for t in got.values()} == {"ringcomm/torch"}
+    latency = got["latency vs gloo, 8 B-4 KiB (time ratio)"]
+    assert latency["worst"] == pytest.approx(400 / 44, abs=1e-3) and latency["met"]
+    near = got["vs mpi, 64 KiB: at most 1.5x its time"]  # MPI 45 us against our 60 us
+    assert near["worst"] == pytest.approx(45 / 60, abs=1e-3) and near["met"]
+    assert near["noise"] == pytest.approx([38 / 60, 50 / 60], abs=1e-3)
+    assert near["within_noise"]  # the bound, 0.667, lies between 0.633 and 0.833
+    ahead = got["vs mpi, 1 MiB-256 MiB: at most its time"]  # MPI 320 us against our 310 us
+    assert ahead["worst"] == pytest.approx(320 / 310, abs=1e-3) and ahead["met"]
+    assert ahead["within_noise"]  # 1.03x, but the band 0.97-1.06x holds the bound
+    over = got["torch path over direct, every size (us)"]
+    assert (over["at_bytes"], over["worst"], over["met"], over["sizes_met"]) == (8, 24.0,
+                                                                                 False, 2)
+    assert over["noise"] == [22.0, 26.0] and not over["within_noise"]
+    eight = got["time at 8 B (us)"]
+    assert (eight["worst"], eight["bound"], eight["met"]) == (44.0, 10.0, False)
+    # without the torch rows: the direct one stands for ringcomm
+    direct = {t["target"]: t for t in report.target_summary(
+        [r for r in rows if r["library"] != "ringcomm/torch"])}
+    assert direct["latency vs gloo, 8 B-4 KiB (time ratio)"]["row"] == "ringcomm"
+    assert direct["time at 8 B (us)"]["worst"] == 20.0
+    assert "torch path over direct, every size (us)" not in direct
+
+
 def test_backends_parse_and_unknown_ones_are_named():
     names = [b.name for b in sweep.parse_backends(["ringcomm:all,gloo", "nccl"])]
     assert names == ["ringcomm", "ringcomm:ring", "ringcomm:tree", "ringcomm:dbtree",
@@ -216,7 +263,7 @@ def _table_rows(stdout, collective):
 def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
     """ringcomm through its Communicator and through ``torch.distributed`` on a process
     group of backend ringcomm (beside Gloo's): real ranks, every collective, both checked and
-    both in the printed tables."""
+    both in the printed tables; the targets take the torch row."""
     proc, result = _bench(tmp_path, "-b", "4K", "-e", "4K", "--backends", "ringcomm",
                           "ringcomm/torch", "--reps", "2", "--iters", "2", "--warmup", "1",
                           timeout=55)
@@ -230,13 +277,16 @@ def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
             assert r["wrong"] == 0 and r["bytes"] == 4096, r
             assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
         assert _table_rows(proc.stdout, collective) == ["ringcomm", "ringcomm/torch"]
+    over = [t for t in result["targets"] if t["kind"] == "extra_us"]
+    assert len(over) == 1 and over[0]["row"] == "ringcomm/torch" and over[0]["noise"]
+    assert "noise: the band" in proc.stdout
 
 
 @pytest.mark.timeout(90)
 def test_mpi_takes_turns_as_a_peer_end_to_end(tmp_path):
     """``--peers mpi``: MPI's ranks, started by mpiexec, run every collective at the same
     sizes and dtypes, checked like the others; bfloat16 is moved but not reduced (noted);
-    the table has a ``vs mpi`` column."""
+    the table has a ``vs mpi`` column and the targets against MPI use the torch row."""
     from ringcomm_bench import mpi_peer
 
     if (why := mpi_peer.unavailable()) is not None:
@@ -258,6 +308,8 @@ def test_mpi_takes_turns_as_a_peer_end_to_end(tmp_path):
     assert "vs mpi" in proc.stdout
     assert result["peers"]["mpi"]["library"].startswith("MPICH")
     assert any("mpi skipped for allreduce bfloat16 sum" in n for n in result["notes"])
+    near = [t for t in result["targets"] if t["target"].startswith("vs mpi, 64 KiB")]
+    assert len(near) == 1 and near[0]["row"] == "ringcomm/torch"
 
 
 @pytest.mark.timeout(60)
