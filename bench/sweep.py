@@ -2,6 +2,7 @@
 
     ringcomm bench                                     # every collective, world 2, 8 B..128 MiB
     ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 256M -f 2 --json out.json
+    ringcomm bench --backends ringcomm ringcomm/torch gloo --peers mpi   # MPI as a peer
     ringcomm bench --quick                             # under a minute
     ringcomm bench ddp                                 # DDP training step (bench/ddp_step.py)
 
@@ -10,7 +11,12 @@ tens of percent from one minute to the next, so backends are only compared when 
 in the same processes, on the same buffers, taking turns. For every world size the command
 spawns that many ranks on 127.0.0.1; each joins a Gloo process group (which is also the
 benchmark's own control channel: barriers, gathering times and error counts), a ringcomm
-communicator, and an NCCL group when there is one GPU per rank. For every size, repetition
+communicator, a second process group of backend ``ringcomm`` and an NCCL group when there is
+one GPU per rank. ringcomm is timed both ways: ``ringcomm`` calls the ``Communicator``
+directly, ``ringcomm/torch`` calls ``torch.distributed`` on the ringcomm process group, which
+is what users run (``dist.all_reduce``, DDP). ``--peers mpi`` adds MPI's collectives, run by
+ranks of their own under ``mpiexec`` that take their turn in every repetition like one more
+backend (``bench/mpi_peer.py`` says how). For every size, repetition
 ``k`` runs ``--iters`` back-to-back calls of each backend in turn (in a new shuffled order
 every repetition); a repetition's time is the slowest rank's, and ``time`` is the median over
 repetitions (``min`` the best), per call. Each repetition starts with one untimed call of
@@ -62,7 +68,7 @@ import numpy as np
 from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
-from . import adapter, multihost
+from . import adapter, mpi_peer, multihost
 from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
@@ -76,25 +82,33 @@ CHUNK = PERIOD * (1 << 18)  # elements filled or checked at a time (bounded extr
 @dataclass(frozen=True)
 class Backend:
     """One column of the comparison: ``ringcomm`` (its own choice or one forced
-    algorithm), ``gloo`` or ``nccl``."""
+    algorithm), ``ringcomm/torch``, ``gloo`` or ``nccl``."""
 
     name: str
     library: str
     algorithm: str | None = None
 
 
+TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
+
+
 def parse_backends(spec: list[str]) -> list[Backend]:
     """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all`` (the
     automatic choice and every flat algorithm; the two-level ``hier`` only where named:
-    on one host it is a reduce and a broadcast), ``gloo``, ``nccl``; commas or spaces
-    between them."""
+    on one host it is a reduce and a broadcast), ``ringcomm/torch``, ``gloo``, ``nccl``;
+    commas or spaces between them. (MPI runs in processes of its own: ``--peers mpi``.)"""
     algorithms = adapter.allreduce_algorithms()
     out: list[Backend] = []
     for word in (w.strip().lower() for item in spec for w in item.split(",")):
         if not word:
             continue
+        if word == "mpi":
+            raise ValueError("mpi is not one of --backends: it runs in processes of its own, "
+                             "started by mpiexec; ask for it with --peers mpi")
         if word in ("ringcomm", "ringcomm:auto"):
             found = [Backend("ringcomm", "ringcomm")]
+        elif word == TORCH:
+            found = [Backend(TORCH, TORCH)]
         elif word == "ringcomm:all":
             found = [Backend("ringcomm", "ringcomm")] + [
                 Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms
@@ -107,7 +121,7 @@ def parse_backends(spec: list[str]) -> list[Backend]:
         else:
             raise ValueError(
                 f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
-                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, gloo or nccl")
+                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, gloo or nccl")
         out += [b for b in found if b not in out]
     if not out:
         raise ValueError("--backends names no backend")
@@ -150,6 +164,7 @@ class Settings:
     hosts: str | None = None  # "HxR": ranks on simulated hosts (``--hosts``); None: this one
     rate: str | None = None  # each simulated host's link shaped to this (tc's words)
     shared_cpus: bool = False  # simulated hosts share every core instead of splitting them
+    peers: list[str] = field(default_factory=list)  # "mpi": MPI's ranks take turns too
 
     def layout(self) -> multihost.Layout | None:
         if self.hosts is None:
@@ -280,7 +295,9 @@ class Buffers:
 
 def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, comm: Any,
             group: Any) -> Any:
-    """A no-argument function that runs one call of ``collective`` on ``backend``."""
+    """A no-argument function that runs one call of ``collective`` on ``backend``: through
+    ``comm`` for ringcomm, through ``torch.distributed`` on ``group`` for the others (None:
+    the default group, Gloo)."""
     import torch.distributed as dist
 
     x, out = bufs.inp, bufs.out
@@ -339,9 +356,71 @@ def _timed(run: Any, iters: int, sync: Any) -> float:
     return (time.perf_counter() - start) / iters
 
 
+class _Local:
+    """A backend in these processes: one call, the buffers it works on, and what waits for
+    the device (nothing on the CPU)."""
+
+    def __init__(self, run: Any, sync: Any, bufs: Buffers) -> None:
+        self.run, self.sync, self.bufs = run, sync, bufs
+
+    def check(self) -> int:
+        """One checked call: this rank's wrong elements."""
+        self.bufs.reset()
+        self.run()
+        self.sync()
+        return self.bufs.wrong()
+
+    def pace(self, calls: int) -> float:
+        """Seconds per call of ``calls`` back-to-back calls (warm-up)."""
+        return _timed(self.run, calls, self.sync)
+
+    def time(self, iters: int) -> float:
+        """One repetition: this rank's seconds per call."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.run()  # lines the ranks up: they leave Gloo's barrier up to milliseconds apart
+        self.sync()
+        return _timed(self.run, iters, self.sync)
+
+
+class _MpiTurns:
+    """MPI's ranks as one more backend (``mpi_peer`` says how they are reached): each step
+    is a turn that rank 0 gives them while every rank of the sweep waits in a Gloo barrier.
+    Rank 0 returns the slowest MPI rank's time and all their wrong elements, the other ranks
+    zero, so the sweep's MAX and SUM over its own ranks come out right."""
+
+    def __init__(self, peer: mpi_peer.MpiPeer | None, collective: str, dtype: str,
+                 op: str | None, count: int) -> None:
+        self.peer = peer
+        self._prepare: list | None = ["prepare", collective, dtype, op, count]
+
+    def _turn(self, combine: Any, *instruction: Any) -> Any:
+        import torch.distributed as dist
+
+        value = combine(self.peer.turn(*instruction)) if self.peer is not None else 0
+        dist.barrier()
+        return value
+
+    def check(self) -> int:
+        if self._prepare is not None:  # the first check builds the MPI ranks' buffers
+            instruction, self._prepare = self._prepare, None
+            return self._turn(sum, *instruction)
+        return self._turn(sum, "check")
+
+    def pace(self, calls: int) -> float:
+        return self._turn(max, "calls", calls)
+
+    def time(self, iters: int) -> float:
+        return self._turn(max, "time", iters)
+
+
 def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank: int,
-             world: int, s: Settings, comm: Any, nccl_group: Any) -> list[dict] | None:
-    """Check, warm up, time interleaved and check again every backend at one size."""
+             world: int, s: Settings, comm: Any, groups: dict[str, Any],
+             mpi: mpi_peer.MpiPeer | None) -> list[dict] | None:
+    """Check, warm up, time interleaved and check again every backend at one size.
+    ``groups``: the torch process group of each library that runs on one (``nccl``,
+    ``ringcomm/torch``); ``mpi``: rank 0's handle on the MPI ranks where they take part."""
     import torch
     import torch.distributed as dist
 
@@ -352,46 +431,43 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     count = max(spec.sizes(spec.block(nbytes // itemsize, world), world).values())
     if count == 0:
         return None
+    reduce_op = op if spec.reduces else None
     backends = _backends_for(collective, op, s)
-    ref = Reference(collective, world, count, dtype, op if spec.reduces else None)
+    ref = Reference(collective, world, count, dtype, reduce_op)
     cpu = Buffers(collective, rank, world, count, dtype, ref)
     gpu = Buffers(collective, rank, world, count, dtype, ref, "cuda") if any(
         b.library == "nccl" for b in backends) else None
     nothing = lambda: None  # noqa: E731
-    runs, syncs, bufs_of = [], [], []
+    parts: list[_Local | _MpiTurns] = []
+    group_backend = {}  # what torch itself says each torch-run backend ran on
     for b in backends:
         bufs = gpu if b.library == "nccl" else cpu
-        group = nccl_group if b.library == "nccl" else None  # None: the default, gloo
-        runs.append(_runner(b, collective, bufs, op, comm, group))
-        syncs.append(torch.cuda.synchronize if b.library == "nccl" else nothing)
-        bufs_of.append(bufs)
+        group = groups.get(b.library)
+        parts.append(_Local(_runner(b, collective, bufs, op, comm, group),
+                            torch.cuda.synchronize if b.library == "nccl" else nothing, bufs))
+        if b.library != "ringcomm":
+            group_backend[b.name] = str(dist.get_backend(group))
+    if "mpi" in s.peers and mpi_peer.unsupported(collective, dtype_name, reduce_op) is None:
+        backends = [*backends, Backend("mpi", "mpi")]
+        parts.append(_MpiTurns(mpi, collective, dtype_name, reduce_op, count))
 
-    def checked(i: int) -> int:
-        bufs_of[i].reset()
-        runs[i]()
-        syncs[i]()
-        return bufs_of[i].wrong()
-
-    wrong = [checked(i) for i in range(len(backends))]
-    for bufs in {id(b): b for b in bufs_of}.values():
+    wrong = [p.check() for p in parts]
+    for bufs in {id(p.bufs): p.bufs for p in parts if isinstance(p, _Local)}.values():
         bufs.steady(op)
-    pace = torch.zeros(len(backends), dtype=torch.float64)
+    pace = torch.zeros(len(parts), dtype=torch.float64)
     if s.warmup:
-        for i in range(len(backends)):  # the first calls after the checks run cold
-            _timed(runs[i], s.warmup, syncs[i])
-        for i in range(len(backends)):
-            pace[i] = _timed(runs[i], s.warmup, syncs[i])
+        for p in parts:  # the first calls after the checks run cold
+            p.pace(s.warmup)
+        for i, p in enumerate(parts):
+            pace[i] = p.pace(s.warmup)
     dist.all_reduce(pace, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
     iters = (iters_per_backend([b.library for b in backends], pace.tolist(), s.iters)
-             if s.warmup else [s.iters] * len(backends))
-    times = [[0.0] * s.reps for _ in backends]
+             if s.warmup else [s.iters] * len(parts))
+    times = [[0.0] * s.reps for _ in parts]
     for rep in range(s.reps):
-        for i in turn_order(len(backends), rep, salt=nbytes):
-            dist.barrier()
-            runs[i]()  # lines the ranks up: they leave Gloo's barrier up to milliseconds apart
-            syncs[i]()
-            times[i][rep] = _timed(runs[i], iters[i], syncs[i])
-    wrong = [w + checked(i) for i, w in enumerate(wrong)]
+        for i in turn_order(len(parts), rep, salt=nbytes):
+            times[i][rep] = parts[i].time(iters[i])
+    wrong = [w + p.check() for w, p in zip(wrong, parts, strict=True)]
 
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -407,10 +483,11 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         median, best = statistics.median(reps), min(reps)
         chosen = None
         predicted = None
-        if b.library == "ringcomm" and len(comm.hosts) > 1:  # the model for this layout
+        ours = b.library in ("ringcomm", TORCH)  # the torch path makes the same choice
+        if ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)
-        elif b.library == "ringcomm":
+        elif ours:
             if collective == "allreduce":
                 chosen = b.algorithm or adapter.chosen_algorithm(world, size, itemsize,
                                                                  comm.segment_bytes)
@@ -428,6 +505,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             "predicted_us": None if predicted is None else predicted * 1e6,
             "rep_times_us": [t * 1e6 for t in reps],
             "iters": iters[i], "reps": s.reps, "warmup": s.warmup,
+            "process_group": group_backend.get(b.name),
         })
     return rows
 
@@ -449,36 +527,50 @@ def _backends_for(collective: str, op: str | None, s: Settings) -> list[Backend]
 
 
 def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
-    """One rank of a sweep: join every backend, then measure every collective and size."""
+    """One rank of a sweep: join every backend, then measure every collective and size.
+    With ``--peers mpi`` rank 0 starts the MPI ranks first, so they start up while the
+    sweep's ranks do."""
     import torch
     import torch.distributed as dist
 
     import ringcomm
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{s.address}:{s.ports[0]}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=s.timeout))
-    comm = ringcomm.init(rank=rank, world_size=world, store=f"{s.address}:{s.ports[1]}",
-                         timeout=s.timeout)
-    if rank == 0 and len(comm.hosts) > 1:
-        report("layout", multihost.layout_facts(comm))
-    nccl_group = None
-    if s.nccl:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        nccl_group = dist.new_group(backend="nccl")
+    mpi = mpi_peer.MpiPeer(world, s.timeout) if rank == 0 and "mpi" in s.peers else None
     try:
-        for collective in s.collectives:
-            for dtype in s.dtypes:
-                for op in (s.ops if collective in REDUCING else [None]):
-                    for nbytes in s.sizes:
-                        rows = _measure(collective, nbytes, dtype, op, rank, world, s, comm,
-                                        nccl_group)
-                        if rank == 0:
-                            report("rows", rows or [])
-                            report("progress", (collective, dtype, op, nbytes))
+        dist.init_process_group("gloo", init_method=f"tcp://{s.address}:{s.ports[0]}",
+                                rank=rank, world_size=world,
+                                timeout=timedelta(seconds=s.timeout))
+        comm = ringcomm.init(rank=rank, world_size=world, store=f"{s.address}:{s.ports[1]}",
+                             timeout=s.timeout)
+        if rank == 0 and len(comm.hosts) > 1:
+            report("layout", multihost.layout_facts(comm))
+        groups: dict[str, Any] = {}
+        if any(b.library == TORCH for b in s.backends):  # beside Gloo, the control group
+            groups[TORCH] = dist.new_group(backend="ringcomm",
+                                           timeout=timedelta(seconds=s.timeout))
+        if s.nccl:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            groups["nccl"] = dist.new_group(backend="nccl")
+        if mpi is not None:
+            mpi.connect()
+            report("peer", {"mpi": {"library": mpi.library, "command": mpi.command}})
+        try:
+            for collective in s.collectives:
+                for dtype in s.dtypes:
+                    for op in (s.ops if collective in REDUCING else [None]):
+                        for nbytes in s.sizes:
+                            rows = _measure(collective, nbytes, dtype, op, rank, world, s,
+                                            comm, groups, mpi)
+                            if rank == 0:
+                                report("rows", rows or [])
+                                report("progress", (collective, dtype, op, nbytes))
+        finally:
+            comm.close()
+            dist.destroy_process_group()
     finally:
-        comm.close()
-        dist.destroy_process_group()
+        if mpi is not None:
+            mpi.close()
 
 
 # --------------------------------------------------------------------------- parent side
@@ -517,10 +609,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"reductions for allreduce and reduce_scatter ({', '.join(OPS)})")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES),
                    help=f"which collectives ({', '.join(COLLECTIVES)}; default all)")
-    p.add_argument("--backends", nargs="+", default=["ringcomm:all", "gloo", "nccl"],
-                   help="ringcomm (automatic choice), ringcomm:ALGO (forced; ALGO one of "
-                   f"{', '.join(adapter.allreduce_algorithms())}), ringcomm:all, gloo, nccl "
-                   "(default: ringcomm:all gloo nccl; nccl only with one GPU per rank)")
+    p.add_argument("--backends", nargs="+", default=["ringcomm:all", TORCH, "gloo", "nccl"],
+                   help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
+                   f"ALGO one of {', '.join(adapter.allreduce_algorithms())}), ringcomm:all, "
+                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
+                   f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
+                   "rank)")
+    p.add_argument("--peers", nargs="+", default=[], choices=["mpi"], metavar="PEER",
+                   help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install "
+                   "'ringcomm[mpi]') in processes of their own started by mpiexec, taking "
+                   "turns with the backends in every repetition; reported as backend mpi")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     p.add_argument("--quick", action="store_true",
@@ -571,7 +669,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
     s = Settings(
         sizes=sizes, collectives=collectives, backends=parse_backends(args.backends),
         dtypes=dtypes, ops=ops, iters=pick(args.iters, 5, 3), warmup=pick(args.warmup, 2, 1),
-        reps=pick(args.reps, 5, 3), timeout=args.timeout)
+        reps=pick(args.reps, 5, 3), timeout=args.timeout,
+        peers=list(dict.fromkeys(getattr(args, "peers", None) or [])))
     if s.iters < 1 or s.reps < 1 or s.warmup < 0:
         raise ValueError("--iters and --reps must be at least 1 and --warmup not negative")
     hosts, rate = getattr(args, "hosts", None), getattr(args, "rate", None)
@@ -582,6 +681,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
         return s, worlds
     if args.world_sizes is not None:
         raise ValueError("--hosts HxR sets the world size (H x R ranks): leave out -n")
+    if s.peers:
+        raise ValueError("--peers runs on this host only: leave out --hosts")
     layout = multihost.Layout(*multihost.parse_layout(hosts))
     s.hosts, s.shared_cpus = str(layout), shared
     s.rate = None if rate is None else multihost.parse_rate(rate)
@@ -652,6 +753,12 @@ def run(s: Settings, worlds: list[int], console: Any = None,
                 progress.update(task, description=f"{layout} hosts: starting ranks")
             with reports as events:
                 _follow_reports(events, rows, facts, progress, task, world, s)
+    for collective in s.collectives if "mpi" in s.peers else []:
+        spec = TABLE[collective]
+        for dtype in s.dtypes:
+            for op in s.ops if spec.reduces else [None]:
+                if why := mpi_peer.unsupported(collective, dtype, op):
+                    notes.append(f"mpi skipped for {collective} {dtype} {op}: {why}")
     skipped = sorted({(r, c) for r in worlds for c in s.collectives} -
                      {(r["world_size"], r["collective"]) for r in rows})
     for world, c in skipped:
@@ -671,6 +778,9 @@ def _follow_reports(events: Any, rows: list[dict], facts: dict | None, progress:
         elif kind == "layout":
             if facts is not None:
                 facts.update(payload)
+        elif kind == "peer":
+            if facts is not None:
+                facts.setdefault("peers", {}).update(payload)
         elif kind == "progress":
             collective, dtype, op, nbytes = payload
             progress.update(task, advance=1, description=(
@@ -704,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"[yellow]RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']} is set: the "
                           "'ringcomm' rows use it instead of the automatic choice[/]")
     facts: dict = {}
+    if "mpi" in s.peers and (why := mpi_peer.unavailable()) is not None:
+        print(f"ringcomm bench: {why}", file=sys.stderr)  # unwrapped: the command stays whole
+        return 2
     if s.hosts is not None:
         from . import netns
 
@@ -718,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"ringcomm bench: {err}", style="red", markup=False,
                           highlight=False)
         return 1
+    peers_meta = facts.pop("peers", None)
     hosts_meta = None
     if s.hosts is not None:
         hosts_meta = {"layout": s.hosts, "rate": s.rate,
@@ -752,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
             "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
             "notes": notes,
             "targets": targets,
+            **({"peers": peers_meta} if peers_meta else {}),
             **({"hosts": hosts_meta, "hosts_summary": hosts_summary} if hosts_meta else {}),
         })
         out.print(f"wrote {args.json}")

@@ -82,6 +82,53 @@ def test_the_target_summary_finds_the_worst_size_of_each_target():
     assert (same["at_bytes"], same["worst"], same["sizes_met"]) == (8, 1.5, 2)  # 16 MiB: 1.17x
 
 
+def _timed_row(backend, nbytes, reps, chosen=None):
+    """A row whose time is the median of its repetitions, as the sweep makes them."""
+    algorithm = backend.split(":")[1] if ":" in backend else "auto"
+    row = _row(backend, algorithm, nbytes, sorted(reps)[len(reps) // 2], chosen=chosen)
+    row["library"] = "mpi" if backend == "mpi" else row["library"]
+    return {**row, "rep_times_us": list(reps)}
+
+
+def test_targets_use_the_torch_row_and_mpi_with_the_noise_of_each():
+    """With a ringcomm/torch row at a size, the targets against Gloo and MPI take it as
+    ringcomm's time (what users run); the torch path is also held to the direct one (+10
+    us) and 8 B to 10 us at world size 2. Beside each target: the band its value moved in
+    over the repetitions, and whether the bound lies inside it."""
+    rows = []
+    for nbytes, direct, torch_reps, gloo, mpi in [
+            (8, [20.0] * 5, [40.0, 42.0, 44.0, 46.0, 48.0], [400.0] * 5, [4.0] * 5),
+            (64 << 10, [50.0] * 5, [60.0] * 5, [600.0] * 5, [33.0, 38.0, 45.0, 50.0, 55.0]),
+            (1 << 20, [300.0] * 5, [310.0] * 5, [3000.0] * 5, [290.0, 300.0, 320.0, 330.0,
+                                                              340.0])]:
+        rows += [_timed_row("ringcomm", nbytes, direct, chosen="rd"),
+                 _timed_row("ringcomm/torch", nbytes, torch_reps, chosen="rd"),
+                 _timed_row("gloo", nbytes, gloo), _timed_row("mpi", nbytes, mpi)]
+    got = {t["target"]: t for t in report.target_summary(rows)}
+    assert {t["row"] for t in got.values()} == {"ringcomm/torch"}
+    latency = got["latency vs gloo, 8 B-4 KiB (time ratio)"]
+    assert latency["worst"] == pytest.approx(400 / 44, abs=1e-3) and latency["met"]
+    near = got["vs mpi, 64 KiB: at most 1.5x its time"]  # MPI 45 us against our 60 us
+    assert near["worst"] == pytest.approx(45 / 60, abs=1e-3) and near["met"]
+    assert near["noise"] == pytest.approx([38 / 60, 50 / 60], abs=1e-3)
+    assert near["within_noise"]  # the bound, 0.667, lies between 0.633 and 0.833
+    ahead = got["vs mpi, 1 MiB-256 MiB: at most its time"]  # MPI 320 us against our 310 us
+    assert ahead["worst"] == pytest.approx(320 / 310, abs=1e-3) and ahead["met"]
+    assert ahead["within_noise"]  # 1.03x, but the band 0.97-1.06x holds the bound
+    over = got["torch path over direct, every size (us)"]
+    assert (over["at_bytes"], over["worst"], over["met"], over["sizes_met"]) == (8, 24.0,
+                                                                                 False, 2)
+    assert over["noise"] == [22.0, 26.0] and not over["within_noise"]
+    eight = got["time at 8 B (us)"]
+    assert (eight["worst"], eight["bound"], eight["met"]) == (44.0, 10.0, False)
+    # without the torch rows: the direct one stands for ringcomm
+    direct = {t["target"]: t for t in report.target_summary(
+        [r for r in rows if r["library"] != "ringcomm/torch"])}
+    assert direct["latency vs gloo, 8 B-4 KiB (time ratio)"]["row"] == "ringcomm"
+    assert direct["time at 8 B (us)"]["worst"] == 20.0
+    assert "torch path over direct, every size (us)" not in direct
+
+
 def test_backends_parse_and_unknown_ones_are_named():
     names = [b.name for b in sweep.parse_backends(["ringcomm:all,gloo", "nccl"])]
     assert names == ["ringcomm", "ringcomm:ring", "ringcomm:tree", "ringcomm:dbtree",
@@ -90,6 +137,17 @@ def test_backends_parse_and_unknown_ones_are_named():
     assert [b.algorithm for b in sweep.parse_backends(["ringcomm:tree"])] == ["tree"]
     with pytest.raises(ValueError, match="ringcomm:bogus"):
         sweep.parse_backends(["ringcomm:bogus"])
+    torch_path = sweep.parse_backends(["ringcomm", "ringcomm/torch"])
+    assert [(b.name, b.library) for b in torch_path] == [("ringcomm", "ringcomm"),
+                                                         ("ringcomm/torch", "ringcomm/torch")]
+    s, _ = _settings()  # the default set times both paths
+    assert {"ringcomm", "ringcomm/torch", "gloo"} <= {b.name for b in s.backends}
+    with pytest.raises(ValueError, match="--peers mpi"):
+        sweep.parse_backends(["mpi"])
+    s, _ = _settings("--peers", "mpi")
+    assert s.peers == ["mpi"]
+    with pytest.raises(ValueError, match="leave out --hosts"):
+        _settings("--peers", "mpi", "--hosts", "2x2")
 
 
 def _simulate(collective, bufs, op):
@@ -156,11 +214,11 @@ def test_quick_run_end_to_end(tmp_path):
     assert result["machine"]["cpus"] >= 1 and result["machine"]["torch"]
     rows = result["rows"]
     sizes = result["settings"]["sizes"]
-    allreduce = {"ringcomm", "gloo"} | {f"ringcomm:{a}" for a in ALLREDUCE
-                                        if a not in HOST_AWARE}
+    both = {"ringcomm", "ringcomm/torch", "gloo"}
+    allreduce = both | {f"ringcomm:{a}" for a in ALLREDUCE if a not in HOST_AWARE}
     for collective in sweep.COLLECTIVES:
         mine = [r for r in rows if r["collective"] == collective]
-        want = allreduce if collective == "allreduce" else {"ringcomm", "gloo"}
+        want = allreduce if collective == "allreduce" else both
         assert {r["backend"] for r in mine} >= want, collective
         assert {r["bytes"] for r in mine} == set(sizes), collective
         for r in mine:
@@ -172,9 +230,9 @@ def test_quick_run_end_to_end(tmp_path):
             assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_us"] / 1e3, rel_tol=1e-9)
             assert 0 < r["busbw_GBps"] < 1000
             assert len(r["rep_times_us"]) == r["reps"]
-            if r["library"] == "ringcomm":
+            if r["library"] in ("ringcomm", "ringcomm/torch"):
                 assert r["predicted_us"] > 0, r
-            if collective == "allreduce" and r["library"] == "ringcomm":
+            if collective == "allreduce" and r["library"] in ("ringcomm", "ringcomm/torch"):
                 assert r["chosen"] in ALLREDUCE
     if not torch.cuda.is_available():
         assert any("nccl skipped" in note for note in result["notes"])
@@ -183,6 +241,117 @@ def test_quick_run_end_to_end(tmp_path):
     assert "predicted_allreduce_n2_float32_sum.png" in pngs
     assert len(pngs) == 2 * len(sweep.COLLECTIVES)
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def _bench(tmp_path, *argv, timeout):
+    """``ringcomm bench ARGV --json``: the finished process and the JSON it wrote."""
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "bench", *argv, "--json",
+                           str(out_json)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out_json.read_text())
+
+
+def _table_rows(stdout, collective):
+    """The backend column of one collective's printed table."""
+    lines = stdout.split(f"{collective}, world size")[1].split("\n\n")[0].splitlines()
+    return [cells[4].strip() for line in lines if len(cells := line.split("│")) > 5]
+
+
+@pytest.mark.timeout(60)
+def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
+    """ringcomm through its Communicator and through ``torch.distributed`` on a process
+    group of backend ringcomm (beside Gloo's): real ranks, every collective, both checked and
+    both in the printed tables; the targets take the torch row."""
+    proc, result = _bench(tmp_path, "-b", "4K", "-e", "4K", "--backends", "ringcomm",
+                          "ringcomm/torch", "--reps", "2", "--iters", "2", "--warmup", "1",
+                          timeout=55)
+    rows = result["rows"]
+    for collective in sweep.COLLECTIVES:
+        mine = {r["backend"]: r for r in rows if r["collective"] == collective}
+        assert set(mine) == {"ringcomm", "ringcomm/torch"}, collective
+        assert mine["ringcomm/torch"]["process_group"] == "ringcomm"  # as torch names it
+        assert mine["ringcomm"]["process_group"] is None  # the Communicator, no torch
+        for r in mine.values():
+            assert r["wrong"] == 0 and r["bytes"] == 4096, r
+            assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
+        assert _table_rows(proc.stdout, collective) == ["ringcomm", "ringcomm/torch"]
+    over = [t for t in result["targets"] if t["kind"] == "extra_us"]
+    assert len(over) == 1 and over[0]["row"] == "ringcomm/torch" and over[0]["noise"]
+    assert "noise: the band" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mpi_takes_turns_as_a_peer_end_to_end(tmp_path):
+    """``--peers mpi``: MPI's ranks, started by mpiexec, run every collective at the same
+    sizes, checked like the others; the table has a ``vs mpi`` column and the targets
+    against MPI use the torch row."""
+    from ringcomm_bench import mpi_peer
+
+    if (why := mpi_peer.unavailable()) is not None:
+        pytest.skip(why)
+    proc, result = _bench(tmp_path, "-b", "8", "-e", "64K", "-f", "8192", "--backends",
+                          "ringcomm/torch", "--peers", "mpi", "--reps", "2", "--iters", "2",
+                          "--warmup", "1", timeout=85)
+    rows = result["rows"]
+    mpi = [r for r in rows if r["backend"] == "mpi"]
+    want = {(c, n, "sum" if c in sweep.REDUCING else "none") for c in sweep.COLLECTIVES
+            for n in (8, 64 << 10)}
+    assert {(r["collective"], r["bytes"], r["op"]) for r in mpi} == want
+    for r in mpi:
+        assert r["wrong"] == 0 and r["library"] == "mpi" and r["world_size"] == 2, r
+        assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
+        assert r["iters"] >= 2 and r["predicted_us"] is None
+    assert all(r["wrong"] == 0 for r in rows)
+    assert _table_rows(proc.stdout, "alltoall")[:2] == ["ringcomm/torch", "mpi"]
+    assert "vs mpi" in proc.stdout
+    assert result["peers"]["mpi"]["library"].startswith("MPICH")
+    near = [t for t in result["targets"] if t["target"].startswith("vs mpi, 64 KiB")]
+    assert len(near) == 1 and near[0]["row"] == "ringcomm/torch"
+
+
+@pytest.mark.timeout(60)
+def test_mpi_ranks_move_bfloat16_and_a_failing_one_is_named_with_its_traceback():
+    """The MPI ranks' turns, given by hand: bfloat16, which MPI has no type for, moves as
+    16-bit integers and checks right (and is never reduced); an instruction that fails on
+    the MPI ranks comes back as ``MpiPeerFailed`` with the rank and its traceback."""
+    from ringcomm_bench import mpi_peer
+
+    if (why := mpi_peer.unavailable()) is not None:
+        pytest.skip(why)
+    assert mpi_peer.unsupported("allreduce", "bfloat16", "sum") is not None
+    assert mpi_peer.unsupported("allgather", "bfloat16", None) is None
+    peer = mpi_peer.MpiPeer(2, timeout=30)
+    try:
+        peer.connect()
+        for collective in ("allgather", "broadcast", "alltoall"):
+            assert peer.turn("prepare", collective, "bfloat16", None, 2 * 1000) == [0, 0]
+            assert len(peer.turn("calls", 3)) == 2
+            assert peer.turn("check") == [0, 0], collective
+        assert peer.turn("prepare", "allreduce", "float32", "sum", 8) == [0, 0]
+        with pytest.raises(mpi_peer.MpiPeerFailed,
+                           match=r"rank 0 failed in 'bogus':\nTraceback[\s\S]*unknown instr"):
+            peer.turn("bogus")
+    finally:
+        peer.close()
+    assert peer.proc.returncode not in (None, 0)
+
+
+@pytest.mark.timeout(60)
+def test_peers_mpi_without_mpi4py_names_the_extra():
+    """Without mpi4py, ``--peers mpi`` says which extra to install, before any rank starts."""
+    from test_imports import BLOCK
+
+    code = BLOCK.format(top="mpi4py") + (
+        "from ringcomm_bench.cli import main\nsys.exit(main(['--peers', 'mpi', '--quick']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=55)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs mpi4py and MPICH" in proc.stderr, proc.stderr
+    assert "pip install 'ringcomm[mpi]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting ranks" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- --hosts
