@@ -1,0 +1,294 @@
+"""Jobs for the ``ddp/`` tests, run by real rank processes over ringcomm or gloo.
+
+The pool is ``torch_jobs.Ranks`` (processes spawned once per test module, one job per test,
+a hung job killed at its limit) serving this module's functions. Every job builds the same
+float64 model on every rank and checks, on every rank, that the gradients and weights equal
+those of one process training on the whole batch; a job returns what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch_jobs import Ranks
+
+import ddp
+import ringcomm  # noqa: F401 - registers the backend
+
+# --------------------------------------------------------------------------- the pool
+
+
+def _serve(rank: int, inbox: Any, outbox: Any) -> None:
+    torch.set_num_threads(1)
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            return
+        job_id, name, kwargs = msg
+        try:
+            result = ("ok", globals()[name](rank=rank, **kwargs), "")
+        except BaseException as err:  # noqa: BLE001 - sent back to the test
+            result = ("err", repr(err), traceback.format_exc())
+        outbox.put((job_id, rank, *result))
+
+
+class DdpRanks(Ranks):
+    """``torch_jobs.Ranks`` whose processes run the jobs of this module."""
+
+    def start(self) -> None:
+        for r in range(self.size):
+            p = self.procs[r]
+            if p is None or not p.is_alive():
+                self.inboxes[r] = self.ctx.Queue()
+                p = self.ctx.Process(target=_serve, args=(r, self.inboxes[r], self.outbox),
+                                     daemon=True, name=f"ddp-rank-{r}")
+                p.start()
+                self.procs[r] = p
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def group(backend: str, rank: int, world: int, port: int, timeout: float = 30.0
+          ) -> Iterator[None]:
+    """torch's default group on ``backend`` for the duration of a job."""
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    """The head is registered first and used last, so the order gradients come in differs
+    from reverse registration order; a branch is used only when asked."""
+
+    def __init__(self, branch: bool = False, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.body = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+        self.norm = norm
+        self.branch = nn.Linear(16, 16) if branch else None
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = self.body(x)
+        if self.norm is not None:
+            h = self.norm(h)
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def model(branch: bool = False, norm: nn.Module | None = None) -> Net:
+    torch.manual_seed(0)
+    return Net(branch, norm).double()
+
+
+def batches(steps: int, total: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` full batches of ``total`` samples."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(total, 6, generator=g, dtype=torch.float64),
+             torch.randn(total, 3, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def shard(sizes: list[int], rank: int) -> slice:
+    """This rank's samples when rank r holds ``sizes[r]`` of them."""
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def grads(m: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in m.parameters()]
+
+
+def close(got: list, want: list, what: str, rtol: float = 1e-10, atol: float = 1e-13) -> None:
+    """Equal up to the order of float64 additions; ``None`` only where ``None`` is wanted."""
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, f"{what}: parameter {i}: {a} vs {b}"
+            continue
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"{what}: parameter {i}")
+
+
+def params(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()]
+
+
+mse = nn.MSELoss()
+#: about one bucket per layer of ``Net`` (float64), the first one a layer's bias and weight
+SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.0003}
+
+
+def train_and_compare(rank: int, world: int, wrapped: nn.Module, ref: nn.Module,
+                      data: list, sizes: list[int], what: str, lr: float = 0.1,
+                      rtol: float = 1e-10, atol: float = 1e-13) -> None:
+    """SGD with momentum on ``data``: rank r trains on its ``sizes[r]`` samples of each batch,
+    ``ref`` on the whole batch; gradients compared after every backward, weights at the end."""
+    opt = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    mine = shard(sizes, rank)
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        mse(wrapped(x[mine]), y[mine]).backward()
+        mse(ref(x), y).backward()
+        inner = wrapped.module if isinstance(wrapped, ddp.DistributedDataParallel) else wrapped
+        close(grads(inner), grads(ref), f"{what}: gradients of step {step}", rtol, atol)
+        opt.step()
+        opt_ref.step()
+    close(params(wrapped), params(ref), f"{what}: weights", rtol, atol)
+
+
+# --------------------------------------------------------------------------- jobs: core
+
+
+def job_equivalence(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
+    """Several buckets, each DDP mode, three SGD steps each, against one process."""
+    out: dict[str, Any] = {}
+    small = SMALL_BUCKETS
+    modes: dict[str, dict] = {
+        "default": {},
+        "several buckets": small,
+        "gradient_as_bucket_view": dict(small, gradient_as_bucket_view=True),
+        "static_graph": dict(small, static_graph=True),
+        "registration order": dict(small, bucket_order="registration"),
+    }
+    with group(backend, rank, world, port):
+        for name, kwargs in modes.items():
+            wrapped = ddp.DistributedDataParallel(model(), **kwargs)
+            train_and_compare(rank, world, wrapped, model(), batches(3, 4 * world),
+                              [4] * world, name)
+            r = wrapped.reducer
+            views = all(p.grad.data_ptr() == r._buckets[r._where[i][0]].views[
+                r._where[i][1]].data_ptr() for i, p in enumerate(wrapped.parameters()))
+            out[name] = {"buckets": len(r.layout), "launch_order": r.last_step.launch_order,
+                         "rebuilds": [s for s, _ in r.rebuilds], "grads_are_views": views}
+    return out
+
+
+def job_unused(rank: int, world: int, port: int, backend: str, **_: Any) -> list[str]:
+    """find_unused_parameters: a branch no rank uses in some steps (its gradient stays None,
+    as in one process), used by every rank in others, and used by rank 0 only in one step
+    (locally unused elsewhere, still averaged); with gradient_as_bucket_view too."""
+    done = []
+    use = [[False] * world, [True] * world, [r == 0 for r in range(world)], [False] * world]
+    with group(backend, rank, world, port):
+        for kwargs in ({}, {"gradient_as_bucket_view": True}):
+            wrapped = ddp.DistributedDataParallel(
+                model(branch=True), find_unused_parameters=True, **SMALL_BUCKETS, **kwargs)
+            ref = model(branch=True)
+            for step, (x, y) in enumerate(batches(len(use), 4 * world)):
+                for m in (wrapped, ref):
+                    m.zero_grad(set_to_none=True)
+                mse(wrapped(x[shard([4] * world, rank)], use_branch=use[step][rank]),
+                    y[shard([4] * world, rank)]).backward()
+                loss = sum(mse(ref(x[shard([4] * world, r)], use_branch=use[step][r]),
+                               y[shard([4] * world, r)]) for r in range(world)) / world
+                loss.backward()
+                close(grads(wrapped.module), grads(ref), f"{kwargs} step {step}")
+            done.append("view" if kwargs else "copy")
+    return done
+
+
+def job_no_sync(rank: int, world: int, port: int, backend: str, steps: int = 3,
+                **_: Any) -> list[str]:
+    """``steps`` micro-batches under no_sync, then one that syncs: the accumulated local
+    sums are averaged once, equal to one process accumulating every micro-batch."""
+    done = []
+    with group(backend, rank, world, port):
+        for kwargs in ({}, {"gradient_as_bucket_view": True}):
+            wrapped = ddp.DistributedDataParallel(model(), **SMALL_BUCKETS,
+                                                  **kwargs)
+            ref = model()
+            data = batches(steps + 1, 4 * world)
+            mine = shard([4] * world, rank)
+            for i, (x, y) in enumerate(data):
+                mse(ref(x), y).backward()
+                if i < steps:
+                    with wrapped.no_sync():
+                        mse(wrapped(x[mine]), y[mine]).backward()
+                    assert wrapped.reducer.last_step is None, "a step under no_sync reduced"
+                else:
+                    mse(wrapped(x[mine]), y[mine]).backward()
+            close(grads(wrapped.module), grads(ref), f"no_sync {kwargs}")
+            done.append("view" if kwargs else "copy")
+    return done
+
+
+def job_bad_input(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
+    """Each mistake gives every rank a clear error, quickly."""
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        start = time.monotonic()
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - the test reads the type and text
+            out[name] = (type(err).__name__, str(err), time.monotonic() - start)
+        else:
+            out[name] = None
+
+    with group(backend, rank, world, port, timeout=20):
+        width = 32 if rank == 0 else 33
+        mismatched = nn.Sequential(nn.Linear(6, width), nn.Linear(width, 3)).double()
+        attempt("mismatched", lambda: ddp.DistributedDataParallel(mismatched))
+        attempt("different caps", lambda: ddp.DistributedDataParallel(
+            model(), bucket_cap_mb=0.001 if rank == 0 else 0.002, first_bucket_mb=0.0003))
+        attempt("integer", lambda: ddp.Reducer(
+            [nn.Parameter(torch.ones(3)), torch.zeros(3, dtype=torch.int64)]))
+
+        def unused_without_flag() -> None:
+            wrapped = ddp.DistributedDataParallel(model(branch=True), **SMALL_BUCKETS)
+            x, y = batches(1, 4)[0]
+            mse(wrapped(x), y).backward()
+        attempt("unused", unused_without_flag)
+        dist.barrier()  # the group still works after all of them
+        out["after"] = "ok"
+    return out
+
+
+def job_bucket_order(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
+    """The Reducer on its own over a model whose forward order is not its registration
+    order: the layout follows the observed order after the first step; when the graph
+    changes (the branch joins in step 3) every rank rebuilds after the same step; with
+    static_graph only the first rebuild happens."""
+    out: dict[str, Any] = {}
+    with group(backend, rank, world, port):
+        logging.getLogger("ddp").setLevel(logging.DEBUG)
+        for static in (False, True):
+            m = model(branch=True)
+            reducer = ddp.Reducer(m.parameters(), **SMALL_BUCKETS,
+                                  static_graph=static, find_unused_parameters=True,
+                                  param_names=[n for n, _ in m.named_parameters()])
+            layouts, ready_first = [reducer.layout], []
+            for step, (x, y) in enumerate(batches(6, 4 * world)):
+                mine = shard([4] * world, rank)
+                out_ = m(x[mine], use_branch=step >= 3)
+                reducer.prepare_for_backward(out_)
+                mse(out_, y[mine]).backward()
+                layouts.append(reducer.layout)
+                ready_first.append(reducer.last_step.ready_before_launch[0])
+                assert reducer.last_step.launch_order == sorted(
+                    reducer.last_step.launch_order), reducer.last_step.launch_order
+            names = [n for n, _ in m.named_parameters()]
+            out["static" if static else "observed"] = {
+                "first_bucket": [[names[i] for i in lay[0]] for lay in layouts],
+                "ready_before_first_launch": ready_first,
+                "rebuilds": reducer.rebuilds,
+                "ready_order": [names[i] for i in reducer.last_step.ready_order],
+            }
+            reducer.remove()
+    return out
+
