@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .consistency import describe, verify_same_across_ranks
 from .graph import tensors_in
 from .reducer import CommHook, Reducer
+from .sync_batchnorm import SyncBatchNorm
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -73,6 +74,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             average=average, bucket_order=bucket_order, param_names=[n for n, _ in trained],
             verify=False)
         _broadcast([p for _, p in named] + list(module.buffers()), self.process_group, src=0)
+        for m in module.modules():
+            if isinstance(m, SyncBatchNorm):
+                m.average = average
 
     # ------------------------------------------------------------------ training
 

@@ -292,3 +292,188 @@ def job_bucket_order(rank: int, world: int, port: int, backend: str, **_: Any) -
             reducer.remove()
     return out
 
+
+# --------------------------------------------------------------------------- jobs: features
+
+
+class FeaturesFirst(nn.Module):
+    """``Net`` taking its input transposed, (features, samples): the leading dimension of
+    the first argument is not the batch size, so ``average="samples"`` must be told it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def forward(self, xt: torch.Tensor) -> torch.Tensor:
+        return self.net(xt.t())
+
+
+def job_samples(rank: int, world: int, port: int, backend: str, sizes: list[int],
+                **_: Any) -> dict:
+    """average="samples" with ``sizes[r]`` samples on rank r: exact against one process on
+    all of them, with the batch size read from forward's input or set by hand, through the
+    default allreduce (bookkeeping fused into the first bucket) and through a comm hook
+    (bookkeeping in its own allreduce); average="ranks" is not, where sizes differ."""
+    out: dict[str, Any] = {}
+    total = sum(sizes)
+    with group(backend, rank, world, port):
+        wrapped = ddp.DistributedDataParallel(model(), average="samples", **SMALL_BUCKETS)
+        train_and_compare(rank, world, wrapped, model(), batches(3, total), sizes, "samples")
+        out["fused"] = wrapped.reducer._control_mode()
+
+        wrapped = ddp.DistributedDataParallel(model(), average="samples", **SMALL_BUCKETS)
+        wrapped.register_comm_hook(None, ddp.hooks.allreduce_hook)
+        train_and_compare(rank, world, wrapped, model(), batches(3, total), sizes, "hook")
+        out["hook"] = wrapped.reducer._control_mode()
+
+        wrapped = ddp.DistributedDataParallel(FeaturesFirst(), average="samples")
+        wrapped.set_local_batch_size(sizes[rank])
+        ref = model()
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in batches(2, total):
+            mine = shard(sizes, rank)
+            opt.zero_grad()
+            opt_ref.zero_grad()
+            mse(wrapped(x[mine].t()), y[mine]).backward()
+            mse(ref(x), y).backward()
+            opt.step()
+            opt_ref.step()
+        close(params(wrapped.module.net), params(ref), "set_local_batch_size")
+        out["set"] = True
+
+        wrapped = ddp.DistributedDataParallel(model(), average="ranks")
+        try:
+            train_and_compare(rank, world, wrapped, model(), batches(1, total), sizes, "ranks")
+            out["ranks_exact"] = True
+        except AssertionError:
+            out["ranks_exact"] = False
+    return out
+
+
+class Counter(nn.Module):
+    """Counts its forward calls in a buffer (for ``broadcast_buffers`` under join)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h
+
+
+def job_sync_batchnorm(rank: int, world: int, port: int, backend: str, sizes: list[int],
+                       **_: Any) -> dict:
+    """SyncBatchNorm from convert_sync_batchnorm against BatchNorm1d on the full batch:
+    gradients, weights, running statistics and the eval-mode output."""
+    total = sum(sizes)
+    average = "ranks" if len(set(sizes)) == 1 else "samples"
+    with group(backend, rank, world, port):
+        converted = ddp.SyncBatchNorm.convert_sync_batchnorm(model(norm=nn.BatchNorm1d(16)))
+        wrapped = ddp.DistributedDataParallel(converted.double(), average=average,
+                                              **SMALL_BUCKETS)
+        ref = model(norm=nn.BatchNorm1d(16)).double()
+        train_and_compare(rank, world, wrapped, ref, batches(3, total), sizes, "SyncBatchNorm")
+        sync_norm, ref_norm = wrapped.module.norm, ref.norm
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(sync_norm, name), getattr(ref_norm, name),
+                                       rtol=1e-10, atol=1e-13, msg=name)
+        x, _ = batches(1, 5, seed=7)[0]
+        wrapped.eval()
+        ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=1e-10, atol=1e-13)
+    return {"type": type(sync_norm).__name__, "average": sync_norm.average}
+
+
+def job_hooks(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
+    """Each compression hook (and torch's own fp16 hook on our DDP) against the exact
+    gradient: within its precision, and not exact (so it really compressed). For int8 the
+    bound is the one its docstring states: m / (2 * (127 // W)) per element, m the bucket's
+    largest magnitude on any rank."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out: dict[str, Any] = {}
+    sizes = [4] * world
+    x, y = batches(1, 4 * world)[0]
+    ref = model()
+    mse(ref(x), y).backward()
+    want = grads(ref)
+    # every rank's own gradients, for the int8 bound
+    local = []
+    for r in range(world):
+        m = model()
+        mse(m(x[shard(sizes, r)]), y[shard(sizes, r)]).backward()
+        local.append(grads(m))
+    hooks = {"fp16": (ddp.hooks.fp16_compress_hook, 1e-3), "bf16": (ddp.hooks.bf16_compress_hook,
+                                                                     1e-2),
+             "int8": (ddp.hooks.int8_compress_hook, None),
+             "torch fp16": (default_hooks.fp16_compress_hook, 1e-3),
+             "allreduce": (ddp.hooks.allreduce_hook, 0.0)}
+    with group(backend, rank, world, port):
+        for name, (hook, rtol) in hooks.items():
+            wrapped = ddp.DistributedDataParallel(model(), **SMALL_BUCKETS)
+            wrapped.register_comm_hook(None, hook)
+            mse(wrapped(x[shard(sizes, rank)]), y[shard(sizes, rank)]).backward()
+            got = grads(wrapped.module)
+            errors = [float((a - b).abs().max()) for a, b in zip(got, want, strict=True)]
+            if name == "int8":
+                levels = 127 // world
+                bound = [0.0] * len(want)
+                for bucket in wrapped.reducer.layout:
+                    m = max(float(g[i].abs().max()) for g in local for i in bucket)
+                    for i in bucket:
+                        bound[i] = m / (2 * levels) * (1 + 1e-6)
+                assert all(e <= b for e, b in zip(errors, bound, strict=True)), (errors, bound)
+            elif rtol == 0.0:
+                close(got, want, name)
+            else:
+                scale = max(float(w.abs().max()) for w in want)
+                assert max(errors) <= rtol * scale, (name, errors, scale)
+            out[name] = max(errors)
+        # a bucket holding inf or nan on any rank: every rank refuses to quantise it
+        bad = torch.tensor([1.0, float("nan") if rank == 1 else 2.0])
+        try:
+            ddp.hooks.int8_compress_hook(None, ddp.GradBucket(0, bad, True, [], []))
+        except FloatingPointError as err:
+            out["nan"] = str(err)
+    return out
+
+
+def job_join(rank: int, world: int, port: int, backend: str, counts: list[int],
+             divide_by_initial_world_size: bool = True, average: str = "ranks",
+             **_: Any) -> dict:
+    """Rank r trains on ``counts[r]`` batches under join(): the weights equal one process's
+    whose step i averages over the ranks that still had a batch i (divided by the world
+    size, or by those ranks); the buffers were taken from a rank still training before each
+    forward; every replica ends identical."""
+    world_sizes = [4] * world
+    data = batches(max(counts), 4 * world)
+    with group(backend, rank, world, port):
+        wrapped = ddp.DistributedDataParallel(model(norm=Counter()), average=average,
+                                              **SMALL_BUCKETS)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        with wrapped.join(divide_by_initial_world_size=divide_by_initial_world_size):
+            for x, y in data[:counts[rank]]:
+                opt.zero_grad()
+                mse(wrapped(x[shard(world_sizes, rank)]), y[shard(world_sizes, rank)]).backward()
+                opt.step()
+        ref = model(norm=Counter())
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(data):
+            active = [r for r in range(world) if i < counts[r]]
+            opt_ref.zero_grad()
+            loss = sum(mse(ref(x[shard(world_sizes, r)]), y[shard(world_sizes, r)])
+                       for r in active)
+            divisor = world if divide_by_initial_world_size and average == "ranks" else len(
+                active)
+            (loss / divisor).backward()
+            opt_ref.step()
+        close(params(wrapped.module), params(ref), f"join {counts}")
+        flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
+        everyone = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        identical = all(torch.equal(e, everyone[0]) for e in everyone)
+    return {"identical": identical, "calls": int(wrapped.module.norm.calls),
+            "rebuilds": [s for s, _ in wrapped.reducer.rebuilds]}
