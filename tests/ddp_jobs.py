@@ -477,3 +477,52 @@ def job_join(rank: int, world: int, port: int, backend: str, counts: list[int],
         identical = all(torch.equal(e, everyone[0]) for e in everyone)
     return {"identical": identical, "calls": int(wrapped.module.norm.calls),
             "rebuilds": [s for s, _ in wrapped.reducer.rebuilds]}
+
+
+# --------------------------------------------------------------------------- jobs: timing
+
+
+class ReversedChain(nn.Module):
+    """Layers registered in one order and run in the other: reverse registration order puts
+    the gradients that come last into the first bucket."""
+
+    def __init__(self, width: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def job_first_launch(rank: int, world: int, port: int, backend: str, steps: int = 12,
+                     **_: Any) -> dict:
+    """When the first allreduce starts, as a fraction of backward, with the observed bucket
+    order and with the static reverse registration order (torch's defaults: 1 MiB first
+    bucket, 25 MiB cap; float32). Medians over ``steps`` after two warm-up steps."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    with group(backend, rank, world, port):
+        for order in ("registration", "observed"):
+            torch.manual_seed(0)
+            wrapped = ddp.DistributedDataParallel(ReversedChain(), bucket_order=order)
+            g = torch.Generator().manual_seed(rank)
+            x, y = torch.randn(64, 512, generator=g), torch.randn(64, 512, generator=g)
+            first, backward, ready = [], [], []
+            for step in range(steps + 2):
+                loss = mse(wrapped(x), y)
+                dist.barrier()
+                start = time.perf_counter()
+                loss.backward()
+                record = wrapped.reducer.last_step
+                if step >= 2:
+                    first.append(record.launch_times[0] - start)
+                    backward.append(record.finish_time - start)
+                    ready.append(record.ready_before_launch[0])
+            out[order] = {"first_launch_ms": statistics.median(first) * 1e3,
+                          "backward_ms": statistics.median(backward) * 1e3,
+                          "ready_before_first_launch": statistics.median(ready),
+                          "buckets": len(wrapped.reducer.layout)}
+    return out

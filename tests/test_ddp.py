@@ -103,3 +103,23 @@ def test_buckets_follow_the_observed_order_and_every_rank_rebuilds_together(rank
     assert observed["first_bucket"][5][0] == "head.bias"
     assert [step for step, _ in static["rebuilds"]] == [1]
     assert observed["ready_before_first_launch"][1] == 2  # the head's bias and weight
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_observed_order_launches_the_first_allreduce_earlier(ranks, backend, capsys):
+    """On a model run in the reverse of its registration order, the first bucket under the
+    static reverse registration order waits for the last gradient; under the observed order
+    it goes out after the first layer's. Measured (median over 12 steps on each rank)."""
+    res = ranks.run("job_first_launch", 2, timeout=110, backend=backend)
+    for out in res:
+        static, observed = out["registration"], out["observed"]
+        assert static["ready_before_first_launch"] == 12  # every gradient
+        assert observed["ready_before_first_launch"] == 2  # the first layer's weight and bias
+        assert observed["first_launch_ms"] < 0.5 * static["first_launch_ms"], out
+    with capsys.disabled():
+        for rank, out in enumerate(res):
+            print(f"\n{backend} rank {rank}: " + "; ".join(
+                f"{k}: first allreduce at {v['first_launch_ms']:.2f} ms of "
+                f"{v['backward_ms']:.2f} ms backward" for k, v in out.items()))
