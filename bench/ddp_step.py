@@ -1,23 +1,26 @@
-"""``ringcomm bench ddp``: training step time of torch's DistributedDataParallel over ringcomm
-against the same over Gloo, in the same processes.
+"""``ringcomm bench ddp``: training step time of torch's DistributedDataParallel and of ours
+(the ``ddp`` package) over ringcomm and over Gloo, in the same processes.
 
     ringcomm bench ddp                       # a small MLP and a small convnet, world 2
     ringcomm bench ddp -n 2 4 --json ddp.json
+    ringcomm bench ddp --ddp ours            # only our DDP, on both backends
 
 Why this and not only the sweep: DDP is what data-parallel training actually runs. It cuts
 the gradients into buckets and all-reduces each one asynchronously while backward is still
 computing the rest, so what counts is how the backend shares the cores with autograd, not
 only its bandwidth. Every rank joins Gloo as the default group and ringcomm through
 ``dist.new_group(backend="ringcomm")``; the same model, starting from the same weights,
-is wrapped once per group. Repetitions take turns (in a new shuffled order each time),
+is wrapped once per group and DDP implementation (torch's ``nn.parallel`` one and
+``ddp.DistributedDataParallel``, both with their default buckets: 1 MiB first, 25 MiB cap).
+Repetitions take turns (in a new shuffled order each time),
 each ``--steps`` steps of forward, backward (with DDP's all-reduces) and SGD; a
 repetition's time is the slowest rank's, and the step time is the median over
 repetitions. The ``local`` row runs the same step without DDP: the compute alone, the
 floor for both backends.
 
-Every replica sees the same batches, so after the run the ringcomm-trained and the
-Gloo-trained weights must agree (up to the order of floating-point additions);
-``max diff`` is the largest difference, and a run where they disagree fails.
+Every replica sees the same batches, so after the run the weights trained by every DDP
+replica must agree (up to the order of floating-point additions); ``max diff`` is the
+largest difference, and a run where they disagree fails.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .common import RankFailed, free_port, launch, machine_info, turn_order
 
 MODELS = ("mlp", "convnet")
 BACKENDS = ("ringcomm", "gloo")
+DDPS = ("torch", "ours")  # torch.nn.parallel.DistributedDataParallel, ddp.DistributedDataParallel
 
 
 def build_model(kind: str) -> tuple[Any, Any]:
@@ -107,20 +111,24 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
                  groups: dict[str, Any], report: Any) -> list[dict]:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    import ddp
+
+    wrappers = {"torch": TorchDDP, "ours": ddp.DistributedDataParallel}
     torch.manual_seed(0)
     base, batch_for = build_model(kind)
     batches = [batch_for(rank, i) for i in range(8)]
-    replicas = {"local": _Replica(copy.deepcopy(base), batches)}
+    replicas = {("local", None): _Replica(copy.deepcopy(base), batches)}
     for name in args.backends:
-        replicas[name] = _Replica(DDP(copy.deepcopy(base), process_group=groups[name]),
-                                  batches)
+        for impl in args.ddp:
+            replicas[name, impl] = _Replica(
+                wrappers[impl](copy.deepcopy(base), process_group=groups[name]), batches)
     names = list(replicas)
     for replica in replicas.values():
         for _ in range(args.warmup):
             replica.step()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[tuple, list[float]] = {name: [] for name in names}
     for rep in range(args.reps):
         for name in (names[i] for i in turn_order(len(names), rep)):
             dist.barrier()
@@ -134,19 +142,19 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
         if rank == 0:
             report("progress", (kind, rep))
     # same batches, same start, same number of steps: the DDP replicas must agree
-    flat = [torch.cat([p.detach().reshape(-1) for p in replicas[name].model.parameters()])
-            for name in args.backends]
+    flat = [torch.cat([p.detach().reshape(-1) for p in replica.model.parameters()])
+            for name, replica in replicas.items() if name[1] is not None]
     diff = torch.tensor([max(float((f - flat[0]).abs().max()) for f in flat)],
                         dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     params = sum(p.numel() for p in base.parameters())
     return [{
-        "model": kind, "world_size": world, "backend": name, "params": params,
+        "model": kind, "world_size": world, "backend": name, "ddp": impl, "params": params,
         "grad_MiB": params * 4 / 2**20, "step_ms": statistics.median(t) * 1e3,
         "min_step_ms": min(t) * 1e3, "rep_step_ms": [v * 1e3 for v in t],
-        "max_weight_diff": float(diff) if name != "local" else None,
+        "max_weight_diff": float(diff) if impl is not None else None,
         "steps": args.steps, "reps": args.reps, "warmup": args.warmup,
-    } for name, t in times.items()]
+    } for (name, impl), t in times.items()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--ddp", nargs="+", default=list(DDPS), choices=DDPS,
+                   help="DDP implementations: torch's, ours (the ddp package), or both")
     p.add_argument("--steps", type=int, default=10, help="training steps per repetition")
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per replica")
@@ -170,16 +180,25 @@ def print_table(rows: list[dict], console: Any) -> None:
 
     table = Table(title="DDP training step (median over repetitions, slowest rank)",
                   title_justify="left", show_edge=False, pad_edge=False)
-    for name in ("model", "world", "params", "grads (MiB)", "backend", "step (ms)",
-                 "min (ms)", "vs gloo", "max diff"):
-        table.add_column(name, justify="left" if name in ("model", "backend") else "right")
+    for name in ("model", "world", "params", "grads (MiB)", "backend", "DDP", "step (ms)",
+                 "min (ms)", "vs gloo", "vs torch's", "max diff"):
+        table.add_column(name, justify="left" if name in ("model", "backend", "DDP")
+                         else "right")
+
+    def ratio(r: dict, **match: Any) -> str:
+        """``r``'s step time over that of the row like it but for ``match``."""
+        other = next((o for o in rows if o["model"] == r["model"]
+                      and o["world_size"] == r["world_size"]
+                      and all(o.get(k) == v for k, v in match.items())), None)
+        return f"{r['step_ms'] / other['step_ms']:.2f}x" if other and other is not r else "-"
+
     for r in rows:
-        gloo = next((g for g in rows if g["backend"] == "gloo" and g["model"] == r["model"]
-                     and g["world_size"] == r["world_size"]), None)
+        impl = r.get("ddp")
         table.add_row(r["model"], str(r["world_size"]), f"{r['params']:,}",
-                      f"{r['grad_MiB']:.1f}", r["backend"], f"{r['step_ms']:.2f}",
-                      f"{r['min_step_ms']:.2f}",
-                      f"{r['step_ms'] / gloo['step_ms']:.2f}x" if gloo else "-",
+                      f"{r['grad_MiB']:.1f}", r["backend"], impl or "-",
+                      f"{r['step_ms']:.2f}", f"{r['min_step_ms']:.2f}",
+                      ratio(r, backend="gloo", ddp=impl) if impl else "-",
+                      ratio(r, backend=r["backend"], ddp="torch") if impl == "ours" else "-",
                       "-" if r["max_weight_diff"] is None else f"{r['max_weight_diff']:.1e}")
     console.print(table)
 
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"world sizes must be at least 1, got {args.world_sizes}")
     args.models = list(dict.fromkeys(args.models))
     args.backends = list(dict.fromkeys(args.backends))
+    args.ddp = list(dict.fromkeys(args.ddp))
     err = Console(stderr=True)
     rows: list[dict] = []
     started = time.time()
@@ -236,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         out.print(f"wrote {args.json}")
     bad = [r for r in rows if r["max_weight_diff"] is not None and r["max_weight_diff"] > 1e-3]
     if bad:
-        err.print(f"the ringcomm- and gloo-trained weights differ by up to "
-                  f"{max(r['max_weight_diff'] for r in bad):.2e}: one backend computed wrong "
-                  "gradients")
+        err.print(f"the weights trained by the DDP replicas differ by up to "
+                  f"{max(r['max_weight_diff'] for r in bad):.2e}: one backend or DDP computed "
+                  "wrong gradients")
         return 1
     return 0
