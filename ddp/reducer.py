@@ -77,6 +77,7 @@ class _Step:
         buckets = reducer._buckets
         self.shadow = shadow
         self.local_batch = local_batch
+        self.copy_scale = 1  # what gradients are multiplied by on their way into the bucket
         self.pending = [0 if shadow else len(b.param_indices) for b in buckets]
         self.ready = [False] * len(reducer._params)
         self.next_launch = 0
@@ -324,6 +325,8 @@ class Reducer:
                         "as the first argument of forward, or call set_local_batch_size(n)")
                 local_batch = 1
         step = _Step(self, shadow, local_batch or 0)
+        if self.average == "samples" and self._hook is None:
+            step.copy_scale = step.local_batch  # summed, then divided by the total at the end
         slots = self._slots
         control = torch.zeros(slots.size, dtype=torch.float64)
         if not shadow:
@@ -375,12 +378,18 @@ class Reducer:
             step.ready_times.append(time.perf_counter())
         b, k = self._where[i]
         view = self._buckets[b].views[k]
+        scale = step.copy_scale
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            if scale == 1:
+                view.copy_(grad)
+            else:  # scaling while copying saves a pass over the bucket
+                torch.mul(grad, scale, out=view)
             if self.gradient_as_bucket_view:
                 self._params[i].grad = view
+        elif scale != 1:
+            view.mul_(scale)
         step.pending[b] -= 1
         if step.pending[b] == 0:
             while (step.next_launch < len(self._buckets)
@@ -395,8 +404,6 @@ class Reducer:
         if self._hook is None:
             if b == 0 and step.control_mode == "fused":
                 flat[bucket.grad_numel:].copy_(step.control)
-            if self.average == "samples" and not step.shadow:
-                grads.mul_(step.local_batch)
             future = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
         else:
             if not step.shadow:
@@ -478,7 +485,11 @@ class Reducer:
             grads.copy_(value.reshape(-1)[:grads.numel()])
 
     def _write_gradients(self, step: _Step, total: list[float]) -> None:
+        """Average and write ``param.grad``: the division happens while copying out of the
+        bucket (one pass over the gradients, not two), or in the bucket when it is the
+        gradient (``gradient_as_bucket_view``). A hook has averaged already."""
         slots = self._slots
+        divisor = 1.0
         if self._hook is None:
             if self.average == "samples":
                 divisor = total[slots.BATCH]
@@ -486,11 +497,13 @@ class Reducer:
                 divisor = self.world_size
             else:
                 divisor = total[slots.ACTIVE]
+        if not divisor:  # no rank had a sample: nothing to average
             for bucket in self._buckets:
-                if divisor:
-                    bucket.grads.div_(divisor)
-                else:  # no rank had a sample: nothing to average
-                    bucket.grads.zero_()
+                bucket.grads.zero_()
+            divisor = 1.0
+        if self.gradient_as_bucket_view and divisor != 1:
+            for bucket in self._buckets:
+                bucket.grads.div_(divisor)
         for i, p in enumerate(self._params):
             if slots.with_used_mask and total[slots.USED + i] == 0:
                 continue  # no rank used it: its gradient stays as it was, as torch's DDP does
@@ -500,9 +513,11 @@ class Reducer:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
             elif p.grad is None:
-                p.grad = view.clone()
-            else:
+                p.grad = view.clone() if divisor == 1 else view / divisor
+            elif divisor == 1:
                 p.grad.copy_(view)
+            else:
+                torch.div(view, divisor, out=p.grad)
 
     def _end_sync_step(self, step: _Step, total: list[float]) -> None:
         self._sync_steps += 1
