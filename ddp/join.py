@@ -29,7 +29,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         if not ddp._agree_on_sync_as_joined():
             return
-        if ddp.broadcast_buffers:
+        if ddp._syncs_buffers:
             ddp._sync_buffers(active=False)
         ddp.reducer.shadow_step()
 

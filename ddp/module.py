@@ -57,6 +57,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.broadcast_buffers = broadcast_buffers
+        # walking the modules for buffers costs a few microseconds per module and forward
+        self._syncs_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
         named = list(module.named_parameters())
@@ -86,7 +88,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             Join.notify_join_context(self)
             self._announce_sync(sync)
-        if sync and self.broadcast_buffers:
+        if sync and self._syncs_buffers:
             self._sync_buffers(active=True)
         if grad:  # the backward of this forward syncs or not, whatever comes in between
             self.reducer.require_sync = self.require_backward_grad_sync
@@ -164,9 +166,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                    self.process_group, src)
 
     def _sync_buffers(self, active: bool) -> None:
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
+        buffers = list(self.module.buffers())  # read again: a buffer may have been replaced
         src = self._common_rank(active) if self._join_config.enable else 0
         _broadcast(buffers, self.process_group, src)
 
