@@ -261,12 +261,21 @@ def job_bad_input(rank: int, world: int, port: int, backend: str, **_: Any) -> d
 
 def job_bucket_order(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
     """The Reducer on its own over a model whose forward order is not its registration
-    order: the layout follows the observed order after the first step; when the graph
-    changes (the branch joins in step 3) every rank rebuilds after the same step; with
-    static_graph only the first rebuild happens."""
+    order: the layout follows the observed order after the first step; when the last rank's
+    graph changes (its branch joins in step 3) every rank rebuilds after the same step, and
+    the debug log says when and why; with static_graph only the first rebuild happens."""
     out: dict[str, Any] = {}
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("ddp")
+    keep = Keep()
+    logger.addHandler(keep)
+    logger.setLevel(logging.DEBUG)
     with group(backend, rank, world, port):
-        logging.getLogger("ddp").setLevel(logging.DEBUG)
         for static in (False, True):
             m = model(branch=True)
             reducer = ddp.Reducer(m.parameters(), **SMALL_BUCKETS,
@@ -275,7 +284,7 @@ def job_bucket_order(rank: int, world: int, port: int, backend: str, **_: Any) -
             layouts, ready_first = [reducer.layout], []
             for step, (x, y) in enumerate(batches(6, 4 * world)):
                 mine = shard([4] * world, rank)
-                out_ = m(x[mine], use_branch=step >= 3)
+                out_ = m(x[mine], use_branch=step >= 3 and rank == world - 1)
                 reducer.prepare_for_backward(out_)
                 mse(out_, y[mine]).backward()
                 layouts.append(reducer.layout)
@@ -290,6 +299,10 @@ def job_bucket_order(rank: int, world: int, port: int, backend: str, **_: Any) -
                 "ready_order": [names[i] for i in reducer.last_step.ready_order],
             }
             reducer.remove()
+    logger.removeHandler(keep)
+    logger.setLevel(logging.NOTSET)
+    out["log"] = [m.replace(f"ddp: rank {rank}:", "ddp: rank R:") for m in messages
+                  if "sync step" in m]
     return out
 
 

@@ -89,19 +89,25 @@ def test_bad_input_is_a_clear_error_on_every_rank(ranks, backend):
 def test_buckets_follow_the_observed_order_and_every_rank_rebuilds_together(ranks, backend):
     """The head is registered first but its gradient comes first: after the first step it is
     in the first bucket, which then launches after the fewest gradients. When the branch
-    joins in step 3, the ranks flag it in step 4's first bucket and all rebuild after it;
-    static_graph keeps the first rebuild only."""
+    joins in step 3 on the last rank only, that rank flags it in step 4's first bucket and
+    every rank rebuilds after step 4 (rank 0's order decides); static_graph keeps the first
+    rebuild only."""
     res = ranks.run("job_bucket_order", 2, timeout=50, backend=backend)
-    assert res[0] == res[1]  # the same layouts, rebuilds and reasons on every rank
+    orders = [[r[kind].pop("ready_order") for kind in ("observed", "static")] for r in res]
+    assert res[0] == res[1]  # the same layouts, rebuilds, reasons and log on every rank
+    assert "branch.bias" not in orders[0][0] and "branch.bias" in orders[1][0]
     observed, static = res[0]["observed"], res[0]["static"]
     assert observed["first_bucket"][0] == ["branch.bias", "branch.weight"]  # reverse order
     assert observed["first_bucket"][1][0] == "head.bias"  # what came first in step 0
-    assert observed["ready_order"][:2] == ["head.bias", "head.weight"]
+    assert orders[0][0][:2] == ["head.bias", "head.weight"]
     assert [step for step, _ in observed["rebuilds"]] == [1, 5]
-    assert "1 rank(s) saw" not in observed["rebuilds"][1][1]
-    assert "2 rank(s) saw the gradient order change in sync step 4" in observed["rebuilds"][1][1]
+    assert "1 rank(s) saw the gradient order change in sync step 4" in observed["rebuilds"][1][1]
     assert observed["first_bucket"][5][0] == "head.bias"
     assert [step for step, _ in static["rebuilds"]] == [1]
+    log = res[0]["log"]
+    assert len(log) == 3 and all(m.startswith("ddp: rank R: ") for m in log), log
+    assert "rebuilt buckets after sync step 1 (the first step's order)" in log[0]
+    assert "after sync step 5 (1 rank(s) saw the gradient order change in sync step 4)" in log[1]
     assert observed["ready_before_first_launch"][1] == 2  # the head's bias and weight
 
 
