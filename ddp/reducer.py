@@ -443,8 +443,9 @@ class Reducer:
         return step.control_total
 
     def _finalize(self) -> None:
-        """End of backward (an autograd engine callback): wait for every bucket, average,
-        write ``param.grad``, then look at the order the gradients came in."""
+        """End of backward (an autograd engine callback): wait for each bucket in turn,
+        average it and write its ``param.grad``, then look at the order the gradients came
+        in."""
         step = self._step
         if step is None:
             return
@@ -467,11 +468,15 @@ class Reducer:
                 for i in missing:
                     grad = self._params[i].grad if self.find_unused_parameters else None
                     self._mark_ready(step, i, grad, observed=False)
-            for b in range(len(self._buckets)):
+            total: list[float] = []
+            divisor = 1.0
+            for b, bucket in enumerate(self._buckets):
                 self._collect(step, b)
-            total = self._control_total(step)
-            if not step.shadow:
-                self._write_gradients(step, total)
+                if b == 0:  # the bookkeeping has arrived with (or before) the first bucket
+                    total = self._control_total(step)
+                    divisor = self._divisor(total)
+                if not step.shadow:  # while later buckets are still being reduced
+                    self._write_gradients(bucket, total, divisor)
             self._end_sync_step(step, total)
         finally:
             self._step = None
@@ -484,31 +489,30 @@ class Reducer:
         if value.data_ptr() != grads.data_ptr():
             grads.copy_(value.reshape(-1)[:grads.numel()])
 
-    def _write_gradients(self, step: _Step, total: list[float]) -> None:
-        """Average and write ``param.grad``: the division happens while copying out of the
-        bucket (one pass over the gradients, not two), or in the bucket when it is the
-        gradient (``gradient_as_bucket_view``). A hook has averaged already."""
+    def _divisor(self, total: list[float]) -> float:
+        """What the summed buckets are divided by (1 where a hook averaged already)."""
+        if self._hook is not None:
+            return 1.0
+        if self.average == "samples":
+            return total[self._slots.BATCH]
+        if self.divide_by_initial_world_size:
+            return float(self.world_size)
+        return total[self._slots.ACTIVE]
+
+    def _write_gradients(self, bucket: Bucket, total: list[float], divisor: float) -> None:
+        """Average ``bucket`` and write its parameters' ``grad``: the division happens while
+        copying out of the bucket (one pass over the gradients, not two), or in the bucket
+        when it is the gradient (``gradient_as_bucket_view``)."""
         slots = self._slots
-        divisor = 1.0
-        if self._hook is None:
-            if self.average == "samples":
-                divisor = total[slots.BATCH]
-            elif self.divide_by_initial_world_size:
-                divisor = self.world_size
-            else:
-                divisor = total[slots.ACTIVE]
         if not divisor:  # no rank had a sample: nothing to average
-            for bucket in self._buckets:
-                bucket.grads.zero_()
+            bucket.grads.zero_()
             divisor = 1.0
         if self.gradient_as_bucket_view and divisor != 1:
-            for bucket in self._buckets:
-                bucket.grads.div_(divisor)
-        for i, p in enumerate(self._params):
+            bucket.grads.div_(divisor)
+        for i, view in zip(bucket.param_indices, bucket.views, strict=True):
             if slots.with_used_mask and total[slots.USED + i] == 0:
                 continue  # no rank used it: its gradient stays as it was, as torch's DDP does
-            b, k = self._where[i]
-            view = self._buckets[b].views[k]
+            p = self._params[i]
             if self.gradient_as_bucket_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
