@@ -135,13 +135,15 @@ def train_and_compare(rank: int, world: int, wrapped: nn.Module, ref: nn.Module,
                       data: list, sizes: list[int], what: str, lr: float = 0.1,
                       rtol: float = 1e-10, atol: float = 1e-13) -> None:
     """SGD with momentum on ``data``: rank r trains on its ``sizes[r]`` samples of each batch,
-    ``ref`` on the whole batch; gradients compared after every backward, weights at the end."""
+    ``ref`` on the whole batch; gradients compared after every backward, weights at the end.
+    Gradients are zeroed in place, so where they are bucket views autograd accumulates
+    straight into the buckets."""
     opt = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     mine = shard(sizes, rank)
     for step, (x, y) in enumerate(data):
-        opt.zero_grad()
-        opt_ref.zero_grad()
+        opt.zero_grad(set_to_none=False)
+        opt_ref.zero_grad(set_to_none=False)
         mse(wrapped(x[mine]), y[mine]).backward()
         mse(ref(x), y).backward()
         inner = wrapped.module if isinstance(wrapped, ddp.DistributedDataParallel) else wrapped
@@ -325,14 +327,20 @@ def job_samples(rank: int, world: int, port: int, backend: str, sizes: list[int]
                 **_: Any) -> dict:
     """average="samples" with ``sizes[r]`` samples on rank r: exact against one process on
     all of them, with the batch size read from forward's input or set by hand, through the
-    default allreduce (bookkeeping fused into the first bucket) and through a comm hook
-    (bookkeeping in its own allreduce); average="ranks" is not, where sizes differ."""
+    default allreduce (bookkeeping fused into the first bucket; gradients copied or bucket
+    views) and through a comm hook (bookkeeping in its own allreduce); average="ranks" is
+    not, where sizes differ."""
     out: dict[str, Any] = {}
     total = sum(sizes)
     with group(backend, rank, world, port):
         wrapped = ddp.DistributedDataParallel(model(), average="samples", **SMALL_BUCKETS)
         train_and_compare(rank, world, wrapped, model(), batches(3, total), sizes, "samples")
         out["fused"] = wrapped.reducer._control_mode()
+
+        wrapped = ddp.DistributedDataParallel(model(), average="samples",
+                                              gradient_as_bucket_view=True, **SMALL_BUCKETS)
+        train_and_compare(rank, world, wrapped, model(), batches(3, total), sizes,
+                          "samples, gradients as bucket views")
 
         wrapped = ddp.DistributedDataParallel(model(), average="samples", **SMALL_BUCKETS)
         wrapped.register_comm_hook(None, ddp.hooks.allreduce_hook)
