@@ -464,16 +464,19 @@ def job_hooks(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:
 
 def job_join(rank: int, world: int, port: int, backend: str, counts: list[int],
              divide_by_initial_world_size: bool = True, average: str = "ranks",
-             **_: Any) -> dict:
+             fp16: bool = False, **_: Any) -> dict:
     """Rank r trains on ``counts[r]`` batches under join(): the weights equal one process's
     whose step i averages over the ranks that still had a batch i (divided by the world
     size, or by those ranks); the buffers were taken from a rank still training before each
-    forward; every replica ends identical."""
+    forward; every replica ends identical. With ``fp16`` the buckets go through the fp16
+    hook (joined ranks run it on zeros) and the weights agree to fp16's precision."""
     world_sizes = [4] * world
     data = batches(max(counts), 4 * world)
     with group(backend, rank, world, port):
         wrapped = ddp.DistributedDataParallel(model(norm=Counter()), average=average,
                                               **SMALL_BUCKETS)
+        if fp16:
+            wrapped.register_comm_hook(None, ddp.hooks.fp16_compress_hook)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         with wrapped.join(divide_by_initial_world_size=divide_by_initial_world_size):
             for x, y in data[:counts[rank]]:
@@ -491,7 +494,8 @@ def job_join(rank: int, world: int, port: int, backend: str, counts: list[int],
                 active)
             (loss / divisor).backward()
             opt_ref.step()
-        close(params(wrapped.module), params(ref), f"join {counts}")
+        tolerance = {"rtol": 1e-3, "atol": 1e-4} if fp16 else {}
+        close(params(wrapped.module), params(ref), f"join {counts}", **tolerance)
         flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
         everyone = [torch.zeros_like(flat) for _ in range(world)]
         dist.all_gather(everyone, flat)

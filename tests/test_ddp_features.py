@@ -58,10 +58,10 @@ def test_compression_hooks_stay_within_their_precision(ranks, backend):
 def test_join_with_uneven_batches_ends_with_identical_replicas(ranks, backend):
     """Rank r has 2 + r batches (then r: rank 0 has none and shadows from the start,
     through the first rebuild), divided by the world size or by the ranks still training,
-    and with average="samples"."""
+    with average="samples", and through the fp16 hook."""
     cases = [dict(counts=[2, 3, 4]), dict(counts=[0, 1, 2]),
              dict(counts=[2, 3, 4], divide_by_initial_world_size=False),
-             dict(counts=[1, 3, 2], average="samples")]
+             dict(counts=[1, 3, 2], average="samples"), dict(counts=[1, 2, 3], fp16=True)]
     for case in cases:
         res = ranks.run("job_join", 3, timeout=40, backend=backend, **case)
         longest = max(case["counts"])
