@@ -1,6 +1,6 @@
 # Two front-door commands; each sets itself up on a fresh clone.
 #   make demo   several ranks on localhost under torchrun: a checked allreduce and its bandwidth
-#   make test   the whole test suite
+#   make test   type checks (mypy, configured in pyproject.toml), then the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/allreduce_demo.py
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

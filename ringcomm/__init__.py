@@ -99,7 +99,8 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
             run(module)
             _register_torch_backend()
 
-        spec.loader.exec_module = exec_module
+        # this one loader's exec_module, wrapped: the hook runs once torch has loaded
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

@@ -21,25 +21,34 @@ from collections.abc import Callable, Sequence
 
 from ._version import __version__
 from .errors import ArgumentError
-from .plan.collectives import COLLECTIVES
+from .plan.collectives import COLLECTIVES, Collective
 from .schedules import HOST_AWARE, Schedule
 
+# builder(rank, world_size, count, segment, root) -> that rank's schedule
+_Builder = Callable[[int, int, int, int, int], Schedule]
 
-def _schedule_entries() -> dict[str, tuple[str, Callable[[int, int, int, int, int], Schedule]]]:
+
+def _schedule_entries() -> dict[str, tuple[str, _Builder]]:
     """``ringcomm schedule``'s names, from the table of collectives: each collective's main
     algorithm under the collective's name, its others as ``NAME_WORD`` (``allreduce_tree``,
     ``broadcast_tree``); none that needs the hosts' layout, which this command has no
     option for. Name -> (help, builder(rank, world_size, count, segment, root))."""
-    entries = {}
+    entries: dict[str, tuple[str, _Builder]] = {}
     for spec in COLLECTIVES.values():
         for i, algorithm in enumerate(spec.algorithms.values()):
             if algorithm.name in HOST_AWARE:
                 continue
             name = spec.name if i == 0 else f"{spec.name}_{algorithm.word}"
-            entries[name] = (algorithm.summary, lambda r, n, c, s, root, spec=spec,
-                             algorithm=algorithm.name: spec.schedule(
-                                 r, n, c, s, root=root, algorithm=algorithm))
+            entries[name] = (algorithm.summary, _builder(spec, algorithm.name))
     return entries
+
+
+def _builder(spec: Collective, algorithm: str) -> _Builder:
+    """``spec``'s schedules by ``algorithm``, called the way this command calls them all."""
+
+    def build(rank: int, world_size: int, count: int, segment: int, root: int) -> Schedule:
+        return spec.schedule(rank, world_size, count, segment, root=root, algorithm=algorithm)
+    return build
 
 
 _SCHEDULES = _schedule_entries()

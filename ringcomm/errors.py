@@ -6,6 +6,8 @@ Every error raised by a running collective names the rank that raised it and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class CommError(RuntimeError):
     """Base class of every ringcomm error.
@@ -34,11 +36,13 @@ class CommError(RuntimeError):
         prefix = f"[{', '.join(where)}] " if where else ""
         super().__init__(prefix + message)
 
-    def __reduce__(self):  # keep the fields when an error crosses a process boundary
+    def __reduce__(self) -> tuple[Callable[..., CommError], tuple[object, ...]]:
+        # keep the fields when an error crosses a process boundary
         return (_rebuild, (type(self), self.detail, self.rank, self.op, self.peer))
 
 
-def _rebuild(cls, detail, rank, op, peer):
+def _rebuild(cls: type[CommError], detail: str, rank: int | None, op: str | None,
+             peer: int | None) -> CommError:
     return cls(detail, rank=rank, op=op, peer=peer)
 
 

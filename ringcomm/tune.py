@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, port: int, sizes: tuple[int, ...], reps: i
     comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120,
                          segment_bytes=cost.DEFAULT_SEGMENT_BYTES)
     try:
-        timings: dict[tuple, float] = {}
+        timings: dict[tuple[object, ...], list[float]] = {}
 
         def timed(key: tuple, run, iters: int) -> None:
             comm.barrier()
@@ -186,7 +186,8 @@ def tune(worlds: list[int], *, quick: bool = False, log=print) -> cost.Profile:
         for (kind, *key), seconds in timings.items():
             if kind == "segment":
                 segment_votes[key[0]] = segment_votes.get(key[0], 0.0) + seconds
-    profile.segment_bytes = min(segment_votes, key=segment_votes.get) if segment_votes else None
+    profile.segment_bytes = (min(segment_votes, key=segment_votes.__getitem__)
+                             if segment_votes else None)
     log(f"best segment: {profile.segment_bytes} B")
     return profile
 

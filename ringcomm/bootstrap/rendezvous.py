@@ -82,6 +82,7 @@ def init(
             closers.append(store.close)
     if store is None or isinstance(store, str):
         address = address or store
+        assert address is not None  # no store: the master's address was read above
         store_host, port = _split_address(address)  # not `host`: that is this rank's address
         if rank == 0:
             server = _serve_unless_served(store_host, port)
@@ -106,6 +107,7 @@ def init(
             proposal, failure = None, err
         settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal,
                                    failure=failure)
+        assert host is not None  # found above, or agree raised the failure on every rank
         chans = ZmqTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout)
     except BaseException:
@@ -229,7 +231,8 @@ def _reachable_host(address: str | None) -> str:
             return "127.0.0.1"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((ip, 9))
-            return probe.getsockname()[0]
+            local: str = probe.getsockname()[0]
+            return local
     except OSError:
         return "127.0.0.1"
 

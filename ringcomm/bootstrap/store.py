@@ -216,7 +216,7 @@ class StoreServer:
             while True:
                 wait_ms = None
                 if self._deadlines:
-                    wait_ms = max(0.0, (self._deadlines[0].deadline - time.monotonic()) * 1e3)
+                    wait_ms = int(max(0.0, (self._deadlines[0].deadline - time.monotonic()) * 1e3))
                 events = dict(poller.poll(wait_ms))
                 if self._wake in events:
                     break
@@ -271,8 +271,8 @@ class StoreServer:
                     self._waiters.setdefault(k, []).append(parked)
         elif command == b"add":
             key, amount = args
-            current = int(data.get(key, b"0"))
-            value = str(current + int(amount)).encode()
+            before = int(data.get(key, b"0"))
+            value = str(before + int(amount)).encode()
             data[key] = value
             self._wake_waiters(key)
             self._reply(identity, request_id, b"ok", value)
@@ -359,14 +359,14 @@ class StoreClient(Store):
         self._endpoint = f"tcp://{host.strip('[]')}:{port}"
         self._ctx = zmq.Context(1)
         self._local = threading.local()
-        self._sockets: list[tuple[zmq.Socket, zmq.Socket]] = []
+        self._sockets: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
         self._sockets_lock = threading.Lock()
         self._request_ids = itertools.count(1)
         self._closed = False
 
     # -- plumbing
 
-    def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+    def _socket(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         if self._closed:
             raise StoreError(f"store client for {self.address} is closed")
         pair = getattr(self._local, "pair", None)
@@ -425,7 +425,7 @@ class StoreClient(Store):
                     f"the store at {self.address} did not answer within {limit:.1f} s ({what})")
             if not self._local.connected:
                 remaining = min(remaining, reach_deadline - now)
-            events = dict(poller.poll(max(remaining, 0) * 1e3))
+            events = dict(poller.poll(int(max(remaining, 0) * 1e3)))
             if monitor in events:
                 event = parse_monitor_message(monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_CONNECTED:

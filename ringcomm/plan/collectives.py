@@ -91,6 +91,22 @@ Inputs = Sequence["np.ndarray | None"]
 Outputs = list["np.ndarray | None"]
 
 
+def _every(inputs: Inputs) -> list[np.ndarray]:
+    """``inputs`` of a collective that every rank feeds (all but scatter)."""
+    arrays = [x for x in inputs if x is not None]
+    if len(arrays) != len(inputs):
+        raise ValueError("every rank needs an input for this collective; some have None")
+    return arrays
+
+
+def _root_input(inputs: Inputs, root: int) -> np.ndarray:
+    """The root's input of a collective that only the root feeds (broadcast, scatter)."""
+    x = inputs[root]
+    if x is None:
+        raise ValueError(f"the root (rank {root}) needs an input; it has None")
+    return x
+
+
 def _blocks(x: np.ndarray, world: int) -> list[np.ndarray]:
     if x.size % world:
         raise ValueError(f"{x.size} elements do not split into {world} equal blocks")
@@ -98,43 +114,44 @@ def _blocks(x: np.ndarray, world: int) -> list[np.ndarray]:
 
 
 def _allreduce(inputs: Inputs, op: str, root: int) -> Outputs:
-    total = _fold(op, inputs)
+    total = _fold(op, _every(inputs))
     return [total.copy() for _ in inputs]
 
 
 def _reduce_scatter(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [block.copy() for block in _blocks(_fold(op, inputs), len(inputs))]
+    return [block.copy() for block in _blocks(_fold(op, _every(inputs)), len(inputs))]
 
 
 def _allgather(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [np.concatenate(inputs) for _ in inputs]
+    return [np.concatenate(_every(inputs)) for _ in inputs]
 
 
 def _broadcast(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [inputs[root].copy() for _ in inputs]
+    return [_root_input(inputs, root).copy() for _ in inputs]
 
 
 def _reduce(inputs: Inputs, op: str, root: int) -> Outputs:
-    total = _fold(op, inputs)
-    return [total if r == root else x.copy() for r, x in enumerate(inputs)]
+    arrays = _every(inputs)
+    total = _fold(op, arrays)
+    return [total if r == root else x.copy() for r, x in enumerate(arrays)]
 
 
 def _gather(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [np.concatenate(inputs) if r == root else None for r in range(len(inputs))]
+    return [np.concatenate(_every(inputs)) if r == root else None for r in range(len(inputs))]
 
 
 def _scatter(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [block.copy() for block in _blocks(inputs[root], len(inputs))]
+    return [block.copy() for block in _blocks(_root_input(inputs, root), len(inputs))]
 
 
 def _alltoall(inputs: Inputs, op: str, root: int) -> Outputs:
     n = len(inputs)
-    blocks = [_blocks(x, n) for x in inputs]
+    blocks = [_blocks(x, n) for x in _every(inputs)]
     return [np.concatenate([blocks[src][dst] for src in range(n)]) for dst in range(n)]
 
 
 def _barrier(inputs: Inputs, op: str, root: int) -> Outputs:
-    return [x.copy() for x in inputs]
+    return [x.copy() for x in _every(inputs)]
 
 
 def _needs_algorithm(nbytes: int | None) -> str:

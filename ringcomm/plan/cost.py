@@ -188,6 +188,7 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
     a, b, g = params.alpha, params.beta, params.gamma
     ra, rb = (remote.alpha, remote.beta) if remote else (a, b)
     host_out: dict[int, float] = {}  # bytes each host sends to other hosts
+    hosts = (0,) * n if host_of is None else host_of
 
     def advance(clock: list[float], msgs: float, moved: float, reduced: float,
                 far: bool = False) -> None:
@@ -202,7 +203,7 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
             work[i] += t
 
     def far(x: int, y: int) -> bool:
-        return host_of is not None and host_of[x] != host_of[y]
+        return host_of is not None and hosts[x] != hosts[y]
 
     while runnable:
         r = runnable.popleft()
@@ -210,17 +211,20 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
         steps, clock = schedules[r].steps, clocks[r]
         while cursor[r] < len(steps):
             step = steps[cursor[r]]
+            src, dst = step.src, step.dst
             if step.kind is Kind.SEND:
-                m = step.src.count * itemsize
+                assert src is not None
+                m = src.count * itemsize
                 advance(clock, 0.5, m, 0, far(r, step.peer))
                 if far(r, step.peer):
-                    host_out[host_of[r]] = host_out.get(host_of[r], 0.0) + m
+                    host_out[hosts[r]] = host_out.get(hosts[r], 0.0) + m
                 links.setdefault((r, step.peer), deque()).append(tuple(clock))
                 woken = waiting.pop((r, step.peer), None)
                 if woken is not None:
                     runnable.append(woken)
             elif step.kind is Kind.COPY:
-                advance(clock, 0, step.src.count * itemsize, 0)
+                assert src is not None
+                advance(clock, 0, src.count * itemsize, 0)
             else:
                 queue = links.get((step.peer, r))
                 if not queue:
@@ -230,7 +234,8 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
                 ready = queue.popleft()
                 if ready[0] > clock[0]:
                     clock[:] = list(ready)
-                m = step.dst.count * itemsize
+                assert dst is not None
+                m = dst.count * itemsize
                 # the wire time of a message between hosts is the sender's; the receiver
                 # pays the message's alpha and its own local copy or reduction
                 advance(clock, 0.5, 0, 0, far(step.peer, r))
@@ -243,7 +248,7 @@ def simulate(schedules: list[Schedule], itemsize: int, params: CostParams,
                     # ... unless it leaves the host: then the bytes still cross the link
                     advance(clock, 0.5, m if far(r, step.to) else 0, 0, far(r, step.to))
                     if far(r, step.to):
-                        host_out[host_of[r]] = host_out.get(host_of[r], 0.0) + m
+                        host_out[hosts[r]] = host_out.get(hosts[r], 0.0) + m
                     links.setdefault((r, step.to), deque()).append(tuple(clock))
                     woken = waiting.pop((r, step.to), None)
                     if woken is not None:

@@ -71,7 +71,7 @@ def _names_bad_input(
     its signature for IDEs and type checkers."""
 
     @functools.wraps(method)
-    def checked(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def checked(self: Communicator, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return method(self, *args, **kwargs)
         except ArgumentError as err:
@@ -100,6 +100,11 @@ class _Collective:
     send_counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
     algorithm: str | None = None  # None: the table's choice
+
+
+# What the worker's queue carries: a collective with its sequence number and name, or a
+# point-to-point op.
+_Queued = tuple[_Collective, int, str] | P2POp
 
 
 class Communicator:
@@ -147,10 +152,11 @@ class Communicator:
         self._p2p_sent = [0] * self.world_size
         self._p2p = P2PEngine(self)
         self.inline_bytes = inline_bytes()
-        self._failure: BaseException | None = None
+        self._failure: CommError | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Queued, concurrent.futures.Future[Any]] | None] = \
+            queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
         self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
@@ -246,15 +252,15 @@ class Communicator:
         if self.settings.algorithm is not None:
             return self.settings.algorithm
         key = (nbytes, itemsize)
-        name = self._chosen.get(key)
-        if name is None:  # the model costs tens of microseconds: ask once per size
-            name = self._chosen[key] = cost.choose(
+        chosen = self._chosen.get(key)
+        if chosen is None:  # the model costs tens of microseconds: ask once per size
+            chosen = self._chosen[key] = cost.choose(
                 "allreduce", self.world_size, nbytes, itemsize,
                 segment_bytes=self.segment_bytes,
                 params=self.settings.cost_params(self.world_size),
                 share=self.topology.cores_per_rank, hosts=self.topology.hosts,
                 remote=self.settings.remote)
-        return name
+        return chosen
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
@@ -304,7 +310,7 @@ class Communicator:
         """Concatenate every rank's ``x`` into root's ``out``; ``out`` is ignored elsewhere."""
         self._check_rank(root, "root")
         data = as_buffer(x, name="x", writable=False)
-        buffers = {"input": data}
+        buffers: dict[str, Buffer] = {"input": data}
         if self.rank == root:
             if out is None:
                 raise ArgumentError("gather: the root must pass `out` for the result")
@@ -323,7 +329,7 @@ class Communicator:
         into blocks; rank ``r`` receives block ``r`` into ``x``."""
         self._check_rank(root, "root")
         result = as_buffer(x, name="x", reads=False)
-        buffers = {"output": result}
+        buffers: dict[str, Buffer] = {"output": result}
         if self.rank == root:
             if inputs is None:
                 raise ArgumentError("scatter: the root must pass `inputs`")
@@ -336,7 +342,7 @@ class Communicator:
                 for i, part in enumerate(parts):
                     self._check_same_dtype(part, result, f"inputs[{i}]", "x")
                     self._check_size(part, result.count, f"inputs[{i}]", "x.size")
-                source = concatenate(parts, "inputs")
+                source: Buffer = concatenate(parts, "inputs")
             else:
                 source = as_buffer(inputs, name="inputs", writable=False)
                 self._check_same_dtype(source, result, "inputs", "x")
@@ -463,7 +469,7 @@ class Communicator:
         name = f"{op.spec.name} #{seq}"
         return self._enqueue((op, seq, name), name, async_op)
 
-    def _enqueue(self, item: Any, name: str, async_op: bool) -> Any:
+    def _enqueue(self, item: _Queued, name: str, async_op: bool) -> Any:
         if self._closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
         inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
@@ -477,6 +483,7 @@ class Communicator:
             inline = inline and self._outstanding == 0 and not self._p2p.busy
             self._outstanding += 1
         if inline:
+            assert not isinstance(item, P2POp)  # only collectives run inline
             try:
                 result = self._run(*item)
             except BaseException as err:
@@ -488,7 +495,7 @@ class Communicator:
             finally:
                 self._op_done()
             return Work.finished(name, self.timeout, result) if async_op else result
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         work = Work(future, name, self.timeout)
         if isinstance(item, P2POp):
             item.work = work

@@ -151,42 +151,44 @@ def run_schedule(
     for index in _step_order(steps, runs, transport) if runs else range(len(steps)):
         step = steps[index]
         started = time.perf_counter() if trace is not None else 0.0
-        kind, peer = step.kind, step.peer
+        kind, peer, src, dst = step.kind, step.peer, step.src, step.dst
         try:
             if kind is Kind.SEND:
-                src = step.src
+                assert src is not None
                 header = desc.outgoing(peer, rank, sent[peer], src.count * itemsize)
                 sent[peer] += 1
                 track(transport.send(peer, header, view(src) if src.count else None, ctx.name),
                       src, peer)
             elif kind is Kind.RECV:
-                dst = claim(step.dst)
-                transport.recv_into(peer, expect(peer, step.dst.count), dst, ctx.deadline,
-                                    ctx.name)
+                assert dst is not None
+                into = claim(dst)
+                transport.recv_into(peer, expect(peer, dst.count), into, ctx.deadline, ctx.name)
             elif kind is Kind.RECV_REDUCE:
-                dst = claim(step.dst)
-                payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
+                assert src is not None and dst is not None and ctx.reduce is not None
+                into = claim(dst)
+                payload = transport.recv(peer, expect(peer, dst.count), ctx.deadline,
                                          ctx.name)
-                buffers[step.dst.buf].reduce_into(dst, view(step.src), payload, ctx.reduce,
-                                                  world if step.final else 1)
+                buffers[dst.buf].reduce_into(into, view(src), payload, ctx.reduce,
+                                             world if step.final else 1)
             elif kind is Kind.RECV_REDUCE_SEND:
-                payload = transport.recv(peer, expect(peer, step.dst.count), ctx.deadline,
+                assert src is not None and dst is not None and ctx.reduce is not None
+                payload = transport.recv(peer, expect(peer, dst.count), ctx.deadline,
                                          ctx.name)
-                to, nbytes = step.to, step.src.count * itemsize
+                to, nbytes = step.to, src.count * itemsize
                 header = desc.outgoing(to, rank, sent[to], nbytes)
                 sent[to] += 1
                 slot = transport.reserve(to, nbytes)
-                target = buffers[step.dst.buf]
+                target = buffers[dst.buf]
                 if slot is not None:  # the sum goes straight into the outgoing message
-                    target.reduce_into(slot.view(ctx.dtype), view(step.src), payload,
-                                       ctx.reduce)
-                    track(transport.send_reserved(to, header, ctx.name), step.dst, to)
+                    target.reduce_into(slot.view(ctx.dtype), view(src), payload, ctx.reduce)
+                    track(transport.send_reserved(to, header, ctx.name), dst, to)
                 else:
-                    dst = claim(step.dst)
-                    target.reduce_into(dst, view(step.src), payload, ctx.reduce)
-                    track(transport.send(to, header, dst, ctx.name), step.dst, to)
+                    into = claim(dst)
+                    target.reduce_into(into, view(src), payload, ctx.reduce)
+                    track(transport.send(to, header, into, ctx.name), dst, to)
             else:
-                buffers[step.dst.buf].copy(claim(step.dst), view(step.src))
+                assert src is not None and dst is not None
+                buffers[dst.buf].copy(claim(dst), view(src))
         except CommTimeout as err:
             raise CommTimeout(
                 f"{err.detail}; the step was: {step.describe()} "

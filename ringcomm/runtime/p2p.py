@@ -68,7 +68,7 @@ class _Posted:
     """A receive waiting for its message. ``serial`` orders it among all posted receives."""
 
     op: P2POp
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[Any]
     serial: int
     deadline: float
 
@@ -78,7 +78,7 @@ class _Sending:
     """A send whose messages have not all left this process yet."""
 
     op: P2POp
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[Any]
     deadline: float
     handles: list[SendHandle] = field(default_factory=list)
 
@@ -117,7 +117,7 @@ class P2PEngine:
         return bool(self.sending or self.any_source or any(self.by_source.values()))
 
     # ---------------------------------------------------------------- entry points
-    def start(self, op: P2POp, future: concurrent.futures.Future) -> None:
+    def start(self, op: P2POp, future: concurrent.futures.Future[Any]) -> None:
         comm = self.comm
         if comm._failure is not None:
             future.set_exception(CommAborted(
@@ -139,14 +139,17 @@ class P2PEngine:
             self.progress(0.0)  # a message that arrived already is taken now
             return
         sending = _Sending(op, future, deadline)
+        to = op.peer
+        assert to is not None, "a send names its destination"
         try:
-            steps = direct.send(comm.rank, comm.world_size, op.peer, op.data.count,
+            steps = direct.send(comm.rank, comm.world_size, to, op.data.count,
                                 comm._segment(op.data)).steps
             for index, step in enumerate(steps):
                 src = step.src
+                assert src is not None
                 header = self._header(op, comm.rank, index, src.count, op.seq)
                 payload = op.data.region(src.offset, src.count) if src.count else None
-                handle = comm.transport.send(op.peer, header, payload, op.name)
+                handle = comm.transport.send(to, header, payload, op.name)
                 if handle is not None:
                     sending.handles.append(handle)
         except CommError as err:
@@ -175,8 +178,9 @@ class P2PEngine:
 
     def fail_all(self, cause: BaseException) -> None:
         """Fail every pending send and receive: the communicator has failed."""
-        for item in [*self.sending, *self.any_source,
-                     *(p for q in self.by_source.values() for p in q)]:
+        pending: list[_Posted | _Sending] = [
+            *self.sending, *self.any_source, *(p for q in self.by_source.values() for p in q)]
+        for item in pending:
             self._set_error(item, CommAborted(
                 f"an earlier op failed ({cause}); this communicator cannot be used any more: "
                 "create a new one", rank=self.comm.rank, op=item.op.name))
@@ -264,6 +268,7 @@ class P2PEngine:
         name = f"recv #{seq} from rank {peer}" + (" (any source)" if op.peer is None else "")
         try:
             first = steps[0].dst
+            assert first is not None
             comm.transport.recv_into(peer, self._header(op, peer, 0, first.count, seq),
                                      op.data.region(first.offset, first.count),
                                      time.monotonic() + wait, name)
@@ -286,6 +291,7 @@ class P2PEngine:
         try:
             for index, step in enumerate(steps[1:], 1):
                 dst = step.dst
+                assert dst is not None
                 comm.transport.recv_into(peer, self._header(op, peer, index, dst.count, seq),
                                          op.data.region(dst.offset, dst.count),
                                          posted.deadline, name)
@@ -298,7 +304,7 @@ class P2PEngine:
         return True
 
     @staticmethod
-    def _complete(op: P2POp, future: concurrent.futures.Future) -> None:
+    def _complete(op: P2POp, future: concurrent.futures.Future[Any]) -> None:
         """The op's data has left or arrived: its buffer's ``after_op``, then its result."""
         try:
             op.data.after_op()
@@ -316,10 +322,11 @@ class P2PEngine:
     def _failed(self, item: _Posted | _Sending, err: CommError) -> None:
         """``item`` failed: the communicator fails with it (peers are told), and so does
         every other pending point-to-point op."""
-        for queue_ in (self.any_source, *self.by_source.values()):
-            if item in queue_:
-                queue_.remove(item)
-        if item in self.sending:
+        if isinstance(item, _Posted):
+            for queue_ in (self.any_source, *self.by_source.values()):
+                if item in queue_:
+                    queue_.remove(item)
+        elif item in self.sending:
             self.sending.remove(item)
         self._set_error(item, err)
         seq = item.op.seq if item.op.is_send else -1

@@ -16,7 +16,8 @@ class Work:
     ``recv(x, src=None)`` needs to tell); ``None`` otherwise.
     """
 
-    def __init__(self, future: concurrent.futures.Future, name: str, timeout: float) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], name: str,
+                 timeout: float) -> None:
         self._future = future
         self.name = name
         self._timeout = timeout
@@ -26,7 +27,7 @@ class Work:
     def finished(cls, name: str, timeout: float, result: Any = None, *,
                  error: BaseException | None = None) -> Work:
         """The handle of an op that already ran (on the caller's thread)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if error is None:
             future.set_result(result)
         else:

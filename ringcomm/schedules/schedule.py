@@ -93,7 +93,7 @@ class Schedule:
     world_size: int
     steps: tuple[Step, ...]
     scratch: int = 0
-    meta: dict = field(default_factory=dict, compare=False)
+    meta: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
         head = (
@@ -112,13 +112,14 @@ class Schedule:
         into regions that do not overlap (the blocks of an all-to-all, a gather's root). The
         executor takes such receives in the order their messages arrive, keeping each
         peer's own order, so a rank is not held up by the one peer that is late."""
-        runs, steps, i = {}, self.steps, 0
+        runs: dict[int, int] = {}
+        steps, i = self.steps, 0
         while i < len(steps):
             j = i
             while j < len(steps) and steps[j].kind is Kind.RECV:
                 j += 1
             if j - i >= 2 and len({s.peer for s in steps[i:j]}) > 1 and \
-                    _disjoint([s.dst for s in steps[i:j]]):
+                    _disjoint([_destination(s) for s in steps[i:j]]):
                 runs[i] = j
             i = max(j, i + 1)
         return runs
@@ -157,6 +158,12 @@ class StepList:
         self, collective: str, algorithm: str, rank: int, world_size: int, scratch: int = 0
     ) -> Schedule:
         return Schedule(collective, algorithm, rank, world_size, tuple(self.steps), scratch)
+
+
+def _destination(step: Step) -> Region:
+    """``step.dst`` of a step that writes one (every kind but ``SEND``)."""
+    assert step.dst is not None, f"a {step.kind.value} step without a destination"
+    return step.dst
 
 
 def _disjoint(regions: list[Region]) -> bool:

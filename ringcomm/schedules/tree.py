@@ -27,6 +27,7 @@ ranks, the ring for large ones. ``dbtree`` halves the tree's load by using two t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,6 +35,9 @@ from ..core.partition import segments
 from .schedule import Region, Schedule, StepList
 
 DATA = "data"
+
+# One ``StepList`` call kept for later: (method name, positional arguments, labels).
+StepCall = tuple[str, tuple[object, ...], dict[str, object]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ def binary_tree(rank: int, world_size: int) -> TreeLinks:
     return TreeLinks(parent, tuple(children))
 
 
-def mirrored(tree_fn, rank: int, world_size: int) -> TreeLinks:
+def mirrored(tree_fn: Callable[[int, int], TreeLinks], rank: int,
+             world_size: int) -> TreeLinks:
     """The second tree of a double binary tree: the first one over relabelled ranks, so that
     (for even ``n``) the leaves of one are the interior ranks of the other."""
     n = world_size
@@ -87,18 +92,19 @@ def mirrored(tree_fn, rank: int, world_size: int) -> TreeLinks:
 
 
 def tree_blocks(rank: int, links: TreeLinks, offset: int, count: int, segment: int,
-                name: str) -> tuple[list, list]:
+                name: str) -> tuple[list[list[StepCall]], list[list[StepCall]]]:
     """The reduce-up and broadcast-down step groups of one tree, one group per segment.
 
     Each group is a list of ``(method, args, label)`` for a ``StepList``; keeping them as
     groups lets the caller interleave segments and trees in one global order.
     """
-    up, down = [], []
+    up: list[list[StepCall]] = []
+    down: list[list[StepCall]] = []
     root = links.parent < 0
     for k, (o, c) in enumerate(segments(offset, count, segment)):
         region = Region(DATA, o, c)
         label = dict(chunk=-1, segment=k)
-        group = []
+        group: list[StepCall] = []
         for i, child in enumerate(links.children):
             last = i == len(links.children) - 1
             group.append(("recv_reduce", (child, region, region, root and last),
@@ -115,7 +121,9 @@ def tree_blocks(rank: int, links: TreeLinks, offset: int, count: int, segment: i
     return up, down
 
 
-def interleave(steps: StepList, trees: list[tuple[list, list]], lag: int) -> None:
+def interleave(steps: StepList,
+               trees: list[tuple[list[list[StepCall]], list[list[StepCall]]]],
+               lag: int) -> None:
     """Emit the groups of every tree in one order that all ranks share: at tick ``k``, the
     reductions of segment ``k`` then the broadcasts of segment ``k - lag``, tree by tree.
     Any shared order is deadlock-free (each link's messages keep their order); the lag lets
@@ -130,7 +138,7 @@ def interleave(steps: StepList, trees: list[tuple[list, list]], lag: int) -> Non
                 _emit(steps, down[k - lag])
 
 
-def _emit(steps: StepList, group: list) -> None:
+def _emit(steps: StepList, group: list[StepCall]) -> None:
     for method, args, label in group:
         getattr(steps, method)(*args, **label)
 

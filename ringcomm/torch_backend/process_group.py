@@ -39,7 +39,7 @@ from ..bootstrap.rendezvous import _reachable_host, init
 from ..bootstrap.store import TorchStore
 from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
-from ..runtime.communicator import Work as CommWork
+from ..runtime.work import Work as CommWork
 
 log = logging.getLogger("ringcomm")
 
@@ -52,14 +52,14 @@ _CORE_DTYPES = {
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 }
 _OPS = {
-    ReduceOp.RedOpType.SUM: "sum",
-    ReduceOp.RedOpType.AVG: "avg",
-    ReduceOp.RedOpType.PRODUCT: "prod",
-    ReduceOp.RedOpType.MIN: "min",
-    ReduceOp.RedOpType.MAX: "max",
-    ReduceOp.RedOpType.BAND: "band",
-    ReduceOp.RedOpType.BOR: "bor",
-    ReduceOp.RedOpType.BXOR: "bxor",
+    ReduceOp.SUM: "sum",
+    ReduceOp.AVG: "avg",
+    ReduceOp.PRODUCT: "prod",
+    ReduceOp.MIN: "min",
+    ReduceOp.MAX: "max",
+    ReduceOp.BAND: "band",
+    ReduceOp.BOR: "bor",
+    ReduceOp.BXOR: "bxor",
 }
 
 
@@ -117,7 +117,8 @@ class RingcommWork(dist.Work):
         self._error: BaseException | None = None
         self._source = -1
         # a future holding CUDA tensors must say so, or completing it fails
-        devices = sorted({t.device for t in _tensors(result) if not t.is_cpu}, key=str)
+        devices: list[int | str | torch.device] = sorted(
+            {t.device for t in _tensors(result) if not t.is_cpu}, key=str)
         self._src: torch.futures.Future = torch.futures.Future(devices=devices or None)
         self._future: torch.futures.Future | None = None  # made when asked for
         self._parts = list(parts)
@@ -135,8 +136,9 @@ class RingcommWork(dist.Work):
 
     def _take(self, part: CommWork) -> None:
         """Note what a finished part says: its error (the first one wins), its source."""
-        if self._error is None and part.exception() is not None:
-            self._error = _torch_style(part.exception(), self._timeout)
+        error = part.exception()
+        if self._error is None and error is not None:
+            self._error = _torch_style(error, self._timeout)
         if part.source is not None:
             self._source = part.source
 
@@ -326,7 +328,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, comm: Communicator) -> None:
-        super().__init__(comm.rank, comm.world_size)
+        # (rank, size): a constructor torch has and its stub does not list
+        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
         self.comm = comm
         self._group_name = ""
         self._group_desc = ""
@@ -382,8 +385,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return RingcommWork(name, parts, result, stage.finisher() if stage else None,
                             self.comm.timeout)
 
+    # torch's stub gives ProcessGroup's collectives the overloads of its Python API; c10d
+    # calls a backend written in Python with (tensors..., opts) only. The overrides below
+    # take that form, hence their `type: ignore[override]` (and `[assignment]` for aliases).
+
     # -- reductions
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+    def allreduce(  # type: ignore[override]  # c10d's form, see above
+            self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         op = _reduce_op(opts)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
@@ -409,15 +417,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
             parts.append(self._start(opts, self.comm.allreduce, buf, op))
         return self._work("allreduce_coalesced", parts, tensors, stage)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+    def reduce(  # type: ignore[override]  # c10d's form, see above
+            self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
         stage = _Staging()
         buf = stage.buffer(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
         part = self._start(opts, self.comm.reduce, buf, root=opts.rootRank, op=_reduce_op(opts))
         return self._work("reduce", [part], tensors, stage)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_lists: list[list[torch.Tensor]], opts: Any = None
-                       ) -> RingcommWork:
+    def reduce_scatter(  # type: ignore[override]  # c10d's form, see above
+            self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+            opts: Any = None) -> RingcommWork:
         out, inputs = _one(output_tensors, "output_tensors"), _one(input_lists, "input_lists")
         self._check_world(inputs, "input_list")
         _same(inputs, "input_list", out.numel(), out.dtype)
@@ -433,7 +442,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         part = self._reduce_scatter_tensor(stage, output, input, _reduce_op(opts))
         return self._work("reduce_scatter_tensor", [part], [output], stage)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # see above
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
@@ -443,7 +452,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("reduce_scatter_tensor_coalesced", parts, outputs, stage)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
     def _reduce_scatter_tensor(self, stage: _Staging, output: torch.Tensor,
                                input: torch.Tensor, op: str) -> CommWork:  # noqa: A002
@@ -454,7 +463,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self.comm.reduce_scatter(dst, src, op, async_op=True)
 
     # -- data movement
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+    def broadcast(  # type: ignore[override]  # c10d's form, see above
+            self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
         stage = _Staging()
         root = opts.rootRank
         is_root = self.comm.rank == root
@@ -463,8 +473,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         parts = [self._start(opts, self.comm.broadcast, b, root=root) for b in bufs]
         return self._work("broadcast", parts, tensors, stage)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]],
-                  input_list: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+    def allgather(  # type: ignore[override]  # c10d's form, see above
+            self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+            opts: Any = None) -> RingcommWork:
         stage = _Staging()
         parts = []
         for i, (outputs, inp) in enumerate(zip(output_lists, input_list, strict=True)):
@@ -492,7 +503,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("all_gather_into_tensor_coalesced", parts, outputs, stage)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
     def _all_gather_tensor(self, stage: _Staging, output: torch.Tensor,
                            input: torch.Tensor) -> CommWork:  # noqa: A002
@@ -521,8 +532,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         part = self.comm.allgather(dst, src, async_op=True)
         return self._work("allgather_coalesced", [part], output_lists, stage)
 
-    def gather(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
-               opts: Any) -> RingcommWork:
+    def gather(  # type: ignore[override]  # c10d's form, see above
+            self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+            opts: Any) -> RingcommWork:
         stage = _Staging()
         root = opts.rootRank
         inp = _one(input_list, "input_tensors")
@@ -537,8 +549,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         part = self._start(opts, self.comm.gather, dst, src, root=root)
         return self._work("gather", [part], output_lists, stage)
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                opts: Any) -> RingcommWork:
+    def scatter(  # type: ignore[override]  # c10d's form, see above
+            self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+            opts: Any) -> RingcommWork:
         stage = _Staging()
         root = opts.rootRank
         out = _one(output_tensors, "output_tensors")
@@ -587,7 +600,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                            out_splits=out_splits)
         return self._work("all_to_all_single", [part], [output], stage)
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # c10d's form, see above
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         return self._work("barrier", [self._start(opts, self.comm.barrier)], [])
@@ -611,7 +624,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     raise CommTimeout(f"Rank {rank} failed to pass monitoredBarrier in {ms} ms",
                                       rank=rank, op="monitored_barrier") from err
             return
-        start, passed, failed = time.monotonic(), [], []
+        start = time.monotonic()
+        passed: list[int] = []
+        failed: list[int] = []
         for src in range(1, comm.world_size):
             left = limit if wait_all_ranks else limit - (time.monotonic() - start)
             if left <= 0 and not wait_all_ranks:

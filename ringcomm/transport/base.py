@@ -37,57 +37,64 @@ class Transport:
         self.links = list(links)
         self.control = control
         # stash[peer][is_p2p]: messages of the other stream that arrived first
-        self._stash: list[tuple[deque, deque]] = [(deque(), deque()) for _ in range(world_size)]
+        self._stash: list[tuple[deque[tuple[Header, bytes]], deque[tuple[Header, bytes]]]] = [
+            (deque(), deque()) for _ in range(world_size)]
         self._closed = False
+
+    def _link(self, peer: int) -> Link:
+        """The link to ``peer``, another rank (this rank has no link to itself)."""
+        link = self.links[peer]
+        assert link is not None, f"rank {self.rank} has no link to itself"
+        return link
 
     # ---------------------------------------------------------------- sending
     def send(self, peer: int, header: Header, payload: np.ndarray | None,
              op: str) -> SendHandle | None:
-        return self.links[peer].send(header, payload, op)
+        return self._link(peer).send(header, payload, op)
 
     def reserve(self, peer: int, nbytes: int) -> np.ndarray | None:
         """A writable ``nbytes`` buffer that the next ``send_reserved`` to ``peer`` delivers
         without another copy, or None (see ``Link.reserve``)."""
-        return self.links[peer].reserve(nbytes)
+        return self._link(peer).reserve(nbytes)
 
     def send_reserved(self, peer: int, header: Header, op: str) -> SendHandle | None:
-        return self.links[peer].send_reserved(header, op)
+        return self._link(peer).send_reserved(header, op)
 
     def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer."""
-        self.links[peer].wait_sent(handle, Wait(op, deadline))
+        self._link(peer).wait_sent(handle, Wait(op, deadline))
 
     # ---------------------------------------------------------------- receiving
     def recv(self, peer: int, expected: Header, deadline: float, op: str) -> Any:
         """Receive the next message of ``expected``'s stream from ``peer`` and return its
         payload (a buffer of ``expected.nbytes`` bytes)."""
-        stashed = self._match(peer, Wait(op, deadline, expected))
-        return stashed if stashed is not None else self.links[peer].recv_payload(op)
+        stashed = self._match(peer, expected, Wait(op, deadline, expected))
+        return stashed if stashed is not None else self._link(peer).recv_payload(op)
 
     def recv_into(self, peer: int, expected: Header, out: np.ndarray, deadline: float,
                   op: str) -> None:
         """Like ``recv``, but the payload lands in ``out`` (no intermediate buffer)."""
-        stashed = self._match(peer, Wait(op, deadline, expected))
+        stashed = self._match(peer, expected, Wait(op, deadline, expected))
         target = out.reshape(-1).view(np.uint8)
         if stashed is not None:
             target[:] = np.frombuffer(stashed, dtype=np.uint8)
         elif expected.nbytes:
-            self.links[peer].recv_payload_into(target, op)
+            self._link(peer).recv_payload_into(target, op)
         else:
-            self.links[peer].recv_payload(op)
+            self._link(peer).recv_payload(op)
 
     def ready(self, peer: int) -> bool:
         """Whether a collective's receive from ``peer`` would find a message waiting: a hint
         for taking independent receives in arrival order, never a promise (the message may
         be point-to-point, or an abort that the receive then raises)."""
-        return bool(self._stash[peer][0]) or self.links[peer].peek()
+        return bool(self._stash[peer][0]) or self._link(peer).peek()
 
-    def _match(self, peer: int, wait: Wait) -> Any | None:
-        """Read headers from ``peer`` until one of the expected stream arrives; check it.
+    def _match(self, peer: int, expected: Header, wait: Wait) -> Any | None:
+        """Read headers from ``peer`` until one of ``expected``'s stream arrives; check it.
 
         Returns the payload if it had been set aside earlier, else None (the payload is
         still to be read by the caller)."""
-        expected, op, link = wait.expected, wait.op, self.links[peer]
+        op, link = wait.op, self._link(peer)
         mine = self._stash[peer][int(expected.is_p2p)]
         if mine:
             header, payload = mine.popleft()

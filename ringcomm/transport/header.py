@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
-from ..core.dtypes import REDUCE_OPS, dtype_name
+from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
 WIRE_VERSION = 2  # bumped whenever the header or the framing changes; agreed at init
@@ -60,9 +60,9 @@ def algorithm_code(name: str) -> int:
                          "ringcomm.transport.header.ALGORITHMS") from None
 
 
-def reduce_code(op: object | None) -> int:
-    """The wire code of a ``ringcomm.core.dtypes.ReduceOp`` (0 for ops that do not reduce)."""
-    return 0 if op is None else op.code + 1  # type: ignore[attr-defined]
+def reduce_code(op: ReduceOp | None) -> int:
+    """The wire code of a reduction (0 for ops that do not reduce)."""
+    return 0 if op is None else op.code + 1
 
 
 class Header(NamedTuple):
@@ -71,10 +71,10 @@ class Header(NamedTuple):
 
     seq: int
     nbytes: int
-    count: int
+    count: int  # type: ignore[assignment]  # the wire field's name; hides tuple.count
     segment: int
     sender: int
-    index: int
+    index: int  # type: ignore[assignment]  # the wire field's name; hides tuple.index
     arg: int
     kind: int
     dtype: int
@@ -149,10 +149,11 @@ class OpDescriptor:
                       self.kind, self.dtype, self.algorithm, self.reduce)
 
 
-_VERBS = {OpKind.ALLREDUCE: "reduces", OpKind.REDUCE: "reduces", OpKind.BROADCAST: "broadcasts",
-          OpKind.ALLGATHER: "contributes", OpKind.GATHER: "contributes",
-          OpKind.REDUCE_SCATTER: "keeps blocks of", OpKind.SCATTER: "receives blocks of",
-          OpKind.P2P: "passes"}
+_VERBS: dict[int, str] = {
+    OpKind.ALLREDUCE: "reduces", OpKind.REDUCE: "reduces", OpKind.BROADCAST: "broadcasts",
+    OpKind.ALLGATHER: "contributes", OpKind.GATHER: "contributes",
+    OpKind.REDUCE_SCATTER: "keeps blocks of", OpKind.SCATTER: "receives blocks of",
+    OpKind.P2P: "passes"}
 
 
 def differences(mine: Header, theirs: Header, *, rank: int) -> list[str]:

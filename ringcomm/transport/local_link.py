@@ -87,7 +87,8 @@ class LocalLink(PolledLink):
             np.copyto(dst, data.reshape(-1))
             return self.send_reserved(header, op)
         self.counters["pipe"] += 1
-        self._write(b"".join((_INLINE, raw, data.reshape(-1))), op)
+        # an ndarray is a buffer; numpy's stubs say so only for Python 3.12 and later
+        self._write(b"".join((_INLINE, raw, data.reshape(-1))), op)  # type: ignore[arg-type]
         return None
 
     def reserve(self, nbytes: int) -> np.ndarray | None:
@@ -133,6 +134,7 @@ class LocalLink(PolledLink):
     # ---------------------------------------------------------------- receiving
     def recv_header(self, wait: Wait) -> Header:
         if self.held is not None:  # the previous payload has been used by now
+            assert self.ring_in is not None  # a payload was held: the ring is mapped
             self.ring_in.release(*self.held)
             self.held = None
         frame = self._take(1 + HEADER_SIZE, wait)
@@ -163,8 +165,10 @@ class LocalLink(PolledLink):
                 return data
             self.wait_readable(wait)
 
-    def _ring_payload(self, op: str) -> tuple[np.ndarray, tuple[int, int]]:
-        start, nbytes = self.incoming
+    def _ring_payload(self, incoming: tuple[int, int],
+                      op: str) -> tuple[np.ndarray, tuple[int, int]]:
+        """The payload at ``incoming`` (ring position, bytes), mapping the ring on first use."""
+        start, nbytes = incoming
         self.incoming = None
         if self.ring_in is None:
             try:
@@ -188,9 +192,10 @@ class LocalLink(PolledLink):
 
     def recv_payload(self, op: str) -> Any:
         if self.incoming is not None:
-            view, self.held = self._ring_payload(op)
+            view, self.held = self._ring_payload(self.incoming, op)
             return view
         nbytes, self.inline = self.inline, None
+        assert nbytes is not None, "recv_payload before recv_header"
         return self._take(nbytes, Wait(op, 0.0), rest=True)
 
     def discard_payload(self, op: str) -> None:
@@ -202,8 +207,9 @@ class LocalLink(PolledLink):
 
     def recv_payload_into(self, out: np.ndarray, op: str) -> int:
         if self.incoming is not None:
-            view, slot = self._ring_payload(op)
+            view, slot = self._ring_payload(self.incoming, op)
             np.copyto(out, view)
+            assert self.ring_in is not None  # mapped by _ring_payload
             self.ring_in.release(*slot)
             return out.nbytes
         data = self.recv_payload(op)

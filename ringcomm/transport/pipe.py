@@ -108,7 +108,7 @@ class PipeWriter:
         self.error: OSError | None = None
         self._flusher = flusher
 
-    def write(self, frame: bytes) -> None:
+    def write(self, frame: bytes | memoryview) -> None:
         with self.lock:
             if self.error is not None:
                 raise BrokenPipeError(str(self.error))

@@ -205,7 +205,8 @@ class RingWriter:
 
     def close(self) -> None:
         self.unlink()
-        self._tail = self._data = None  # the mapping goes with the last view
+        # the mapping goes with the last view; a closed ring is not used again
+        self._tail = self._data = None  # type: ignore[assignment]
 
 
 class RingReader:
@@ -230,4 +231,5 @@ class RingReader:
         self._tail[0] = start + -(-nbytes // _ALIGN) * _ALIGN
 
     def close(self) -> None:
-        self._tail = self._data = None
+        # the mapping goes with the last view; a closed ring is not used again
+        self._tail = self._data = None  # type: ignore[assignment]

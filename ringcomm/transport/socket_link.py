@@ -79,11 +79,13 @@ class SocketLink(PolledLink):
             return None
         data = payload.view(np.uint8)
         self.counters["socket"] += 1
+        # An ndarray is a buffer; numpy's stubs say so only for Python 3.12 and later, hence
+        # the ignores here and in recv_payload_into.
         if header.nbytes < ZERO_COPY_MIN_BYTES:
-            self.push.send_multipart((raw, data))
+            self.push.send_multipart((raw, data))  # type: ignore[arg-type]
             return None
         self.push.send(raw, zmq.SNDMORE)
-        return _Tracked(self.push.send(data, copy=False, track=True))
+        return _Tracked(self.push.send(data, copy=False, track=True))  # type: ignore[call-overload]
 
     def send_notice(self, header: Header, text: bytes) -> None:
         self.push.send_multipart((header.pack(), text))
@@ -135,7 +137,7 @@ class SocketLink(PolledLink):
         return self.pull.recv(copy=False).buffer
 
     def recv_payload_into(self, out: np.ndarray, op: str) -> int:
-        n = self.pull.recv_into(out)
+        n = self.pull.recv_into(out)  # type: ignore[arg-type]  # a buffer: see send
         if n != out.nbytes:
             raise CommError(f"payload of {n} B from rank {self.peer}, expected {out.nbytes} B",
                             rank=self.rank, op=op, peer=self.peer)

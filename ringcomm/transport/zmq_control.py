@@ -134,7 +134,8 @@ class PolledLink(Link):
         microseconds."""
         control = self.control.socket
         started = time.monotonic()
-        probe_at, spin_until = started + STALL_PROBE_S, started + self.spin_s
+        probe_at: float | None = started + STALL_PROBE_S
+        spin_until = started + self.spin_s
         while True:
             if self._ready_or_lost(wait):
                 return

@@ -117,6 +117,8 @@ class ZmqTransport(Transport):
     this one at.
     """
 
+    control: ZmqControl  # its links watch this control socket while they wait
+
     def __init__(
         self,
         rank: int,
