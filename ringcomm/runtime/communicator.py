@@ -572,9 +572,9 @@ class Communicator:
             self._fail(err, seq)
             raise
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
-            log.debug("rank %d %s: %d B %s%s, %s, %.1f us", self.rank, name,
-                      op.count * dtype.itemsize, dtype_name(dtype),
-                      f" {op.reduce.name}" if op.reduce else "", schedule.algorithm,
+            log.debug("rank %d %s: %s/%s, %d B %s%s, %.1f us", self.rank, name,
+                      schedule.collective, schedule.algorithm, op.count * dtype.itemsize,
+                      dtype_name(dtype), f" {op.reduce.name}" if op.reduce else "",
                       (time.perf_counter() - started) * 1e6)
         return op.result
 
