@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,8 +39,11 @@ def python(code: str, **kw) -> subprocess.CompletedProcess:
 # --------------------------------------------------------------------------- the command line
 
 
+RINGCOMM = str(Path(sys.executable).with_name("ringcomm"))  # the script, beside this python
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("command", [["ringcomm"], [sys.executable, "-m", "ringcomm"]],
+@pytest.mark.parametrize("command", [[RINGCOMM], [sys.executable, "-m", "ringcomm"]],
                          ids=["script", "python -m"])
 def test_version_and_help(command):
     assert run([*command, "--version"]).stdout.strip() == f"ringcomm {ringcomm.__version__}"
@@ -52,7 +56,7 @@ def test_version_and_help(command):
 
 @pytest.mark.timeout(60)
 def test_env_reports_versions_settings_and_their_class():
-    out = run(["ringcomm", "env"], env={"RINGCOMM_ALGO": "ring",
+    out = run([RINGCOMM, "env"], env={"RINGCOMM_ALGO": "ring",
                                         "RINGCOMM_SPIN_US": "0"}).stdout
     import numpy
     import zmq
@@ -156,7 +160,7 @@ def test_ranks_that_never_join_are_named():
 @pytest.mark.timeout(60)
 def test_a_store_served_apart_from_the_ranks_is_used_by_rank_0_too():
     port = free_port()
-    server = subprocess.Popen(["ringcomm", "store", "--port", str(port)],
+    server = subprocess.Popen([RINGCOMM, "store", "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert "serving" in server.stdout.readline()

@@ -159,7 +159,7 @@ def _serve_unless_served(host: str, port: int) -> StoreServer | None:
     try:
         return StoreServer(_bind_host(host), port)
     except StoreError as err:
-        probe = StoreClient(f"{host}:{port}", timeout=2.0)
+        probe = StoreClient(f"{host}:{port}", timeout=0.5)  # a store answers in ms
         try:
             probe.ping()
         except StoreError:
