@@ -1,12 +1,13 @@
 # Two front-door commands; each sets itself up on a fresh clone.
 #   make demo   several ranks on localhost under torchrun: a checked allreduce and its bandwidth
-#   make test   type checks (mypy, configured in pyproject.toml), then the whole test suite
+#   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
+#   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick lint setup clean
+.PHONY: demo test test-slow bench bench-quick lint setup clean
 
 setup: $(STAMP)
 
@@ -21,7 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
