@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -27,32 +26,11 @@ import ringcomm  # noqa: F401 - registers the backend
 # --------------------------------------------------------------------------- the pool
 
 
-def _serve(rank: int, inbox: Any, outbox: Any) -> None:
-    torch.set_num_threads(1)
-    while True:
-        msg = inbox.get()
-        if msg is None:
-            return
-        job_id, name, kwargs = msg
-        try:
-            result = ("ok", globals()[name](rank=rank, **kwargs), "")
-        except BaseException as err:  # noqa: BLE001 - sent back to the test
-            result = ("err", repr(err), traceback.format_exc())
-        outbox.put((job_id, rank, *result))
-
-
 class DdpRanks(Ranks):
     """``torch_jobs.Ranks`` whose processes run the jobs of this module."""
 
-    def start(self) -> None:
-        for r in range(self.size):
-            p = self.procs[r]
-            if p is None or not p.is_alive():
-                self.inboxes[r] = self.ctx.Queue()
-                p = self.ctx.Process(target=_serve, args=(r, self.inboxes[r], self.outbox),
-                                     daemon=True, name=f"ddp-rank-{r}")
-                p.start()
-                self.procs[r] = p
+    jobs_module = __name__
+    role = "ddp"
 
 
 # --------------------------------------------------------------------------- helpers

@@ -11,6 +11,7 @@ that raises fails the test with its traceback; a hang is killed after the job's 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import multiprocessing
 import os
@@ -41,15 +42,17 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- the pool
 
 
-def _serve(rank: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, inbox: Any, outbox: Any, jobs_module: str = __name__) -> None:
+    """A rank's loop: run the jobs named in ``inbox`` (functions of ``jobs_module``)."""
     torch.set_num_threads(1)
+    jobs = importlib.import_module(jobs_module)
     while True:
         msg = inbox.get()
         if msg is None:
             return
         job_id, name, kwargs = msg
         try:
-            result = ("ok", globals()[name](rank=rank, **kwargs), "")
+            result = ("ok", getattr(jobs, name)(rank=rank, **kwargs), "")
         except BaseException as err:  # noqa: BLE001 - sent back to the test
             result = ("err", repr(err), traceback.format_exc())
         outbox.put((job_id, rank, *result))
@@ -57,6 +60,9 @@ def _serve(rank: int, inbox: Any, outbox: Any) -> None:
 
 class Ranks:
     """``size`` spawned processes that run jobs as the ranks of one group."""
+
+    jobs_module = __name__  # where the jobs the ranks run are defined
+    role = "torch"  # names the processes
 
     def __init__(self, size: int) -> None:
         self.ctx = multiprocessing.get_context("spawn")
@@ -71,8 +77,8 @@ class Ranks:
             p = self.procs[r]
             if p is None or not p.is_alive():
                 self.inboxes[r] = self.ctx.Queue()
-                p = self.ctx.Process(target=_serve, args=(r, self.inboxes[r], self.outbox),
-                                     daemon=True, name=f"torch-rank-{r}")
+                p = self.ctx.Process(target=_serve, daemon=True, name=f"{self.role}-rank-{r}",
+                                     args=(r, self.inboxes[r], self.outbox, self.jobs_module))
                 p.start()
                 self.procs[r] = p
 
