@@ -61,6 +61,7 @@ _OPS = {
     ReduceOp.BOR: "bor",
     ReduceOp.BXOR: "bxor",
 }
+_OPS_BY_CODE = {kind.value: name for kind, name in _OPS.items()}  # hashing torch's enum is slow
 
 
 # --------------------------------------------------------------------------- work
@@ -73,9 +74,7 @@ def _unwrap(fut: torch.futures.Future) -> Any:
     return value
 
 
-_DONE = threading.Event()  # the wait of every Work that was complete when it was made
-_DONE.set()
-_FUTURE_LOCK = threading.Lock()  # guards get_future of those Works (they have no lock)
+_FUTURE_LOCK = threading.Lock()  # guards get_future of finished Works (they have no lock)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -122,12 +121,6 @@ class RingcommWork(dist.Work):
         self._src: torch.futures.Future = torch.futures.Future(devices=devices or None)
         self._future: torch.futures.Future | None = None  # made when asked for
         self._parts = list(parts)
-        if all(part.is_completed() for part in parts):  # ran on the caller's thread
-            self._done, self._lock = _DONE, _FUTURE_LOCK  # nothing left to wait or count
-            for part in parts:
-                self._take(part)
-            self._complete(signal=False)
-            return
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._left = len(parts)
@@ -150,15 +143,14 @@ class RingcommWork(dist.Work):
         if last:
             self._complete()
 
-    def _complete(self, signal: bool = True) -> None:
+    def _complete(self) -> None:
         if self._error is None and self._finish is not None:
             try:
                 self._finish()
             except Exception as err:  # noqa: BLE001 - reported through wait() and the future
                 self._error = err
         self._src.set_result((self._result if self._error is None else None, self._error))
-        if signal:
-            self._done.set()
+        self._done.set()
 
     # -- the torch.distributed.Work interface
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -205,6 +197,66 @@ class RingcommWork(dist.Work):
 
     def __repr__(self) -> str:
         return f"<RingcommWork {self._name} {'done' if self.is_completed() else 'pending'}>"
+
+
+class FinishedWork(dist.Work):
+    """The torch handle of ops that ran to their end on the caller's thread: a blocking call
+    (``dist.all_reduce(t)``) or a small one with nothing queued. Most callers only ``wait``,
+    so it holds no event, lock or future; ``get_future()`` makes a completed one when asked
+    (through ``then(_unwrap)`` for an error, as ``RingcommWork`` does)."""
+
+    def __init__(self, name: str, result: Any, error: BaseException | None = None,
+                 source: int = -1) -> None:
+        super().__init__()
+        self._name = name
+        self._result = result
+        self._error = error
+        self._source = source
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        with _FUTURE_LOCK:
+            if self._future is None:
+                devices: list[int | str | torch.device] = sorted(
+                    {t.device for t in _tensors(self._result) if not t.is_cpu}, key=str)
+                future: torch.futures.Future = torch.futures.Future(devices=devices or None)
+                if self._error is None:
+                    future.set_result(self._result)
+                else:
+                    future.set_result((None, self._error))
+                    future = future.then(_unwrap)
+                self._future = future
+            return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"<FinishedWork {self._name}>"
 
 
 # --------------------------------------------------------------------------- buffers
@@ -293,9 +345,9 @@ def _reduce_op(opts: Any) -> str:
     if opts is None:
         return "sum"
     red = opts.reduceOp
-    kind = getattr(red, "op", red)
-    if kind in _OPS:
-        return _OPS[kind]
+    name = _OPS_BY_CODE.get(getattr(red, "op", red).value)
+    if name is not None:
+        return name
     raise ArgumentError(f"reduce op {red} is not supported by ringcomm; use SUM, AVG, PRODUCT, "
                         "MIN, MAX, BAND, BOR or BXOR")
 
@@ -381,9 +433,38 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return CommWork.finished(name, self.comm.timeout, result)
 
     def _work(self, name: str, parts: Sequence[CommWork], result: Any,
-              stage: _Staging | None = None) -> RingcommWork:
-        return RingcommWork(name, parts, result, stage.finisher() if stage else None,
-                            self.comm.timeout)
+              stage: _Staging | None = None) -> dist.Work:
+        """The torch handle of ``parts``: a ``FinishedWork`` when all of them already ran (on
+        this thread), its staged results copied back now; else a ``RingcommWork`` that
+        completes when the last part does."""
+        finish = stage.finisher() if stage else None
+        if not all(part.is_completed() for part in parts):
+            return RingcommWork(name, parts, result, finish, self.comm.timeout)
+        error: BaseException | None = None
+        source = -1
+        for part in parts:
+            failed = part.exception()
+            if error is None and failed is not None:
+                error = _torch_style(failed, self.comm.timeout)
+            if part.source is not None:
+                source = part.source
+        if error is None and finish is not None:
+            try:
+                finish()
+            except Exception as err:  # noqa: BLE001 - reported through wait() and the future
+                error = err
+        return FinishedWork(name, result if error is None else None, error, source)
+
+    def _now(self, name: str, method: Callable[..., Any], result: Any, *args: Any) -> FinishedWork:
+        """Run a communicator op to its end on this thread, for a caller that waits at
+        once; its failure is raised by ``wait``, as an async op's would be."""
+        try:
+            method(*args, async_op=False)
+        except ArgumentError:
+            raise
+        except CommError as err:
+            return FinishedWork(name, None, _torch_style(err, self.comm.timeout))
+        return FinishedWork(name, result)
 
     # torch's stub gives ProcessGroup's collectives the overloads of its Python API; c10d
     # calls a backend written in Python with (tensors..., opts) only. The overrides below
@@ -391,8 +472,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     # -- reductions
     def allreduce(  # type: ignore[override]  # c10d's form, see above
-            self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+            self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = _reduce_op(opts)
+        if len(tensors) == 1 and opts is not None and not opts.asyncOp:
+            t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
+            if (t.is_cpu and t.dtype in _CORE_DTYPES and t.layout == torch.strided
+                    and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+                return self._now("allreduce", self.comm.allreduce, tensors, t, op)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         stage = _Staging()
@@ -402,7 +488,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._work("allreduce", parts, tensors, stage)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None
-                            ) -> RingcommWork:
+                            ) -> dist.Work:
         """One allreduce per dtype, over that dtype's tensors laid end to end."""
         op = _reduce_op(opts)
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -418,7 +504,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._work("allreduce_coalesced", parts, tensors, stage)
 
     def reduce(  # type: ignore[override]  # c10d's form, see above
-            self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+            self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         stage = _Staging()
         buf = stage.buffer(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
         part = self._start(opts, self.comm.reduce, buf, root=opts.rootRank, op=_reduce_op(opts))
@@ -426,7 +512,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(  # type: ignore[override]  # c10d's form, see above
             self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-            opts: Any = None) -> RingcommWork:
+            opts: Any = None) -> dist.Work:
         out, inputs = _one(output_tensors, "output_tensors"), _one(input_lists, "input_lists")
         self._check_world(inputs, "input_list")
         _same(inputs, "input_list", out.numel(), out.dtype)
@@ -437,7 +523,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._work("reduce_scatter", [part], output_tensors, stage)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                              opts: Any = None) -> RingcommWork:
+                              opts: Any = None) -> dist.Work:
         stage = _Staging()
         part = self._reduce_scatter_tensor(stage, output, input, _reduce_op(opts))
         return self._work("reduce_scatter_tensor", [part], [output], stage)
@@ -446,7 +532,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
-                                        ) -> RingcommWork:
+                                        ) -> dist.Work:
         stage, op = _Staging(), _reduce_op(opts)
         parts = [self._reduce_scatter_tensor(stage, o, i, op)
                  for o, i in zip(outputs, inputs, strict=True)]
@@ -464,7 +550,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     # -- data movement
     def broadcast(  # type: ignore[override]  # c10d's form, see above
-            self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:
+            self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         stage = _Staging()
         root = opts.rootRank
         is_root = self.comm.rank == root
@@ -475,7 +561,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def allgather(  # type: ignore[override]  # c10d's form, see above
             self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
-            opts: Any = None) -> RingcommWork:
+            opts: Any = None) -> dist.Work:
         stage = _Staging()
         parts = []
         for i, (outputs, inp) in enumerate(zip(output_lists, input_list, strict=True)):
@@ -488,7 +574,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._work("allgather", parts, output_lists, stage)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          opts: Any = None) -> RingcommWork:
+                          opts: Any = None) -> dist.Work:
         stage = _Staging()
         part = self._all_gather_tensor(stage, output, input)
         return self._work("all_gather_into_tensor", [part], [output], stage)
@@ -497,7 +583,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
-                                        ) -> RingcommWork:
+                                        ) -> dist.Work:
         stage = _Staging()
         parts = [self._all_gather_tensor(stage, o, i)
                  for o, i in zip(outputs, inputs, strict=True)]
@@ -515,7 +601,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None
-                            ) -> RingcommWork:
+                            ) -> dist.Work:
         """``output_lists[r][i]`` receives rank ``r``'s ``input_list[i]``: one all-gather of
         the inputs laid end to end."""
         self._check_world(output_lists, "output_tensor_lists")
@@ -534,7 +620,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def gather(  # type: ignore[override]  # c10d's form, see above
             self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
-            opts: Any) -> RingcommWork:
+            opts: Any) -> dist.Work:
         stage = _Staging()
         root = opts.rootRank
         inp = _one(input_list, "input_tensors")
@@ -551,7 +637,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def scatter(  # type: ignore[override]  # c10d's form, see above
             self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-            opts: Any) -> RingcommWork:
+            opts: Any) -> dist.Work:
         stage = _Staging()
         root = opts.rootRank
         out = _one(output_tensors, "output_tensors")
@@ -566,7 +652,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._work("scatter", [part], output_tensors, stage)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> RingcommWork:
+                 opts: Any = None) -> dist.Work:
         """Tensor ``j`` of ``input_tensors`` goes to rank ``j``; sizes may differ."""
         self._check_world(input_tensors, "input_tensor_list")
         self._check_world(output_tensors, "output_tensor_list")
@@ -589,7 +675,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> RingcommWork:
+                          opts: Any = None) -> dist.Work:
         """Splits count rows (sizes along dim 0); empty splits mean equal ones."""
         stage = _Staging()
         src = stage.buffer(input, "input")
@@ -602,7 +688,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # c10d's form, see above
 
-    def barrier(self, opts: Any = None) -> RingcommWork:
+    def barrier(self, opts: Any = None) -> dist.Work:
         return self._work("barrier", [self._start(opts, self.comm.barrier)], [])
 
     def monitored_barrier(self, timeout: timedelta | None = None,
@@ -650,24 +736,24 @@ class RingcommProcessGroup(dist.ProcessGroup):
             comm.send(token, dst, _MONITORED_TAG)
 
     # -- point to point
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingcommWork:
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         buf = _Staging().buffer(_one(tensors, "tensors"), "tensor")
         return self._work("send", [self.comm.send(buf, dst, tag, async_op=True)], tensors)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> RingcommWork:
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         stage = _Staging()
         buf = stage.buffer(_one(tensors, "tensors"), "tensor", write=True, read=False)
         part = self.comm.recv(buf, src, tag, async_op=True)
         return self._work("recv", [part], tensors, stage)
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RingcommWork:
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         stage = _Staging()
         buf = stage.buffer(_one(tensors, "tensors"), "tensor", write=True, read=False)
         part = self.comm.recv(buf, None, tag, async_op=True)
         return self._work("recv from any source", [part], tensors, stage)
 
     # -- helpers
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> RingcommWork:
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> dist.Work:
         """Sparse COO all-reduce (sum), as gloo does it: every rank's indices and values are
         gathered (padded to the longest), then summed and coalesced."""
         if op != "sum":
