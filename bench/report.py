@@ -389,8 +389,8 @@ def _size_axis(ax: Any, sizes: list[int]) -> None:
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Bus bandwidth against size per backend, and ringcomm's measured against predicted
-    time, one PNG of each per collective, world size, dtype and op."""
+    """Bus bandwidth and time per call against size per backend, and ringcomm's measured
+    against predicted time, one PNG of each per collective, world size, dtype and op."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -414,6 +414,24 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend()
         fig.tight_layout()
         path = out_dir / f"{_file_stem('busbw', key)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name in backends:
+            mine = [r for r in group if r["backend"] == name]
+            ax.plot([r["bytes"] for r in mine], [r["time_us"] for r in mine], marker="o",
+                    markersize=3, label=name,
+                    linestyle="-" if mine[0]["library"] in ("ringcomm", TORCH) else "--")
+        _size_axis(ax, [r["bytes"] for r in group])
+        ax.set_yscale("log")
+        ax.set_ylabel("time per call (us), median")
+        ax.set_title(f"{collective} time per call, world size {world}, {dtype} "
+                     f"{'' if op == 'none' else op}")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{_file_stem('time', key)}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

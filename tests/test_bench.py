@@ -239,7 +239,8 @@ def test_quick_run_end_to_end(tmp_path):
     pngs = sorted(p.name for p in plots.glob("*.png"))
     assert "busbw_allreduce_n2_float32_sum.png" in pngs
     assert "predicted_allreduce_n2_float32_sum.png" in pngs
-    assert len(pngs) == 2 * len(sweep.COLLECTIVES)
+    assert "time_allreduce_n2_float32_sum.png" in pngs
+    assert len(pngs) == 3 * len(sweep.COLLECTIVES)
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 

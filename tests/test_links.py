@@ -7,6 +7,7 @@ the tests read one side's errors directly.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from mp_helpers import transport_pair
 
 from ringcomm import CommTimeout, PeerLostError, RemoteError
-from ringcomm.transport import InMemoryNetwork, Transport
+from ringcomm.transport import InMemoryNetwork, Transport, mailbox, zmq_control
 from ringcomm.transport.header import Header, OpKind
 from ringcomm.transport.local_link import SHM_MIN_BYTES, LocalLink
 from ringcomm.transport.socket_link import SocketLink
@@ -136,8 +137,91 @@ def test_counters_show_which_path_payloads_took():
     try:
         a.send(1, header(0, 16), np.zeros(16, np.uint8), "x")
         a.send(1, header(0, SHM_MIN_BYTES, 1), np.zeros(SHM_MIN_BYTES, np.uint8), "x")
-        assert a.counters == {"pipe": 1, "shm": 1, "shm_full": 0}
+        assert a.counters == {"mailbox": 1, "pipe": 0, "shm": 1, "shm_full": 0, "doorbell": 0}
         assert a.counters["socket"] == 0
     finally:
         a.close()
+        b.close()
+
+
+def small(i: int) -> np.ndarray:
+    return np.full(8, i % 251, np.uint8)
+
+
+@pytest.mark.timeout(30)
+def test_a_full_mailbox_overflows_into_the_pipe_and_order_holds():
+    """More small messages than the mailbox has slots, with large ones between them, sent
+    before the receiver reads any: the rest go down the pipe and every message arrives in
+    order, whole, whichever path it took."""
+    a, b = make_pair("local")
+    try:
+        sizes = [8] * (mailbox.SLOTS + 5) + [SHM_MIN_BYTES] + [8] * 3 + [0, 8]
+        payloads = [small(i) if n == 8 else np.arange(n, dtype=np.uint8) for i, n in
+                    enumerate(sizes)]
+        deadline = time.monotonic() + 10
+        received = 0
+
+        def receive(upto: int) -> None:
+            nonlocal received
+            for i in range(received, upto):
+                got = np.frombuffer(bytes(b.recv(0, header(0, sizes[i], i), deadline, "x")),
+                                    np.uint8)
+                assert np.array_equal(got, payloads[i]), f"message {i} arrived changed"
+            received = upto
+
+        for i, (n, p) in enumerate(zip(sizes, payloads, strict=True)):
+            a.send(1, header(0, n, i), p if n else None, "x")
+            if i == mailbox.SLOTS + 2:  # slots freed while later messages wait in the pipe
+                assert a.counters["mailbox"] == mailbox.SLOTS and a.counters["pipe"] == 3
+                receive(3)
+        assert a.counters["mailbox"] > mailbox.SLOTS
+        receive(len(sizes))
+        # slots freed as they were read: the next messages use the mailbox again
+        before = a.counters["mailbox"]
+        a.send(1, header(1, 8), small(7), "y")
+        assert a.counters["mailbox"] == before + 1
+        assert np.array_equal(np.frombuffer(bytes(b.recv(0, header(1, 8), deadline, "y")),
+                                            np.uint8), small(7))
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_sleeping_receiver_is_woken_by_the_mailbox_doorbell(monkeypatch):
+    """A receive that has gone to sleep in poll is woken by the sender's doorbell, not by
+    its periodic look at the mailbox or its stall probe (both made an hour long here)."""
+    monkeypatch.setattr(zmq_control, "STALL_PROBE_S", 3600.0)
+    a, b = make_pair("local")
+    try:
+        link = b.links[0]
+        link.spin_s = 0.0
+        link.max_sleep_ms = 3_600_000
+        timer = threading.Timer(0.3, lambda: a.send(1, header(0, 8), small(3), "x"))
+        timer.start()
+        started = time.monotonic()
+        got = b.recv(0, header(0, 8), time.monotonic() + 20, "x")
+        assert time.monotonic() - started < 10
+        assert np.array_equal(np.frombuffer(bytes(got), np.uint8), small(3))
+        timer.join()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_messages_in_the_mailbox_are_read_before_the_peer_is_reported_lost():
+    a, b = make_pair("local")
+    try:
+        for i in range(3):
+            a.send(1, header(0, 8, i), small(i), "x")
+        a.close()
+        deadline = time.monotonic() + 10
+        for i in range(3):
+            got = b.recv(0, header(0, 8, i), deadline, "x")
+            assert np.array_equal(np.frombuffer(bytes(got), np.uint8), small(i))
+        with pytest.raises(PeerLostError) as info:
+            b.recv(0, header(0, 8, 3), deadline, "x")
+        assert info.value.peer == 0 and info.value.op == "x"
+    finally:
         b.close()

@@ -170,8 +170,9 @@ def test_a_transport_that_is_garbage_collected_removes_its_files():
 def test_close_and_the_finalizer_remove_once_and_close_tolerates_names_already_gone():
     a, b = transport_pair()
     try:
-        paths = list(a._files.shm_paths)  # its ring to b, and b's to it
-        assert len(paths) == 2, paths
+        paths = list(a._files.shm_paths)  # its ring to b, b's to it, its mailbox from b
+        assert len(paths) == 3, paths
+        assert not os.path.exists(paths[2]), "b maps a's mailbox at set-up and removes its name"
         assert os.path.basename(paths[0]).startswith(f"ringcomm-{os.getpid()}-"), paths
         assert a.reserve(1, 1 << 20) is not None  # a creates its ring to b; b never maps it
         assert os.path.exists(paths[0]), paths
@@ -220,6 +221,9 @@ def test_the_sweep_removes_only_ringcomm_files_of_ended_processes(tmp_path):
     hexes = uuid.uuid4().hex[:12]
     rings = {  # name: kept
         f"ringcomm-{dead}-{ns}-{hexes}-0to1": False,  # ours, and its owner has ended
+        f"ringcomm-{dead}-{ns}-{hexes}-1to0-mbox": False,  # a mailbox of its
+        f"ringcomm-{alive}-{ns}-{hexes}-1to0-mbox": True,
+        f"ringcomm-{dead}-{ns}-{hexes}-1to0-mboxes": True,
         f"ringcomm-{alive}-{ns}-{hexes}-0to1": True,  # owner alive
         f"ringcomm-{dead}-{ns}1-{hexes}-0to1": True,  # another pid namespace
         f"ringcomm-{dead}-{ns}-{hexes}-0to1.bak": True,  # not our pattern

@@ -1,15 +1,27 @@
-"""A link between two ranks of one host: a named pipe each way and a shared-memory ring.
+"""A link between two ranks of one host: mailbox slots and a ring in shared memory, and a
+named pipe each way.
 
-Payloads of ``SHM_MIN_BYTES`` or more travel through the shared-memory ring (``shm_ring``):
-one copy instead of three through a socket, and a fused receive-reduce-send writes its sum
-straight into the ring (``reserve``). The headers, the small payloads and the ring's
-notices go through the pipe (``pipe``): a pipe wakes the receiver straight from the
-sender's write, where ZeroMQ needs two I/O threads in between. A full ring falls back to
-the pipe; nothing blocks. The pipe also reports its writer's end (end-of-file after the
-last data), so a dead peer is a ``PeerLostError`` at once.
+Every message is a *frame*: a header, then its payload inline or the position of the
+payload in the shared-memory ring. Frames go, in order of preference:
 
-Pipe frames open with a tag: the payload follows inline, or it waits in shared memory at
-the position that follows the header.
+- into the receiver's mailbox (``mailbox``): a frame whose payload is small
+  (``mailbox.PAYLOAD_BYTES``) or waits in the ring; no system call on either side;
+- down the pipe (``pipe``), when the mailbox is full or the payload is mid-sized and the
+  ring full, or where there is no mailbox: a pipe wakes the receiver straight from the
+  sender's write, where ZeroMQ needs two I/O threads in between.
+
+Payloads too big for a slot travel through the shared-memory ring (``shm_ring``): one copy
+instead of three through a socket, and a fused receive-reduce-send writes its sum straight
+into the ring (``reserve``). Nothing blocks: a full ring falls back to the pipe.
+
+Frames are numbered per direction and the receiver takes them in that order from whichever
+path holds the next one, so the two paths never reorder messages. The pipe also carries
+the mailbox's doorbell (a byte that wakes a receiver asleep in ``poll``) and reports its
+writer's end (end-of-file after the last data), so a dead peer is a ``PeerLostError`` at
+once, after the frames it sent before it died.
+
+Pipe frames open with a tag and the frame's number: the payload follows inline, or it waits
+in shared memory at the position that follows the header.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import numpy as np
 import zmq
 
 from ..errors import CommError, PeerLostError
-from . import shm_ring
+from . import mailbox, shm_ring
 from .header import SIZE as HEADER_SIZE
 from .header import Header
 from .link import Wait
@@ -33,22 +45,26 @@ from .zmq_control import PolledLink, ZmqControl
 
 log = logging.getLogger("ringcomm")
 
-SHM_MIN_BYTES = 64 * 1024  # payloads this big go through shared memory
+SHM_MIN_BYTES = mailbox.PAYLOAD_BYTES + 1  # payloads this big go through the ring
 _SHM_NOTICE = struct.Struct("<q")  # follows the header: the payload's position in the ring
-_INLINE, _IN_SHM = b"I", b"S"
+_NUMBER = struct.Struct("<Q")  # follows a pipe frame's tag: the frame's number
+_INLINE, _IN_SHM, _DOORBELL = b"I", b"S", b"D"
 _PAYLOAD_GRACE_S = 30.0  # the rest of a frame whose header arrived is on its way
 
 
 class LocalLink(PolledLink):
     """Pipes to and from ``peer`` (``pipe_out`` is written by ``flusher`` when it would
-    block) and the shared-memory rings ``ring_out`` (ours, ``capacity`` bytes) and
-    ``ring_in`` (the peer's, ``capacity_in`` bytes), mapped on first use."""
+    block), the shared-memory rings ``ring_out`` (ours, ``capacity`` bytes) and ``ring_in``
+    (the peer's, ``capacity_in`` bytes), mapped on first use, and the mailboxes
+    ``mailbox_in`` (ours to create now) and ``mailbox_out`` (the peer's, mapped once both
+    ends are open); None where there is none."""
 
     kind = "pipe"
 
     def __init__(self, rank: int, peer: int, control: ZmqControl, spin_s: float, *,
                  pipe_in: PipeReader, pipe_out_path: str, flusher: Flusher,
-                 ring_out: str, ring_in: str, capacity: int, capacity_in: int) -> None:
+                 ring_out: str, ring_in: str, capacity: int, capacity_in: int,
+                 mailbox_in: str | None = None, mailbox_out: str | None = None) -> None:
         super().__init__(rank, peer, control, spin_s)
         self.pipe_in = pipe_in
         self.pipe_out = PipeWriter(pipe_out_path, flusher)
@@ -57,38 +73,62 @@ class LocalLink(PolledLink):
         self.capacity, self.capacity_in = capacity, capacity_in
         self.ring_out: shm_ring.RingWriter | None = None
         self.ring_in: shm_ring.RingReader | None = None
+        self.mailbox_in: mailbox.MailboxReader | None = None
+        self.mailbox_out: mailbox.MailboxWriter | None = None
+        self.mailbox_out_name = mailbox_out
+        if mailbox_in is not None:
+            try:
+                self.mailbox_in = mailbox.MailboxReader(mailbox_in)
+                self.max_sleep_ms = int(mailbox.DOZE_S * 1000)
+            except OSError as err:  # /dev/shm full or unusable: the pipe still works
+                log.warning("rank %d: no shared-memory mailbox for rank %d (%s); using the "
+                            "pipe", rank, peer, err)
+        self.frames_out = 0  # frames sent, by either path
+        self.frames_in = 0  # frames received
         self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
         self.held: tuple[int, int] | None = None  # a ring payload handed out, not yet released
         self.reserved: int | None = None  # ring position of a slot handed out to fill
         self.inline: int | None = None  # bytes of the pipe payload after the header read
-        self.counters = {"shm": 0, "pipe": 0, "shm_full": 0}
+        self.boxed: np.ndarray | None = None  # the mailbox payload after the header read
+        self.box_held = False  # a mailbox slot taken, not yet released
+        # payloads by path; doorbells: messages that had to wake a receiver asleep in poll
+        self.counters = {"shm": 0, "pipe": 0, "shm_full": 0, "mailbox": 0, "doorbell": 0}
 
     def opened(self) -> None:
         """Both ends are open (the transport waited for the peer): the pipe's name is no
-        longer needed, and the link can be polled."""
+        longer needed, the peer's mailbox exists, and the link can be polled."""
         self.pipe_in.unlink()
+        if self.mailbox_out_name is not None:
+            try:
+                self.mailbox_out = mailbox.MailboxWriter(self.mailbox_out_name)
+            except OSError as err:  # the peer could not make it: the pipe still works
+                log.info("rank %d: no mailbox of rank %d (%s); using the pipe", self.rank,
+                         self.peer, err)
         self.poller.register(self.pipe_in.fd, zmq.POLLIN)
 
     def describe(self) -> str:
         how = "pipe"
         if self.ring_out_name is not None:
-            how += f" + shared memory ({self.capacity >> 20} MiB ring)"
+            how += f" + shared memory ({self.capacity >> 20} MiB ring"
+            how += " and mailbox)" if self.mailbox_out is not None else ")"
         return how
 
     # ---------------------------------------------------------------- sending
     def send(self, header: Header, payload: np.ndarray | None, op: str) -> None:
         raw = header.pack()
         if payload is None or header.nbytes == 0:
-            self._write(_INLINE + raw, op)
+            self._frame(_INLINE, raw, None, op)
             return None
-        data = payload.view(np.uint8)
+        data = payload.view(np.uint8).reshape(-1)
+        if header.nbytes <= mailbox.PAYLOAD_BYTES and self._boxed(_INLINE, raw, data):
+            self.counters["mailbox"] += 1
+            return None
         dst = self.reserve(header.nbytes)
         if dst is not None:
-            np.copyto(dst, data.reshape(-1))
+            np.copyto(dst, data)
             return self.send_reserved(header, op)
         self.counters["pipe"] += 1
-        # an ndarray is a buffer; numpy's stubs say so only for Python 3.12 and later
-        self._write(b"".join((_INLINE, raw, data.reshape(-1))), op)  # type: ignore[arg-type]
+        self._piped(_INLINE, raw, data, op)
         return None
 
     def reserve(self, nbytes: int) -> np.ndarray | None:
@@ -116,29 +156,93 @@ class LocalLink(PolledLink):
             raise CommError(f"send_reserved to rank {self.peer} without a reserved slot",
                             rank=self.rank, op=op, peer=self.peer)
         self.counters["shm"] += 1
-        self._write(_IN_SHM + header.pack() + _SHM_NOTICE.pack(start), op)
+        self._frame(_IN_SHM, header.pack(), _SHM_NOTICE.pack(start), op)
 
     def send_notice(self, header: Header, text: bytes) -> None:
         # down the pipe it arrives before this rank's end of the pipe closes, so a peer that
         # sees the close has read the notice first and reports the real cause
         with contextlib.suppress(OSError, CommError):
-            self._write(_INLINE + header.pack() + text, "abort")
+            self._piped(_INLINE, header.pack(), text, "abort")
 
-    def _write(self, frame: bytes, op: str) -> None:
+    def _frame(self, tag: bytes, raw: bytes, rest: bytes | None, op: str) -> None:
+        """A frame whose payload (``rest``) fits a mailbox slot: there, else the pipe."""
+        if not self._boxed(tag, raw, rest):
+            self._piped(tag, raw, b"" if rest is None else rest, op)
+
+    def _boxed(self, tag: bytes, raw: bytes, rest: Any) -> bool:
+        box = self.mailbox_out
+        if box is None or not box.put(self.frames_out, tag, raw, rest):
+            return False
+        self.frames_out += 1
+        if box.sleeping:
+            self.counters["doorbell"] += 1
+            with contextlib.suppress(OSError):  # a peer gone: its receive reports that
+                self.pipe_out.write(_DOORBELL)
+        return True
+
+    def _piped(self, tag: bytes, raw: bytes, rest: Any, op: str) -> None:
+        number = _NUMBER.pack(self.frames_out)
+        self.frames_out += 1
         try:
-            self.pipe_out.write(frame)
+            self.pipe_out.write(b"".join((tag, number, raw, rest)))
         except BrokenPipeError:
             self.peer_lost(op, f"rank {self.peer} closed its pipe while this rank still had "
                            "data to send to it")
 
     # ---------------------------------------------------------------- receiving
     def recv_header(self, wait: Wait) -> Header:
-        if self.held is not None:  # the previous payload has been used by now
+        self._release()
+        while True:
+            header = self._next_frame(wait)
+            if header is not None:
+                return header
+            self.wait_readable(wait)
+
+    def _release(self) -> None:
+        """The previous payload has been used by now: free its slot."""
+        if self.held is not None:
             assert self.ring_in is not None  # a payload was held: the ring is mapped
             self.ring_in.release(*self.held)
             self.held = None
-        frame = self._take(1 + HEADER_SIZE, wait)
-        header = Header.unpack(frame[1:])
+        if self.box_held:
+            assert self.mailbox_in is not None
+            self.mailbox_in.release()
+            self.box_held = False
+            self.boxed = None
+
+    def _next_frame(self, wait: Wait) -> Header | None:
+        """The header of the next frame, from the mailbox or the pipe, or None if it has not
+        arrived. Raises once the peer is gone and everything it sent has been read."""
+        box = self.mailbox_in
+        if box is not None and box.ready(self.frames_in):
+            tag, raw, at = box.take()
+            header = Header.unpack(raw)
+            self.box_held = True
+            self.frames_in += 1
+            if tag == _IN_SHM:
+                self.incoming = (int(box.payload(at, _SHM_NOTICE.size).view(np.int64)[0]),
+                                 header.nbytes)
+            else:
+                self.boxed = box.payload(at, header.nbytes)
+            return header
+        pipe = self.pipe_in
+        try:
+            while pipe.peek(1) == _DOORBELL:
+                pipe.take(1)
+            if pipe.peek(1 + _NUMBER.size) is None:
+                return None
+        except EOFError:
+            if box is not None and box.ready(self.frames_in):
+                return self._next_frame(wait)  # its last frames went to the mailbox
+            self.peer_lost(wait.op)
+        frame = self._take(1 + _NUMBER.size + HEADER_SIZE, wait, rest=True)
+        number = _NUMBER.unpack_from(frame, 1)[0]
+        if number != self.frames_in:
+            raise CommError(f"message {number} from rank {self.peer} came before message "
+                            f"{self.frames_in}: the link lost a message", rank=self.rank,
+                            op=wait.op, peer=self.peer)
+        self.frames_in += 1
+        header = Header.unpack(frame[1 + _NUMBER.size:])
         if frame[:1] == _IN_SHM:
             notice = self._take(_SHM_NOTICE.size, wait, rest=True)
             self.incoming = (_SHM_NOTICE.unpack(notice)[0], header.nbytes)
@@ -194,6 +298,9 @@ class LocalLink(PolledLink):
         if self.incoming is not None:
             view, self.held = self._ring_payload(self.incoming, op)
             return view
+        if self.boxed is not None:
+            boxed, self.boxed = self.boxed, None
+            return boxed  # its slot is released at the next header
         nbytes, self.inline = self.inline, None
         assert nbytes is not None, "recv_payload before recv_header"
         return self._take(nbytes, Wait(op, 0.0), rest=True)
@@ -217,10 +324,34 @@ class LocalLink(PolledLink):
             raise CommError(f"payload of {len(data)} B from rank {self.peer}, expected "
                             f"{out.nbytes} B", rank=self.rank, op=op, peer=self.peer)
         out[:] = np.frombuffer(data, dtype=np.uint8)
+        self._release()
         return out.nbytes
 
     def peek(self) -> bool:
-        return self.pipe_in.has(1 + HEADER_SIZE)
+        box = self.mailbox_in
+        if box is not None and box.ready(self.frames_in):
+            return True
+        pipe = self.pipe_in
+        try:
+            while pipe.peek(1) == _DOORBELL:
+                pipe.take(1)
+            return pipe.peek(1 + _NUMBER.size + HEADER_SIZE) is not None
+        except EOFError:
+            return True
+
+    def _ready_or_lost(self, wait: Wait) -> bool:
+        box = self.mailbox_in
+        if box is not None:  # a memory read; the pipe is polled every few turns
+            return box.ready(self.frames_in)
+        # a read that finds nothing costs less than polling (and is how end-of-file shows)
+        return self.pipe_in.has(1)
+
+    def _doze(self, sleeping: bool) -> bool:
+        box = self.mailbox_in
+        if box is None:
+            return False
+        box.doze(sleeping)
+        return sleeping and box.ready(self.frames_in)
 
     def _readable(self, events: dict) -> bool:
         return self.pipe_in.fd in events
@@ -231,8 +362,6 @@ class LocalLink(PolledLink):
 
     def close(self) -> None:
         self.pipe_in.close()
-        if self.ring_out is not None:
-            self.ring_out.close()
-        if self.ring_in is not None:
-            self.ring_in.close()
-
+        for shared in (self.ring_out, self.ring_in, self.mailbox_in, self.mailbox_out):
+            if shared is not None:
+                shared.close()

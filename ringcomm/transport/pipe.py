@@ -63,6 +63,13 @@ class PipeReader:
             self._off = 0
         return out
 
+    def peek(self, n: int) -> bytes | None:
+        """The next ``n`` bytes without consuming them, or None if they have not all arrived
+        yet. Raises EOFError once the writer is gone before they did."""
+        if not self._fill(n):
+            return None
+        return bytes(self._buf[self._off:self._off + n])
+
     def has(self, n: int) -> bool:
         """Whether ``take(n)`` would return data now (or raise: the writer is gone). Reads
         what has arrived into the buffer without consuming any of it."""

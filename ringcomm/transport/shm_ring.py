@@ -51,7 +51,7 @@ _CONTROL = 64
 _ALIGN = 64
 # ring_name(new_token(), a, b): "ringcomm-<pid>-<pid namespace>-<12 hex digits>-<a>to<b>"
 _TOKEN = re.compile(r"(\d+)-([0-9a-f]+)-[0-9a-f]{12}")
-_RING_NAME = re.compile(rf"ringcomm-{_TOKEN.pattern}-\d+to\d+")
+_RING_NAME = re.compile(rf"ringcomm-{_TOKEN.pattern}-\d+to\d+(?:-mbox)?")
 _PID_MAX = 1 << 22  # the most pid_max allows
 
 
@@ -147,7 +147,7 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
+def map_shared(path: str, size: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
@@ -173,7 +173,7 @@ class RingWriter:
         self.name = name
         self.capacity = capacity
         self.path = os.path.join(SHM_DIR, name)
-        self._mm = _map(self.path, _CONTROL + capacity, create=True)
+        self._mm = map_shared(self.path, _CONTROL + capacity, create=True)
         self._tail = np.frombuffer(self._mm, np.int64, 1, 0)
         self._data = np.frombuffer(self._mm, np.uint8, capacity, _CONTROL)
         self._head = 0
@@ -215,7 +215,7 @@ class RingReader:
 
     def __init__(self, name: str, capacity: int) -> None:
         path = os.path.join(SHM_DIR, name)
-        self._mm = _map(path, _CONTROL + capacity, create=False)
+        self._mm = map_shared(path, _CONTROL + capacity, create=False)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self.capacity = capacity

@@ -28,6 +28,7 @@ from .link import ControlPlane, Link, Wait, remote_error
 _POLL_SLICE_MS = 1000
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
+_CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
 
 
 class ZmqControl(ControlPlane):
@@ -119,6 +120,14 @@ class PolledLink(Link):
     def _on_events(self, events: dict) -> None:
         """Handle this link's own other events (a socket monitor's)."""
 
+    def _doze(self, sleeping: bool) -> bool:
+        """Called with True before the wait blocks in ``poll`` and with False after it: a
+        link whose data does not wake ``poll`` by itself arranges for its sender to wake it.
+        Returns True if the data turned up meanwhile (then the wait does not block)."""
+        return False
+
+    max_sleep_ms = _POLL_SLICE_MS  # the longest one blocking poll lasts
+
     def peer_lost(self, op: str, what: str = "") -> None:
         """Raise PeerLostError, unless an abort from some rank explains it better."""
         self.control.explain_loss(op)
@@ -136,6 +145,7 @@ class PolledLink(Link):
         started = time.monotonic()
         probe_at: float | None = started + STALL_PROBE_S
         spin_until = started + self.spin_s
+        turn = 0
         while True:
             if self._ready_or_lost(wait):
                 return
@@ -150,12 +160,23 @@ class PolledLink(Link):
                     self.control.probe(self.peer, wait.expected, wait.op)
             wake = left if probe_at is None else min(left, probe_at - now)
             if now < spin_until:
+                turn += 1
+                if turn % _CONTROL_EVERY:
+                    os.sched_yield()
+                    continue
                 events = dict(self.poller.poll(0))
                 if not events:
                     os.sched_yield()
                     continue
             else:
-                events = dict(self.poller.poll(min(_POLL_SLICE_MS, max(1, int(wake * 1000)))))
+                if self._doze(True):
+                    self._doze(False)
+                    return
+                try:
+                    events = dict(self.poller.poll(
+                        min(self.max_sleep_ms, max(1, int(wake * 1000)))))
+                finally:
+                    self._doze(False)
             # data first: a peer's message sent before another rank's abort may arrive with
             # it, and the op it belongs to can still finish (the abort stays queued for the
             # next wait, so the op after it raises)

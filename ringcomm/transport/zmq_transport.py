@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from ..errors import ArgumentError, CommError
-from . import shm_ring
+from . import mailbox, shm_ring
 from .base import Transport
 from .files import TransportFiles, ipc_base, sweep_litter
 from .link import Link
@@ -235,15 +235,21 @@ class ZmqTransport(Transport):
             if peer in pipes_in and their_token != "-":
                 ring_out = shm_ring.ring_name(token, me, peer)
                 ring_in = shm_ring.ring_name(their_token, peer, me)
+                # each end makes its incoming mailbox; the sender maps it and removes its name
+                boxes = mailbox.supported()
+                mailbox_in = mailbox.mailbox_name(shm_ring.ring_name(token, peer, me))
+                mailbox_out = mailbox.mailbox_name(shm_ring.ring_name(their_token, me, peer))
                 # ours until the reader maps it; theirs is not needed once we stop reading
                 self._files.shm_paths += [os.path.join(shm_ring.SHM_DIR, name)
-                                          for name in (ring_out, ring_in)]
+                                          for name in (ring_out, ring_in, mailbox_in)]
                 their_dir = theirs[me][len("ipc://"):].rsplit("/", 1)[0]
                 links[peer] = LocalLink(
                     me, peer, self.control, self.spin_s, pipe_in=pipes_in.pop(peer),
                     pipe_out_path=f"{their_dir}/pipe-from-{me}", flusher=self._flusher,
                     ring_out=ring_out, ring_in=ring_in, capacity=capacity,
-                    capacity_in=int(their_capacity))
+                    capacity_in=int(their_capacity),
+                    mailbox_in=mailbox_in if boxes else None,
+                    mailbox_out=mailbox_out if boxes else None)
             else:
                 if peer in pipes_in:  # the peer has no shared memory: sockets only
                     pipes_in.pop(peer).close()
