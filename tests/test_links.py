@@ -7,6 +7,7 @@ the tests read one side's errors directly.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -224,4 +225,41 @@ def test_messages_in_the_mailbox_are_read_before_the_peer_is_reported_lost():
             b.recv(0, header(0, 8, 3), deadline, "x")
         assert info.value.peer == 0 and info.value.op == "x"
     finally:
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_learns_that_its_mailbox_frames_will_never_be_read():
+    """A mailbox write cannot fail the way a pipe's does: once an op has sent, the link
+    checks that a receiver still holding unread frames is alive. One that read them and
+    closed is fine; one gone with frames unread (its pipe's end closed, nothing released) is
+    a PeerLostError naming the sending op."""
+    a, b = make_pair("local")
+    try:
+        a.send(1, header(0, 8), small(1), "x")
+        b.recv(0, header(0, 8), time.monotonic() + 10, "x")
+        a.check_delivered(1, "x")
+        a.send(1, header(1, 8), small(2), "y")
+        a.check_delivered(1, "y")  # unread, but the receiver is alive: it may read it later
+        os.close(b.links[0].pipe_in.fd)  # the receiving process dies: its fds close
+        with pytest.raises(PeerLostError, match="still had data to send") as info:
+            a.check_delivered(1, "y")
+        assert info.value.peer == 1 and info.value.op == "y"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_receiver_that_closes_after_reading_is_not_a_lost_peer():
+    a, b = make_pair("local")
+    try:
+        for i in range(3):
+            a.send(1, header(0, 8, i), small(i), "x")
+        for i in range(3):
+            b.recv(0, header(0, 8, i), time.monotonic() + 10, "x")
+        b.close()
+        a.check_delivered(1, "x")
+    finally:
+        a.close()
         b.close()

@@ -152,6 +152,7 @@ class P2PEngine:
                 handle = comm.transport.send(to, header, payload, op.name)
                 if handle is not None:
                     sending.handles.append(handle)
+            comm.transport.check_delivered(to, op.name)
         except CommError as err:
             self._failed(sending, err)
             return

@@ -64,6 +64,11 @@ class Transport:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer."""
         self._link(peer).wait_sent(handle, Wait(op, deadline))
 
+    def check_delivered(self, peer: int, op: str) -> None:
+        """Once ``op`` has sent its last message to ``peer``: raise PeerLostError if ``peer``
+        is gone before it took them (see ``Link.check_delivered``)."""
+        self._link(peer).check_delivered(op)
+
     # ---------------------------------------------------------------- receiving
     def recv(self, peer: int, expected: Header, deadline: float, op: str) -> Any:
         """Receive the next message of ``expected``'s stream from ``peer`` and return its

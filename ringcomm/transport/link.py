@@ -104,6 +104,11 @@ class Link(abc.ABC):
                 rank=self.rank, op=wait.op, peer=self.peer,
             )
 
+    def check_delivered(self, op: str) -> None:  # noqa: B027 - optional hook
+        """Called once an op has sent its last message to the peer: raise PeerLostError if
+        the peer is gone before it took what was sent. Links whose sends fail by themselves
+        when the peer is gone (a socket, a pipe) need not do anything."""
+
     # ---------------------------------------------------------------- receiving
     @abc.abstractmethod
     def recv_header(self, wait: Wait) -> Header:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import struct
 import time
 from typing import Any
@@ -68,6 +69,8 @@ class LocalLink(PolledLink):
         super().__init__(rank, peer, control, spin_s)
         self.pipe_in = pipe_in
         self.pipe_out = PipeWriter(pipe_out_path, flusher)
+        self._writer_error = select.poll()  # reports POLLERR once the pipe's reader is gone
+        self._writer_error.register(self.pipe_out.fd, 0)
         self.ring_out_name: str | None = ring_out  # None: no shared memory after all
         self.ring_in_name = ring_in
         self.capacity, self.capacity_in = capacity, capacity_in
@@ -186,6 +189,17 @@ class LocalLink(PolledLink):
         try:
             self.pipe_out.write(b"".join((tag, number, raw, rest)))
         except BrokenPipeError:
+            self.peer_lost(op, f"rank {self.peer} closed its pipe while this rank still had "
+                           "data to send to it")
+
+    def check_delivered(self, op: str) -> None:
+        # A pipe's write fails once its reader is gone; a mailbox's cannot. So a frame still
+        # in the mailbox with the pipe's reader gone (an error on its write end) will never
+        # be read: its receiver died (one that closes takes its frames first).
+        box = self.mailbox_out
+        if box is None or box.delivered or not self._writer_error.poll(0):
+            return
+        if not box.delivered:
             self.peer_lost(op, f"rank {self.peer} closed its pipe while this rank still had "
                            "data to send to it")
 
@@ -318,6 +332,7 @@ class LocalLink(PolledLink):
             np.copyto(out, view)
             assert self.ring_in is not None  # mapped by _ring_payload
             self.ring_in.release(*slot)
+            self._release()  # the notice's mailbox slot: taken now
             return out.nbytes
         data = self.recv_payload(op)
         if len(data) != out.nbytes:
@@ -361,6 +376,8 @@ class LocalLink(PolledLink):
         self.pipe_out.close()
 
     def close(self) -> None:
+        if self.mailbox_in is not None:  # the frames taken, before the pipe says we left
+            self.mailbox_in.release()
         self.pipe_in.close()
         for shared in (self.ring_out, self.ring_in, self.mailbox_in, self.mailbox_out):
             if shared is not None:

@@ -161,6 +161,11 @@ class MailboxWriter(_Mapped):
         return True
 
     @property
+    def delivered(self) -> bool:
+        """Whether the receiver has taken every frame put here."""
+        return int(self._line[0]) >= self.sent
+
+    @property
     def sleeping(self) -> bool:
         """Whether the receiver sleeps (ring its doorbell); read after a full barrier."""
         _fence()
