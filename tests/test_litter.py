@@ -249,7 +249,8 @@ def test_the_sweep_removes_only_ringcomm_files_of_ended_processes(tmp_path):
         (base / name / "0").touch()
         (base / f"{name}0").touch()  # not a folder: kept whatever its name
 
-    assert shm_ring.sweep(str(shm)) == [n for n, kept in rings.items() if not kept]
+    assert sorted(shm_ring.sweep(str(shm))) == sorted(n for n, kept in rings.items()
+                                                       if not kept)
     assert files.sweep_ipc_dirs(str(base)) == [str(base / n) for n, kept
                                                       in folders.items() if not kept]
     assert sorted(os.listdir(shm)) == sorted(
