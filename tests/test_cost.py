@@ -119,9 +119,13 @@ def test_a_communicator_chooses_from_the_agreed_settings_and_topology_only(no_pr
     assert chosen(fewest_rounds, 4, 4096) == "rd"
     assert chosen({}, 4, 4096) == "rd"  # no profile agreed: the defaults, not the local file
     assert chosen({4: cost.CostParams(alpha=1e-9, beta=1e-9, gamma=1e-10)}, 4, 4096) == "ring"
-    # the gathered cores decide: four ranks on one core each, or sharing two
-    assert chosen({}, 4, 8) == "rd"
-    assert chosen({}, 2, 8) == "hd"
+    # the gathered cores decide: four ranks on one core each, or sharing two, where
+    # reducing costs more than a message (the work shared cores do, not the rounds)
+    costly_sums = {4: cost.CostParams(alpha=1e-5, beta=1e-10, gamma=1e-8)}
+    assert chosen(costly_sums, 4, 8) == "rd"
+    assert chosen(costly_sums, 2, 8) == "hd"
+    # with the defaults, a few bytes go the fewest rounds either way (the work is a tie)
+    assert chosen({}, 4, 8) == chosen({}, 2, 8) == "rd"
 
 
 def test_an_unreadable_profile_falls_back_to_the_defaults(no_profile):
