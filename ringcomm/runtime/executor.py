@@ -170,6 +170,7 @@ def run_schedule(
                                          ctx.name)
                 buffers[dst.buf].reduce_into(into, view(src), payload, ctx.reduce,
                                              world if step.final else 1)
+                transport.release(peer)
             elif kind is Kind.RECV_REDUCE_SEND:
                 assert src is not None and dst is not None and ctx.reduce is not None
                 payload = transport.recv(peer, expect(peer, dst.count), ctx.deadline,
@@ -181,10 +182,12 @@ def run_schedule(
                 target = buffers[dst.buf]
                 if slot is not None:  # the sum goes straight into the outgoing message
                     target.reduce_into(slot.view(ctx.dtype), view(src), payload, ctx.reduce)
+                    transport.release(peer)
                     track(transport.send_reserved(to, header, ctx.name), dst, to)
                 else:
                     into = claim(dst)
                     target.reduce_into(into, view(src), payload, ctx.reduce)
+                    transport.release(peer)
                     track(transport.send(to, header, into, ctx.name), dst, to)
             else:
                 assert src is not None and dst is not None

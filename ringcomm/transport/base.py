@@ -76,6 +76,10 @@ class Transport:
         stashed = self._match(peer, expected, Wait(op, deadline, expected))
         return stashed if stashed is not None else self._link(peer).recv_payload(op)
 
+    def release(self, peer: int) -> None:
+        """The payload the last ``recv`` from ``peer`` returned has been used."""
+        self._link(peer).release_payload()
+
     def recv_into(self, peer: int, expected: Header, out: np.ndarray, deadline: float,
                   op: str) -> None:
         """Like ``recv``, but the payload lands in ``out`` (no intermediate buffer)."""

@@ -123,6 +123,11 @@ class Link(abc.ABC):
     def recv_payload_into(self, out: np.ndarray, op: str) -> int:
         """Receive the payload straight into ``out`` (uint8); return its size in bytes."""
 
+    def release_payload(self) -> None:  # noqa: B027 - optional hook
+        """The payload ``recv_payload`` returned has been used: its memory may go back to
+        the sender now rather than at the next ``recv_header`` (a ring that drains between
+        ops starts over at the front, on pages both processes have warm)."""
+
     def discard_payload(self, op: str) -> None:
         """Drop the payload of a message that is not the one expected (an error follows)."""
         self.recv_payload(op)

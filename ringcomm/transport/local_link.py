@@ -212,6 +212,9 @@ class LocalLink(PolledLink):
                 return header
             self.wait_readable(wait)
 
+    def release_payload(self) -> None:
+        self._release()
+
     def _release(self) -> None:
         """The previous payload has been used by now: free its slot."""
         if self.held is not None:
