@@ -263,3 +263,32 @@ def test_a_receiver_that_closes_after_reading_is_not_a_lost_peer():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_order_holds_when_the_mailbox_fills_between_the_receivers_two_looks():
+    """The receiver finds the mailbox empty, and before it looks at the pipe the sender fills
+    the mailbox and spills the next message into the pipe: the pipe then shows a later
+    message than the one the receiver waits for, which is in the mailbox by then. (The
+    sender's burst is made to happen exactly there, by running it from the pipe's peek.)"""
+    a, b = make_pair("local")
+    try:
+        pipe = b.links[0].pipe_in
+        peek = pipe.peek
+        burst = mailbox.SLOTS + 3
+
+        def peek_after_a_burst(n: int) -> bytes | None:
+            if a.counters["mailbox"] == 0:
+                for i in range(burst):
+                    a.send(1, header(0, 8, i), small(i), "x")
+            return peek(n)
+
+        pipe.peek = peek_after_a_burst
+        deadline = time.monotonic() + 10
+        for i in range(burst):
+            got = b.recv(0, header(0, 8, i), deadline, "x")
+            assert np.array_equal(np.frombuffer(bytes(got), np.uint8), small(i)), i
+        assert a.counters["mailbox"] == mailbox.SLOTS and a.counters["pipe"] == 3
+    finally:
+        a.close()
+        b.close()

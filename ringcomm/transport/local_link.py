@@ -246,18 +246,23 @@ class LocalLink(PolledLink):
         try:
             while pipe.peek(1) == _DOORBELL:
                 pipe.take(1)
-            if pipe.peek(1 + _NUMBER.size) is None:
-                return None
+            head = pipe.peek(1 + _NUMBER.size)
         except EOFError:
             if box is not None and box.ready(self.frames_in):
                 return self._next_frame(wait)  # its last frames went to the mailbox
             self.peer_lost(wait.op)
-        frame = self._take(1 + _NUMBER.size + HEADER_SIZE, wait, rest=True)
-        number = _NUMBER.unpack_from(frame, 1)[0]
+        if head is None:
+            return None
+        number = _NUMBER.unpack_from(head, 1)[0]
         if number != self.frames_in:
+            # The sender filled the mailbox since we looked and went on in the pipe: the
+            # frame we wait for is in the mailbox now (it was put there first).
+            if box is not None and box.ready(self.frames_in):
+                return self._next_frame(wait)
             raise CommError(f"message {number} from rank {self.peer} came before message "
                             f"{self.frames_in}: the link lost a message", rank=self.rank,
                             op=wait.op, peer=self.peer)
+        frame = self._take(1 + _NUMBER.size + HEADER_SIZE, wait, rest=True)
         self.frames_in += 1
         header = Header.unpack(frame[1 + _NUMBER.size:])
         if frame[:1] == _IN_SHM:
