@@ -16,7 +16,7 @@ import pytest
 from mp_helpers import transport_pair
 
 from ringcomm import CommTimeout, PeerLostError, RemoteError
-from ringcomm.transport import InMemoryNetwork, Transport, mailbox, zmq_control
+from ringcomm.transport import InMemoryNetwork, Transport, local_link, mailbox, zmq_control
 from ringcomm.transport.header import Header, OpKind
 from ringcomm.transport.local_link import SHM_MIN_BYTES, LocalLink
 from ringcomm.transport.socket_link import SocketLink
@@ -242,6 +242,7 @@ def test_a_sender_learns_that_its_mailbox_frames_will_never_be_read():
         a.send(1, header(1, 8), small(2), "y")
         a.check_delivered(1, "y")  # unread, but the receiver is alive: it may read it later
         os.close(b.links[0].pipe_in.fd)  # the receiving process dies: its fds close
+        time.sleep(2 * local_link._CHECK_EVERY_S)  # it asks at most this often
         with pytest.raises(PeerLostError, match="still had data to send") as info:
             a.check_delivered(1, "y")
         assert info.value.peer == 1 and info.value.op == "y"

@@ -50,6 +50,8 @@ SHM_MIN_BYTES = mailbox.PAYLOAD_BYTES + 1  # payloads this big go through the ri
 _SHM_NOTICE = struct.Struct("<q")  # follows the header: the payload's position in the ring
 _NUMBER = struct.Struct("<Q")  # follows a pipe frame's tag: the frame's number
 _INLINE, _IN_SHM, _DOORBELL = b"I", b"S", b"D"
+_PIPE_HEAD = 1 + _NUMBER.size + HEADER_SIZE  # tag, number, header
+_CHECK_EVERY_S = 0.001  # check_delivered asks whether the receiver lives at most this often
 _PAYLOAD_GRACE_S = 30.0  # the rest of a frame whose header arrived is on its way
 
 
@@ -71,6 +73,7 @@ class LocalLink(PolledLink):
         self.pipe_out = PipeWriter(pipe_out_path, flusher)
         self._writer_error = select.poll()  # reports POLLERR once the pipe's reader is gone
         self._writer_error.register(self.pipe_out.fd, 0)
+        self._next_check = 0.0  # when check_delivered may next ask the pipe
         self.ring_out_name: str | None = ring_out  # None: no shared memory after all
         self.ring_in_name = ring_in
         self.capacity, self.capacity_in = capacity, capacity_in
@@ -88,6 +91,7 @@ class LocalLink(PolledLink):
                             "pipe", rank, peer, err)
         self.frames_out = 0  # frames sent, by either path
         self.frames_in = 0  # frames received
+        self.piped = False  # the last frame came down the pipe
         self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
         self.held: tuple[int, int] | None = None  # a ring payload handed out, not yet released
         self.reserved: int | None = None  # ring position of a slot handed out to fill
@@ -195,11 +199,17 @@ class LocalLink(PolledLink):
     def check_delivered(self, op: str) -> None:
         # A pipe's write fails once its reader is gone; a mailbox's cannot. So a frame still
         # in the mailbox with the pipe's reader gone (an error on its write end) will never
-        # be read: its receiver died (one that closes takes its frames first).
+        # be read: its receiver died (one that closes takes its frames first). Asked at most
+        # once a millisecond (a system call): an op that sends right after another one that
+        # asked may return, and the next op raises.
         box = self.mailbox_out
-        if box is None or box.delivered or not self._writer_error.poll(0):
+        if box is None or box.delivered:
             return
-        if not box.delivered:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + _CHECK_EVERY_S
+        if self._writer_error.poll(0) and not box.delivered:
             self.peer_lost(op, f"rank {self.peer} closed its pipe while this rank still had "
                            "data to send to it")
 
@@ -236,6 +246,7 @@ class LocalLink(PolledLink):
             header = Header.unpack(raw)
             self.box_held = True
             self.frames_in += 1
+            self.piped = False
             if tag == _IN_SHM:
                 self.incoming = (int(box.payload(at, _SHM_NOTICE.size).view(np.int64)[0]),
                                  header.nbytes)
@@ -244,15 +255,17 @@ class LocalLink(PolledLink):
             return header
         pipe = self.pipe_in
         try:
-            while pipe.peek(1) == _DOORBELL:
+            head = pipe.peek(_PIPE_HEAD)
+            while head is None or head[:1] == _DOORBELL:
+                if pipe.buffered(1) != _DOORBELL:
+                    return None  # nothing yet, or a frame not all here yet
                 pipe.take(1)
-            head = pipe.peek(1 + _NUMBER.size)
+                head = pipe.peek(_PIPE_HEAD)
         except EOFError:
             if box is not None and box.ready(self.frames_in):
                 return self._next_frame(wait)  # its last frames went to the mailbox
             self.peer_lost(wait.op)
-        if head is None:
-            return None
+        assert head is not None  # the loop above ends on a frame's head
         number = _NUMBER.unpack_from(head, 1)[0]
         if number != self.frames_in:
             # The sender filled the mailbox since we looked and went on in the pipe: the
@@ -262,8 +275,10 @@ class LocalLink(PolledLink):
             raise CommError(f"message {number} from rank {self.peer} came before message "
                             f"{self.frames_in}: the link lost a message", rank=self.rank,
                             op=wait.op, peer=self.peer)
-        frame = self._take(1 + _NUMBER.size + HEADER_SIZE, wait, rest=True)
+        frame = pipe.take(_PIPE_HEAD)
+        assert frame is not None  # peeked
         self.frames_in += 1
+        self.piped = True
         header = Header.unpack(frame[1 + _NUMBER.size:])
         if frame[:1] == _IN_SHM:
             notice = self._take(_SHM_NOTICE.size, wait, rest=True)
@@ -358,14 +373,15 @@ class LocalLink(PolledLink):
         try:
             while pipe.peek(1) == _DOORBELL:
                 pipe.take(1)
-            return pipe.peek(1 + _NUMBER.size + HEADER_SIZE) is not None
+            return pipe.peek(_PIPE_HEAD) is not None
         except EOFError:
             return True
 
     def _ready_or_lost(self, wait: Wait) -> bool:
         box = self.mailbox_in
-        if box is not None:  # a memory read; the pipe is polled every few turns
-            return box.ready(self.frames_in)
+        if box is not None:  # a memory read; the pipe is polled every few turns, or on every
+            # turn while frames come that way (a sender running ahead filled the mailbox)
+            return box.ready(self.frames_in) or self.piped and self.pipe_in.has(1)
         # a read that finds nothing costs less than polling (and is how end-of-file shows)
         return self.pipe_in.has(1)
 

@@ -70,6 +70,10 @@ class PipeReader:
             return None
         return bytes(self._buf[self._off:self._off + n])
 
+    def buffered(self, n: int) -> bytes:
+        """Up to ``n`` bytes already read and not consumed (no system call)."""
+        return bytes(self._buf[self._off:self._off + n])
+
     def has(self, n: int) -> bool:
         """Whether ``take(n)`` would return data now (or raise: the writer is gone). Reads
         what has arrived into the buffer without consuming any of it."""
