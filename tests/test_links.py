@@ -21,15 +21,18 @@ from ringcomm.transport.header import Header, OpKind
 from ringcomm.transport.local_link import SHM_MIN_BYTES, LocalLink
 from ringcomm.transport.socket_link import SocketLink
 
-KINDS = ["in-memory", "local", "socket-ipc", "socket-tcp"]
+KINDS = ["in-memory", "local", "local-mailbox", "socket-ipc", "socket-tcp"]
 
 
 def make_pair(kind: str) -> list[Transport]:
     if kind == "in-memory":
         net = InMemoryNetwork(2)
         return [net.transport(0), net.transport(1)]
-    if kind == "local":
-        return transport_pair("ipc", shm=True)
+    if kind.startswith("local"):
+        # RINGCOMM_MAILBOX is read by each transport as it is made, in this process
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RINGCOMM_MAILBOX", "1" if kind == "local-mailbox" else "0")
+            return transport_pair("ipc", shm=True)
     if kind == "socket-ipc":
         return transport_pair("ipc", shm=False)
     return transport_pair("tcp", shm=False, hosts=("a", "b"))
@@ -54,9 +57,11 @@ def test_the_kind_of_link_follows_from_hosts_and_settings(kind):
     a, b = make_pair(kind)
     try:
         expected = {"in-memory": "in-memory", "local": "pipe + shared memory",
+                    "local-mailbox": "and mailbox",
                     "socket-ipc": "ipc://", "socket-tcp": "tcp://"}[kind]
         assert expected in a.describe() and expected in b.describe(), a.describe()
-        assert type(a.links[1]) is {"local": LocalLink, "socket-ipc": SocketLink,
+        assert type(a.links[1]) is {"local": LocalLink, "local-mailbox": LocalLink,
+                                    "socket-ipc": SocketLink,
                                     "socket-tcp": SocketLink}.get(kind, type(a.links[1]))
     finally:
         a.close()
@@ -110,7 +115,7 @@ def test_an_abort_wakes_a_receive_that_waits_on_another_peer(pair):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["local", "socket-tcp"])
+@pytest.mark.parametrize("kind", ["local", "local-mailbox", "socket-tcp"])
 def test_a_send_to_a_closed_peer_names_the_op_of_the_send(kind):
     """The per-op state travels with the call: a send that finds its peer gone names the op
     it belongs to, even after a receive of another op ran on the same transport."""
@@ -133,12 +138,15 @@ def test_a_send_to_a_closed_peer_names_the_op_of_the_send(kind):
 
 
 @pytest.mark.timeout(30)
-def test_counters_show_which_path_payloads_took():
-    a, b = make_pair("local")
+@pytest.mark.parametrize("kind", ["local", "local-mailbox"])
+def test_counters_show_which_path_payloads_took(kind):
+    a, b = make_pair(kind)
     try:
         a.send(1, header(0, 16), np.zeros(16, np.uint8), "x")
         a.send(1, header(0, SHM_MIN_BYTES, 1), np.zeros(SHM_MIN_BYTES, np.uint8), "x")
-        assert a.counters == {"mailbox": 1, "pipe": 0, "shm": 1, "shm_full": 0, "doorbell": 0}
+        boxed = int(kind == "local-mailbox")
+        assert a.counters == {"mailbox": boxed, "pipe": 1 - boxed, "shm": 1, "shm_full": 0,
+                              "doorbell": 0}
         assert a.counters["socket"] == 0
     finally:
         a.close()
@@ -154,7 +162,7 @@ def test_a_full_mailbox_overflows_into_the_pipe_and_order_holds():
     """More small messages than the mailbox has slots, with large ones between them, sent
     before the receiver reads any: the rest go down the pipe and every message arrives in
     order, whole, whichever path it took."""
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         sizes = [8] * (mailbox.SLOTS + 5) + [SHM_MIN_BYTES] + [8] * 3 + [0, 8]
         payloads = [small(i) if n == 8 else np.arange(n, dtype=np.uint8) for i, n in
@@ -193,7 +201,7 @@ def test_a_sleeping_receiver_is_woken_by_the_mailbox_doorbell(monkeypatch):
     """A receive that has gone to sleep in poll is woken by the sender's doorbell, not by
     its periodic look at the mailbox or its stall probe (both made an hour long here)."""
     monkeypatch.setattr(zmq_control, "STALL_PROBE_S", 3600.0)
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         link = b.links[0]
         link.spin_s = 0.0
@@ -212,7 +220,7 @@ def test_a_sleeping_receiver_is_woken_by_the_mailbox_doorbell(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_messages_in_the_mailbox_are_read_before_the_peer_is_reported_lost():
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         for i in range(3):
             a.send(1, header(0, 8, i), small(i), "x")
@@ -234,7 +242,7 @@ def test_a_sender_learns_that_its_mailbox_frames_will_never_be_read():
     checks that a receiver still holding unread frames is alive. One that read them and
     closed is fine; one gone with frames unread (its pipe's end closed, nothing released) is
     a PeerLostError naming the sending op."""
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         a.send(1, header(0, 8), small(1), "x")
         b.recv(0, header(0, 8), time.monotonic() + 10, "x")
@@ -253,7 +261,7 @@ def test_a_sender_learns_that_its_mailbox_frames_will_never_be_read():
 
 @pytest.mark.timeout(30)
 def test_a_receiver_that_closes_after_reading_is_not_a_lost_peer():
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         for i in range(3):
             a.send(1, header(0, 8, i), small(i), "x")
@@ -272,7 +280,7 @@ def test_order_holds_when_the_mailbox_fills_between_the_receivers_two_looks():
     the mailbox and spills the next message into the pipe: the pipe then shows a later
     message than the one the receiver waits for, which is in the mailbox by then. (The
     sender's burst is made to happen exactly there, by running it from the pipe's peek.)"""
-    a, b = make_pair("local")
+    a, b = make_pair("local-mailbox")
     try:
         pipe = b.links[0].pipe_in
         peek = pipe.peek

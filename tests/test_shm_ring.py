@@ -159,11 +159,18 @@ def test_local_ranks_send_large_payloads_through_shared_memory(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_local_ranks_send_headers_and_small_payloads_through_the_mailbox(monkeypatch):
+@pytest.mark.parametrize("mailbox", ["", "1"])
+def test_local_ranks_send_headers_and_small_payloads_through_the_pipe_or_the_mailbox(
+        monkeypatch, mailbox):
     monkeypatch.delenv("RINGCOMM_SHM", raising=False)
+    monkeypatch.setenv("RINGCOMM_MAILBOX", mailbox)
     counters, text = _check_sums(_run_pair(_allreduce_many))
-    assert counters["mailbox"] > 0 and counters["socket"] == 0, counters
-    assert "pipe + shared memory" in text and "mailbox" in text
+    assert counters["socket"] == 0, counters
+    assert "pipe + shared memory" in text
+    if mailbox:
+        assert counters["mailbox"] > 0 and "mailbox" in text, counters
+    else:
+        assert counters["pipe"] > 0 and counters["mailbox"] == 0 and "mailbox" not in text
 
 
 def _exchange_before_receiving(comm):
@@ -211,10 +218,12 @@ def test_tcp_between_local_ranks_uses_no_shared_memory():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("spin_us", ["0", "2000"])
-def test_receives_are_right_without_a_spin_and_with_a_long_one(monkeypatch, spin_us):
+@pytest.mark.parametrize("mailbox", ["", "1"])
+def test_receives_are_right_without_a_spin_and_with_a_long_one(monkeypatch, spin_us, mailbox):
     monkeypatch.setenv("RINGCOMM_SPIN_US", spin_us)
+    monkeypatch.setenv("RINGCOMM_MAILBOX", mailbox)
     counters, _ = _check_sums(_run_pair(_allreduce_many))
-    assert counters["mailbox"] > 0, counters
+    assert counters["mailbox" if mailbox else "pipe"] > 0, counters
 
 
 @pytest.mark.parametrize("bad", ["fast", "-5", "1e9"])

@@ -73,6 +73,9 @@ SETTINGS: tuple[Setting, ...] = (
             "are unset"),
     Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
             "0 turns shared memory off; a pair uses it only where both ends offer it"),
+    Setting("mailbox", Scope.LOCAL, "RINGCOMM_MAILBOX", None,
+            "1 lets small messages from local peers arrive through a shared-memory mailbox "
+            "instead of the pipe (x86 only); either end may differ"),
     Setting("shm_bytes", Scope.LOCAL, "RINGCOMM_SHM_BYTES", None,
             "capacity of this rank's outgoing shared-memory rings (published to its peers)"),
     Setting("spin_us", Scope.LOCAL, "RINGCOMM_SPIN_US", None,

@@ -108,9 +108,11 @@ class LocalLink(PolledLink):
         if self.mailbox_out_name is not None:
             try:
                 self.mailbox_out = mailbox.MailboxWriter(self.mailbox_out_name)
-            except OSError as err:  # the peer could not make it: the pipe still works
-                log.info("rank %d: no mailbox of rank %d (%s); using the pipe", self.rank,
-                         self.peer, err)
+            except FileNotFoundError:  # the peer takes its messages through the pipe
+                pass
+            except OSError as err:  # the peer made it, and it cannot be mapped: the pipe works
+                log.warning("rank %d: cannot map the mailbox of rank %d (%s); using the pipe",
+                            self.rank, self.peer, err)
         self.poller.register(self.pipe_in.fd, zmq.POLLIN)
 
     def describe(self) -> str:

@@ -40,6 +40,7 @@ import numpy as np
 from .header import SIZE as HEADER_SIZE
 from .shm_ring import SHM_DIR, map_shared
 
+DEFAULT = "0"  # RINGCOMM_MAILBOX when unset (see ``wanted``)
 SLOTS = 16
 PAYLOAD_BYTES = 8 << 10  # the largest payload a slot holds inline
 _PREFIX = 16  # stamp u64, tag u8, padding
@@ -60,6 +61,14 @@ def _fence() -> None:
 def supported() -> bool:
     """Mailboxes need stores to become visible in program order (x86's TSO)."""
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def wanted() -> bool:
+    """Whether this rank takes small messages through mailboxes: ``RINGCOMM_MAILBOX``
+    (default off), where ``supported``. Each rank decides for its own incoming messages;
+    a sender uses a peer's mailbox where the peer made one, the pipe otherwise."""
+    value = os.environ.get("RINGCOMM_MAILBOX", DEFAULT).strip().lower()
+    return value not in ("0", "false", "no", "off", "") and supported()
 
 
 def mailbox_name(ring_name: str) -> str:

@@ -235,8 +235,8 @@ class ZmqTransport(Transport):
             if peer in pipes_in and their_token != "-":
                 ring_out = shm_ring.ring_name(token, me, peer)
                 ring_in = shm_ring.ring_name(their_token, peer, me)
-                # each end makes its incoming mailbox; the sender maps it and removes its name
-                boxes = mailbox.supported()
+                # an end that wants them makes its incoming mailbox (RINGCOMM_MAILBOX); the
+                # sender maps it, where there is one, and removes its name
                 mailbox_in = mailbox.mailbox_name(shm_ring.ring_name(token, peer, me))
                 mailbox_out = mailbox.mailbox_name(shm_ring.ring_name(their_token, me, peer))
                 # ours until the reader maps it; theirs is not needed once we stop reading
@@ -248,8 +248,8 @@ class ZmqTransport(Transport):
                     pipe_out_path=f"{their_dir}/pipe-from-{me}", flusher=self._flusher,
                     ring_out=ring_out, ring_in=ring_in, capacity=capacity,
                     capacity_in=int(their_capacity),
-                    mailbox_in=mailbox_in if boxes else None,
-                    mailbox_out=mailbox_out if boxes else None)
+                    mailbox_in=mailbox_in if mailbox.wanted() else None,
+                    mailbox_out=mailbox_out if mailbox.supported() else None)
             else:
                 if peer in pipes_in:  # the peer has no shared memory: sockets only
                     pipes_in.pop(peer).close()
