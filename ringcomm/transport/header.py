@@ -96,6 +96,15 @@ class Header(NamedTuple):
         return cls._make(fields)
 
     @classmethod
+    def unpack_from(cls, buffer: bytes, offset: int) -> Header:
+        """The header at ``offset`` of ``buffer`` (which holds all of it)."""
+        *fields, version = _FORMAT.unpack_from(buffer, offset)
+        if version != WIRE_VERSION:
+            raise DesyncError(f"a message in wire format {version} reached a rank that speaks "
+                              f"{WIRE_VERSION}; every rank must run the same ringcomm version")
+        return cls._make(fields)
+
+    @classmethod
     def control(cls, kind: int, seq: int, sender: int, nbytes: int = 0) -> Header:
         """The header of an abort or a probe (no op descriptor)."""
         return cls(seq, nbytes, 0, 0, sender, 0, -1, kind, 0)

@@ -277,11 +277,11 @@ class LocalLink(PolledLink):
             raise CommError(f"message {number} from rank {self.peer} came before message "
                             f"{self.frames_in}: the link lost a message", rank=self.rank,
                             op=wait.op, peer=self.peer)
-        frame = pipe.take(_PIPE_HEAD)
-        assert frame is not None  # peeked
+        pipe.skip(_PIPE_HEAD)
         self.frames_in += 1
         self.piped = True
-        header = Header.unpack(frame[1 + _NUMBER.size:])
+        frame = head
+        header = Header.unpack_from(frame, 1 + _NUMBER.size)
         if frame[:1] == _IN_SHM:
             notice = self._take(_SHM_NOTICE.size, wait, rest=True)
             self.incoming = (_SHM_NOTICE.unpack(notice)[0], header.nbytes)

@@ -52,15 +52,8 @@ class PipeReader:
         Raises EOFError once the writer is gone and everything it wrote has been read."""
         if not self._fill(n):
             return None
-        buf = self._buf
-        out = bytes(buf[self._off:self._off + n])
-        self._off += n
-        if self._off == len(buf):
-            buf.clear()
-            self._off = 0
-        elif self._off >= _READ_BYTES:
-            del buf[:self._off]
-            self._off = 0
+        out = bytes(self._buf[self._off:self._off + n])
+        self.skip(n)
         return out
 
     def peek(self, n: int) -> bytes | None:
@@ -69,6 +62,16 @@ class PipeReader:
         if not self._fill(n):
             return None
         return bytes(self._buf[self._off:self._off + n])
+
+    def skip(self, n: int) -> None:
+        """Consume ``n`` bytes that ``peek`` has shown."""
+        self._off += n
+        if self._off == len(self._buf):
+            self._buf.clear()
+            self._off = 0
+        elif self._off >= _READ_BYTES:
+            del self._buf[:self._off]
+            self._off = 0
 
     def buffered(self, n: int) -> bytes:
         """Up to ``n`` bytes already read and not consumed (no system call)."""
