@@ -67,7 +67,9 @@ class Transport:
     def check_delivered(self, peer: int, op: str) -> None:
         """Once ``op`` has sent its last message to ``peer``: raise PeerLostError if ``peer``
         is gone before it took them (see ``Link.check_delivered``)."""
-        self._link(peer).check_delivered(op)
+        link = self._link(peer)
+        if link.checks_delivery:
+            link.check_delivered(op)
 
     # ---------------------------------------------------------------- receiving
     def recv(self, peer: int, expected: Header, deadline: float, op: str) -> Any:

@@ -69,6 +69,7 @@ class Link(abc.ABC):
     """
 
     kind = "link"  # what ``describe`` calls it
+    checks_delivery = False  # whether ``check_delivered`` does anything
 
     def __init__(self, rank: int, peer: int) -> None:
         self.rank = rank

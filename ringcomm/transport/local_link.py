@@ -1,27 +1,23 @@
-"""A link between two ranks of one host: mailbox slots and a ring in shared memory, and a
-named pipe each way.
+"""A link between two ranks of one host: a named pipe each way and a shared-memory ring,
+and, where the receiving rank asks for one (``RINGCOMM_MAILBOX=1``), mailbox slots.
 
 Every message is a *frame*: a header, then its payload inline or the position of the
-payload in the shared-memory ring. Frames go, in order of preference:
+payload in the shared-memory ring. Payloads above ``SHM_MIN_BYTES`` travel through the ring
+(``shm_ring``): one copy instead of three through a socket, and a fused
+receive-reduce-send writes its sum straight into the ring (``reserve``). The frames go down
+the pipe (``pipe``): a pipe wakes the receiver straight from the sender's write, where
+ZeroMQ needs two I/O threads in between; or, to a receiver with a mailbox (``mailbox``),
+into its next free slot, with no system call on either side, and down the pipe only when
+every slot is taken. Nothing blocks: a full ring or mailbox falls back to the pipe.
 
-- into the receiver's mailbox (``mailbox``): a frame whose payload is small
-  (``mailbox.PAYLOAD_BYTES``) or waits in the ring; no system call on either side;
-- down the pipe (``pipe``), when the mailbox is full or the payload is mid-sized and the
-  ring full, or where there is no mailbox: a pipe wakes the receiver straight from the
-  sender's write, where ZeroMQ needs two I/O threads in between.
+To a receiver with a mailbox, frames are numbered per direction, and it takes them in that
+order from whichever path holds the next one, so the two paths never reorder messages; the
+pipe then also carries the mailbox's doorbell (a byte that wakes a receiver asleep in
+``poll``). The pipe reports its writer's end (end-of-file after the last data), so a dead
+peer is a ``PeerLostError`` at once, after the frames it sent before it died.
 
-Payloads too big for a slot travel through the shared-memory ring (``shm_ring``): one copy
-instead of three through a socket, and a fused receive-reduce-send writes its sum straight
-into the ring (``reserve``). Nothing blocks: a full ring falls back to the pipe.
-
-Frames are numbered per direction and the receiver takes them in that order from whichever
-path holds the next one, so the two paths never reorder messages. The pipe also carries
-the mailbox's doorbell (a byte that wakes a receiver asleep in ``poll``) and reports its
-writer's end (end-of-file after the last data), so a dead peer is a ``PeerLostError`` at
-once, after the frames it sent before it died.
-
-Pipe frames open with a tag and the frame's number: the payload follows inline, or it waits
-in shared memory at the position that follows the header.
+Pipe frames open with a tag (and, to a peer with a mailbox, the frame's number): the payload
+follows inline, or it waits in shared memory at the position that follows the header.
 """
 
 from __future__ import annotations
@@ -50,7 +46,8 @@ SHM_MIN_BYTES = mailbox.PAYLOAD_BYTES + 1  # payloads this big go through the ri
 _SHM_NOTICE = struct.Struct("<q")  # follows the header: the payload's position in the ring
 _NUMBER = struct.Struct("<Q")  # follows a pipe frame's tag: the frame's number
 _INLINE, _IN_SHM, _DOORBELL = b"I", b"S", b"D"
-_PIPE_HEAD = 1 + _NUMBER.size + HEADER_SIZE  # tag, number, header
+_PLAIN_HEAD = 1 + HEADER_SIZE  # a pipe frame's tag and header, to a peer without a mailbox
+_NUMBERED_HEAD = 1 + _NUMBER.size + HEADER_SIZE  # tag, frame number, header: to one with
 _CHECK_EVERY_S = 0.001  # check_delivered asks whether the receiver lives at most this often
 _PAYLOAD_GRACE_S = 30.0  # the rest of a frame whose header arrived is on its way
 
@@ -86,10 +83,12 @@ class LocalLink(PolledLink):
             try:
                 self.mailbox_in = mailbox.MailboxReader(mailbox_in)
                 self.max_sleep_ms = int(mailbox.DOZE_S * 1000)
+                self.cheap_spin = True
             except OSError as err:  # /dev/shm full or unusable: the pipe still works
                 log.warning("rank %d: no shared-memory mailbox for rank %d (%s); using the "
                             "pipe", rank, peer, err)
-        self.frames_out = 0  # frames sent, by either path
+        self.frames_out = 0  # frames sent, by either path, where the peer has a mailbox
+        self.numbered_out = False  # the peer has a mailbox: pipe frames carry their number
         self.frames_in = 0  # frames received
         self.piped = False  # the last frame came down the pipe
         self.incoming: tuple[int, int] | None = None  # (ring position, bytes) of the header read
@@ -108,9 +107,11 @@ class LocalLink(PolledLink):
         if self.mailbox_out_name is not None:
             try:
                 self.mailbox_out = mailbox.MailboxWriter(self.mailbox_out_name)
-            except FileNotFoundError:  # the peer takes its messages through the pipe
+                self.checks_delivery = self.numbered_out = True
+            except FileNotFoundError:  # the peer takes its messages through the pipe alone
                 pass
-            except OSError as err:  # the peer made it, and it cannot be mapped: the pipe works
+            except OSError as err:  # it has one we cannot map: the pipe, numbered for it
+                self.numbered_out = True
                 log.warning("rank %d: cannot map the mailbox of rank %d (%s); using the pipe",
                             self.rank, self.peer, err)
         self.poller.register(self.pipe_in.fd, zmq.POLLIN)
@@ -129,13 +130,15 @@ class LocalLink(PolledLink):
             self._frame(_INLINE, raw, None, op)
             return None
         data = payload.view(np.uint8).reshape(-1)
-        if header.nbytes <= mailbox.PAYLOAD_BYTES and self._boxed(_INLINE, raw, data):
-            self.counters["mailbox"] += 1
-            return None
-        dst = self.reserve(header.nbytes)
-        if dst is not None:
-            np.copyto(dst, data)
-            return self.send_reserved(header, op)
+        if header.nbytes < SHM_MIN_BYTES:
+            if self.mailbox_out is not None and self._boxed(_INLINE, raw, data):
+                self.counters["mailbox"] += 1
+                return None
+        else:
+            dst = self.reserve(header.nbytes)
+            if dst is not None:
+                np.copyto(dst, data)
+                return self.send_reserved(header, op)
         self.counters["pipe"] += 1
         self._piped(_INLINE, raw, data, op)
         return None
@@ -175,7 +178,7 @@ class LocalLink(PolledLink):
 
     def _frame(self, tag: bytes, raw: bytes, rest: bytes | None, op: str) -> None:
         """A frame whose payload (``rest``) fits a mailbox slot: there, else the pipe."""
-        if not self._boxed(tag, raw, rest):
+        if self.mailbox_out is None or not self._boxed(tag, raw, rest):
             self._piped(tag, raw, b"" if rest is None else rest, op)
 
     def _boxed(self, tag: bytes, raw: bytes, rest: Any) -> bool:
@@ -190,10 +193,13 @@ class LocalLink(PolledLink):
         return True
 
     def _piped(self, tag: bytes, raw: bytes, rest: Any, op: str) -> None:
-        number = _NUMBER.pack(self.frames_out)
-        self.frames_out += 1
+        if self.numbered_out:  # the peer merges the pipe with its mailbox by number
+            frame = b"".join((tag, _NUMBER.pack(self.frames_out), raw, rest))
+            self.frames_out += 1
+        else:
+            frame = b"".join((tag, raw, rest))
         try:
-            self.pipe_out.write(b"".join((tag, number, raw, rest)))
+            self.pipe_out.write(frame)
         except BrokenPipeError:
             self.peer_lost(op, f"rank {self.peer} closed its pipe while this rank still had "
                            "data to send to it")
@@ -243,7 +249,16 @@ class LocalLink(PolledLink):
         """The header of the next frame, from the mailbox or the pipe, or None if it has not
         arrived. Raises once the peer is gone and everything it sent has been read."""
         box = self.mailbox_in
-        if box is not None and box.ready(self.frames_in):
+        if box is None:  # everything comes down the pipe, unnumbered
+            try:
+                head = self.pipe_in.peek(_PLAIN_HEAD)
+            except EOFError:
+                self.peer_lost(wait.op)
+            if head is None:
+                return None
+            self.pipe_in.skip(_PLAIN_HEAD)
+            return self._pipe_frame(head, 1, wait)
+        if box.ready(self.frames_in):
             tag, raw, at = box.take()
             header = Header.unpack(raw)
             self.box_held = True
@@ -257,14 +272,14 @@ class LocalLink(PolledLink):
             return header
         pipe = self.pipe_in
         try:
-            head = pipe.peek(_PIPE_HEAD)
+            head = pipe.peek(_NUMBERED_HEAD)
             while head is None or head[:1] == _DOORBELL:
                 if pipe.buffered(1) != _DOORBELL:
                     return None  # nothing yet, or a frame not all here yet
                 pipe.take(1)
-                head = pipe.peek(_PIPE_HEAD)
+                head = pipe.peek(_NUMBERED_HEAD)
         except EOFError:
-            if box is not None and box.ready(self.frames_in):
+            if box.ready(self.frames_in):
                 return self._next_frame(wait)  # its last frames went to the mailbox
             self.peer_lost(wait.op)
         assert head is not None  # the loop above ends on a frame's head
@@ -272,21 +287,25 @@ class LocalLink(PolledLink):
         if number != self.frames_in:
             # The sender filled the mailbox since we looked and went on in the pipe: the
             # frame we wait for is in the mailbox now (it was put there first).
-            if box is not None and box.ready(self.frames_in):
+            if box.ready(self.frames_in):
                 return self._next_frame(wait)
             raise CommError(f"message {number} from rank {self.peer} came before message "
                             f"{self.frames_in}: the link lost a message", rank=self.rank,
                             op=wait.op, peer=self.peer)
-        pipe.skip(_PIPE_HEAD)
+        pipe.skip(_NUMBERED_HEAD)
         self.frames_in += 1
         self.piped = True
-        frame = head
-        header = Header.unpack_from(frame, 1 + _NUMBER.size)
-        if frame[:1] == _IN_SHM:
+        return self._pipe_frame(head, 1 + _NUMBER.size, wait)
+
+    def _pipe_frame(self, head: bytes, at: int, wait: Wait) -> Header:
+        """A pipe frame whose ``head`` (tag, [number,] header at ``at``) has been read."""
+        header = Header.unpack_from(head, at)
+        tag = head[:1]
+        if tag == _INLINE:
+            self.inline = header.nbytes
+        elif tag == _IN_SHM:
             notice = self._take(_SHM_NOTICE.size, wait, rest=True)
             self.incoming = (_SHM_NOTICE.unpack(notice)[0], header.nbytes)
-        elif frame[:1] == _INLINE:
-            self.inline = header.nbytes
         else:
             raise CommError(f"malformed message from rank {self.peer}", rank=self.rank,
                             op=wait.op, peer=self.peer)
@@ -372,10 +391,12 @@ class LocalLink(PolledLink):
         if box is not None and box.ready(self.frames_in):
             return True
         pipe = self.pipe_in
+        if box is None:
+            return pipe.has(_PLAIN_HEAD)
         try:
             while pipe.peek(1) == _DOORBELL:
                 pipe.take(1)
-            return pipe.peek(_PIPE_HEAD) is not None
+            return pipe.peek(_NUMBERED_HEAD) is not None
         except EOFError:
             return True
 
@@ -384,8 +405,7 @@ class LocalLink(PolledLink):
         if box is not None:  # a memory read; the pipe is polled every few turns, or on every
             # turn while frames come that way (a sender running ahead filled the mailbox)
             return box.ready(self.frames_in) or self.piped and self.pipe_in.has(1)
-        # a read that finds nothing costs less than polling (and is how end-of-file shows)
-        return self.pipe_in.has(1)
+        return False  # the pipe shows in the poll of every turn
 
     def _doze(self, sleeping: bool) -> bool:
         box = self.mailbox_in

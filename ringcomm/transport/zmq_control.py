@@ -127,6 +127,9 @@ class PolledLink(Link):
         return False
 
     max_sleep_ms = _POLL_SLICE_MS  # the longest one blocking poll lasts
+    # True where ``_ready_or_lost`` sees the data without a system call (a mailbox): the
+    # spin then polls the control plane and the link's descriptor only every few turns
+    cheap_spin = False
 
     def peer_lost(self, op: str, what: str = "") -> None:
         """Raise PeerLostError, unless an abort from some rank explains it better."""
@@ -161,7 +164,7 @@ class PolledLink(Link):
             wake = left if probe_at is None else min(left, probe_at - now)
             if now < spin_until:
                 turn += 1
-                if turn % _CONTROL_EVERY:
+                if self.cheap_spin and turn % _CONTROL_EVERY:
                     os.sched_yield()
                     continue
                 events = dict(self.poller.poll(0))
