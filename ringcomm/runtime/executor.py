@@ -205,9 +205,10 @@ def run_schedule(
                                     schedule.algorithm))
     try:
         pending.wait_all()
-        for peer, count in enumerate(sent):
-            if count:
-                transport.check_delivered(peer, ctx.name)
+        if transport.checks_delivery:
+            for peer, count in enumerate(sent):
+                if count:
+                    transport.check_delivered(peer, ctx.name)
     except CommTimeout as err:
         raise CommTimeout(
             f"{err.detail} (the last sends of {schedule.algorithm} {schedule.collective}). "

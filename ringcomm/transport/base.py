@@ -40,6 +40,7 @@ class Transport:
         self._stash: list[tuple[deque[tuple[Header, bytes]], deque[tuple[Header, bytes]]]] = [
             (deque(), deque()) for _ in range(world_size)]
         self._closed = False
+        self._checks_delivery: bool | None = None
 
     def _link(self, peer: int) -> Link:
         """The link to ``peer``, another rank (this rank has no link to itself)."""
@@ -63,6 +64,15 @@ class Transport:
     def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer."""
         self._link(peer).wait_sent(handle, Wait(op, deadline))
+
+    @property
+    def checks_delivery(self) -> bool:
+        """Whether any link needs ``check_delivered`` after an op's sends (links are fixed
+        once the transport is set up, so this is asked once)."""
+        if self._checks_delivery is None:
+            self._checks_delivery = any(link is not None and link.checks_delivery
+                                        for link in self.links)
+        return self._checks_delivery
 
     def check_delivered(self, peer: int, op: str) -> None:
         """Once ``op`` has sent its last message to ``peer``: raise PeerLostError if ``peer``

@@ -223,7 +223,8 @@ class LocalLink(PolledLink):
 
     # ---------------------------------------------------------------- receiving
     def recv_header(self, wait: Wait) -> Header:
-        self._release()
+        if self.held is not None or self.box_held:
+            self._release()
         while True:
             header = self._next_frame(wait)
             if header is not None:
@@ -383,7 +384,8 @@ class LocalLink(PolledLink):
             raise CommError(f"payload of {len(data)} B from rank {self.peer}, expected "
                             f"{out.nbytes} B", rank=self.rank, op=op, peer=self.peer)
         out[:] = np.frombuffer(data, dtype=np.uint8)
-        self._release()
+        if self.box_held:
+            self._release()
         return out.nbytes
 
     def peek(self) -> bool:
