@@ -85,17 +85,18 @@ def test_ranks_with_different_tuned_profiles_run_rank_0s(cluster, tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to differ in")
 def test_ranks_with_different_cpu_affinity_choose_the_same_algorithm(cluster, tmp_path):
     """Rank 1 runs on one core (as under `taskset -c 0`), rank 0 on all. Each used to read
-    its own affinity and choose differently (at 8 B: tree on one, rd on the other), giving
+    its own affinity and choose differently (tree on one, rd or ring on the other), giving
     wrong sums; the cores come from the gathered table now, the same on both."""
     cpus = sorted(os.sched_getaffinity(0))
     sizes = (8, 4096, 65536, 1 << 20, 4 << 20)
-    params = cost.DEFAULT_PARAMS[2]
+    # a tuned profile under which the cores decide (messages cheap: the total work counts)
+    profile = _profile(tmp_path / "p.json", 2 << 20, alpha=1e-6, beta=1e-11)
+    params = cost.CostParams(1e-6, 1e-11, 1e-10)
     local_views = {share: [cost.choose("allreduce", 2, n, 4, segment_bytes=2 << 20,
                                        params=params, share=share) for n in sizes]
                    for share in (0.5, 1.0)}
     assert local_views[0.5] != local_views[1.0]  # each rank on its own would differ
-    env = {r: {"RINGCOMM_PROFILE": str(tmp_path / "none"), "RINGCOMM_ALGO": None}
-           for r in range(2)}
+    env = {r: {"RINGCOMM_PROFILE": profile, "RINGCOMM_ALGO": None} for r in range(2)}
     res = [_quick(x) for x in cluster.run(2, "job_agreement", env=env, sizes=sizes,
                                           cpus={1: cpus[:1]})]
     assert res[0]["chosen"] == res[1]["chosen"]
