@@ -409,6 +409,10 @@ def test_a_host_lost_mid_allreduce_ends_every_survivor_with_a_typed_error(sim, t
 
 _CHILD = """
 import os, signal, sys, time
+# as a program started from a shell: SIGTERM neither ignored nor blocked, whatever the test
+# process that starts this one has done with it (children inherit both)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM, signal.SIGINT}})
 sys.path.insert(0, {root!r})
 from ringcomm_bench import netns
 with netns.hosts(2, rate="100mbit") as hs:
@@ -440,7 +444,12 @@ def test_netns_hosts_leave_nothing_behind(end):
     child.stdin.flush()
     if end in ("sigterm", "sigint"):
         child.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
-    child.wait(30)
+    try:
+        child.wait(30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        pytest.fail(f"the child did not end within 30 s ({end}); it said: "
+                    f"{child.stderr.read()[-2000:]}")
     if end == "exit":
         assert [ns for ns in netns._listed() if ns.startswith(prefix)] == ours
         with netns.hosts(1):  # any later run sweeps a dead run's leftovers first
