@@ -388,6 +388,16 @@ def _size_axis(ax: Any, sizes: list[int]) -> None:
     ax.grid(True, which="major", alpha=0.3)
 
 
+def _backend_lines(ax: Any, group: list[dict], backends: list[str], key: str) -> None:
+    """One line of ``key`` against size per backend (ringcomm's solid, peers' dashed)."""
+    for name in backends:
+        mine = [r for r in group if r["backend"] == name]
+        ax.plot([r["bytes"] for r in mine], [r[key] for r in mine], marker="o",
+                markersize=3, label=name,
+                linestyle="-" if mine[0]["library"] in ("ringcomm", TORCH) else "--")
+    _size_axis(ax, [r["bytes"] for r in group])
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """Bus bandwidth and time per call against size per backend, and ringcomm's measured
     against predicted time, one PNG of each per collective, world size, dtype and op."""
@@ -402,12 +412,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         collective, world, dtype, op = key
         backends = list(dict.fromkeys(r["backend"] for r in group))
         fig, ax = plt.subplots(figsize=(8, 5))
-        for name in backends:
-            mine = [r for r in group if r["backend"] == name]
-            ax.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o",
-                    markersize=3, label=name,
-                    linestyle="-" if mine[0]["library"] in ("ringcomm", TORCH) else "--")
-        _size_axis(ax, [r["bytes"] for r in group])
+        _backend_lines(ax, group, backends, "busbw_GBps")
         ax.set_ylabel("busbw (GB/s), median")
         ax.set_title(f"{collective} bus bandwidth, world size {world}, {dtype} "
                      f"{'' if op == 'none' else op}")
@@ -419,12 +424,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         written.append(path)
 
         fig, ax = plt.subplots(figsize=(8, 5))
-        for name in backends:
-            mine = [r for r in group if r["backend"] == name]
-            ax.plot([r["bytes"] for r in mine], [r["time_us"] for r in mine], marker="o",
-                    markersize=3, label=name,
-                    linestyle="-" if mine[0]["library"] in ("ringcomm", TORCH) else "--")
-        _size_axis(ax, [r["bytes"] for r in group])
+        _backend_lines(ax, group, backends, "time_us")
         ax.set_yscale("log")
         ax.set_ylabel("time per call (us), median")
         ax.set_title(f"{collective} time per call, world size {world}, {dtype} "

@@ -96,7 +96,31 @@ def _torch_style(err: BaseException, timeout: float) -> BaseException:
     return err
 
 
-class RingcommWork(dist.Work):
+class _Handle(dist.Work):
+    """What both kinds of handle answer alike, from ``_result``, ``_error`` and ``_source``."""
+
+    _result: Any
+    _error: BaseException | None
+    _source: int
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class RingcommWork(_Handle):
     """The torch handle of one or more communicator ops.
 
     ``wait(timeout)`` raises ringcomm's typed errors (``CommTimeout`` when the wait runs
@@ -179,27 +203,12 @@ class RingcommWork(dist.Work):
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None
 
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        return self._source
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def synchronize(self) -> None:
-        self.wait()
 
     def __repr__(self) -> str:
         return f"<RingcommWork {self._name} {'done' if self.is_completed() else 'pending'}>"
 
 
-class FinishedWork(dist.Work):
+class FinishedWork(_Handle):
     """The torch handle of ops that ran to their end on the caller's thread: a blocking call
     (``dist.all_reduce(t)``) or a small one with nothing queued. Most callers only ``wait``,
     so it holds no event, lock or future; ``get_future()`` makes a completed one when asked
@@ -239,21 +248,6 @@ class FinishedWork(dist.Work):
     def is_success(self) -> bool:
         return self._error is None
 
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        return self._source
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def synchronize(self) -> None:
-        self.wait()
 
     def __repr__(self) -> str:
         return f"<FinishedWork {self._name}>"
