@@ -100,8 +100,13 @@ class Ranks:
         self.start()
         job_id = next(self._ids)
         ports = [free_port() for _ in range(3)]
-        kwargs = dict(kwargs, world=world, port=ports[0], ports=ports,
-                      file=os.path.join(tempfile.mkdtemp(prefix="ringcomm-torch-"), "init"))
+        with tempfile.TemporaryDirectory(prefix="ringcomm-torch-") as folder:
+            kwargs = dict(kwargs, world=world, port=ports[0], ports=ports,
+                          file=os.path.join(folder, "init"))
+            return self._run(job, job_id, world, timeout, kwargs)
+
+    def _run(self, job: str, job_id: int, world: int, timeout: float,
+             kwargs: dict[str, Any]) -> list[Any]:
         for r in range(world):
             self.inboxes[r].put((job_id, job, kwargs))
         results: dict[int, tuple] = {}
