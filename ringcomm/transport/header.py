@@ -89,11 +89,7 @@ class Header(NamedTuple):
         if len(raw) != SIZE:
             raise DesyncError(f"malformed header of {len(raw)} bytes (expected {SIZE}); "
                               "is every rank running the same ringcomm version?")
-        *fields, version = _FORMAT.unpack(raw)
-        if version != WIRE_VERSION:
-            raise DesyncError(f"a message in wire format {version} reached a rank that speaks "
-                              f"{WIRE_VERSION}; every rank must run the same ringcomm version")
-        return cls._make(fields)
+        return cls.unpack_from(raw, 0)
 
     @classmethod
     def unpack_from(cls, buffer: bytes, offset: int) -> Header:

@@ -403,11 +403,12 @@ class LocalLink(PolledLink):
             return True
 
     def _ready_or_lost(self, wait: Wait) -> bool:
+        # Without a mailbox the pipe shows in the poll of every turn. With one: a memory
+        # read, and the pipe polled every few turns, or on every turn while frames come that
+        # way (a sender running ahead filled the mailbox).
         box = self.mailbox_in
-        if box is not None:  # a memory read; the pipe is polled every few turns, or on every
-            # turn while frames come that way (a sender running ahead filled the mailbox)
-            return box.ready(self.frames_in) or self.piped and self.pipe_in.has(1)
-        return False  # the pipe shows in the poll of every turn
+        return box is not None and (box.ready(self.frames_in)
+                                    or self.piped and self.pipe_in.has(1))
 
     def _doze(self, sleeping: bool) -> bool:
         box = self.mailbox_in

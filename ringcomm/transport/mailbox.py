@@ -44,7 +44,8 @@ DEFAULT = "0"  # RINGCOMM_MAILBOX when unset (see ``wanted``)
 SLOTS = 16
 PAYLOAD_BYTES = 8 << 10  # the largest payload a slot holds inline
 _PREFIX = 16  # stamp u64, tag u8, padding
-SLOT_BYTES = _PREFIX + HEADER_SIZE + PAYLOAD_BYTES
+HEADER_END = _PREFIX + HEADER_SIZE  # where a slot's payload starts
+SLOT_BYTES = HEADER_END + PAYLOAD_BYTES
 _LINE = 64
 SIZE = _LINE + SLOTS * SLOT_BYTES
 DOZE_S = 0.02  # the longest a receiver sleeps without looking at its slot
@@ -163,8 +164,8 @@ class MailboxWriter(_Mapped):
         mem[at + 8: at + 9] = tag
         mem[at + _PREFIX: at + HEADER_END] = header
         if payload is not None:
-            size = len(memoryview(payload).cast("B"))
-            mem[at + HEADER_END: at + HEADER_END + size] = memoryview(payload).cast("B")
+            data = memoryview(payload).cast("B")
+            mem[at + HEADER_END: at + HEADER_END + len(data)] = data
         _STAMP.pack_into(self._mm, at, frame + 1)  # after the frame: x86 keeps store order
         self.sent += 1
         return True
@@ -179,6 +180,3 @@ class MailboxWriter(_Mapped):
         """Whether the receiver sleeps (ring its doorbell); read after a full barrier."""
         _fence()
         return bool(self._line[1])
-
-
-HEADER_END = _PREFIX + HEADER_SIZE
