@@ -301,3 +301,25 @@ def test_order_holds_when_the_mailbox_fills_between_the_receivers_two_looks():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_shared_memory_payload_stays_intact_until_it_is_released():
+    """A payload the receiver holds (a view of the ring) is the sender's to overwrite only
+    once the receiver releases it: the next message lands elsewhere until then, and after
+    the release the ring starts over on the same memory."""
+    a, b = make_pair("local")
+    try:
+        deadline = time.monotonic() + 10
+        first, second = (np.full(SHM_MIN_BYTES, v, np.uint8) for v in (1, 2))
+        a.send(1, header(0, SHM_MIN_BYTES, 0), first, "x")
+        held = b.recv(0, header(0, SHM_MIN_BYTES, 0), deadline, "x")
+        a.send(1, header(0, SHM_MIN_BYTES, 1), second, "x")
+        assert np.array_equal(held, first), "overwritten while still held"
+        b.release(0)
+        a.send(1, header(0, SHM_MIN_BYTES, 2), second, "x")  # the ring may reuse it now
+        got = b.recv(0, header(0, SHM_MIN_BYTES, 1), deadline, "x")
+        assert np.array_equal(got, second)
+    finally:
+        a.close()
+        b.close()
