@@ -475,6 +475,9 @@ def job_mismatch(rank: int, world: int, store: str, transport: str, case: str,
             err = timed_error(lambda: comm.allreduce(np.ones(1000, dtype)))
         elif case == "count":
             err = timed_error(lambda: comm.allreduce(np.ones(100 + (rank == 1), np.float32)))
+        elif case == "board-vs-links":  # rank 1's op is too big for the board, the others' not
+            n = BIG if rank == 1 else 4
+            err = timed_error(lambda: comm.allreduce(np.ones(n, np.float32)))
         elif case == "big-count":  # differs deep into a 5 MiB pipelined op
             n = BIG + (world if rank == world - 1 else 0)
             err = timed_error(lambda: comm.allreduce(np.ones(n, np.float32)))
@@ -573,6 +576,8 @@ def job_peer_dies(rank: int, world: int, store: str, transport: str, victim: int
     def run_op() -> None:
         if op == "broadcast":  # a 5 MiB pipelined chain: ranks send to the victim
             comm.broadcast(np.ones(BIG, np.float32), root=0)
+        elif op == "small":  # on the shared board: no link carries anything of the op
+            comm.allreduce(np.ones(8, np.float32))
         else:
             comm.allreduce(np.ones(BIG, np.float32))
 
@@ -604,7 +609,8 @@ def job_peer_dies(rank: int, world: int, store: str, transport: str, victim: int
         after = timed_error(comm.barrier)
         start = time.monotonic()
         comm.close()
-        return {"err": err, "after": after, "close_s": time.monotonic() - start, "done": done}
+        return {"err": err, "after": after, "close_s": time.monotonic() - start, "done": done,
+                "board": comm.transport.board is not None}
     finally:
         comm.close()
 
@@ -808,3 +814,75 @@ def job_fake_device_allreduce(rank: int, world: int, store: str, transport: str,
             expect_equal(f"fake-device allreduce x{count}", x.to_host().astype(np.float64),
                          want, "float32")
     return logs
+
+
+# --------------------------------------------------------------------------- jobs: the board
+
+
+def job_board(rank: int, world: int, store: str, transport: str,
+              env: dict[int, dict[str, str | None]] | None = None, **_: Any) -> dict:
+    """Board ops mixed with link ops, point-to-point messages and async ops, each checked:
+    what the board and the automatic choice were, and which checks failed."""
+    from ringcomm.transport.board import SLOT_BYTES
+
+    with _rank_environment((env or {}).get(rank, {}), None):
+        comm = init(rank, world, store, transport, timeout=30.0)
+    wrong: list[str] = []
+    with comm:
+        sizes = (4, 4096, SLOT_BYTES, SLOT_BYTES + 4, 1 << 20)
+        chosen = {n: comm.allreduce_algorithm(n) for n in sizes}
+        for salt in range(3):
+            for n in sizes:
+                x = values(rank, n // 4, salt).astype(np.float32)
+                comm.allreduce(x)
+                want = sum(values(r, n // 4, salt) for r in range(world))
+                if not np.array_equal(x, want.astype(np.float32)):
+                    wrong.append(f"allreduce {n} B, round {salt}")
+                t = torch.from_numpy(values(rank, n // 8, salt)).to(torch.float64)
+                comm.allreduce(t, "max")
+                if not torch.equal(t, torch.from_numpy(
+                        np.max([values(r, n // 8, salt) for r in range(world)], axis=0))):
+                    wrong.append(f"max of a tensor, {n} B, round {salt}")
+            comm.barrier()
+            # a message between two board ops, taken after them
+            if rank == 1:
+                comm.send(np.full(5, 7.0 + salt), dst=0)
+            small = np.full(3, float(rank))
+            comm.allreduce(small)
+            got = np.zeros(5)
+            if rank == 0:
+                comm.recv(got, src=1)
+                if not np.array_equal(got, np.full(5, 7.0 + salt)):
+                    wrong.append(f"recv after a board op, round {salt}")
+            if not np.array_equal(small, np.full(3, float(sum(range(world))))):
+                wrong.append(f"allreduce around a send, round {salt}")
+            # async ops queue on the worker, which runs board ops too, in order
+            parts = [np.full(2, float(rank + i)) for i in range(4)]
+            works = [comm.allreduce(p, async_op=True) for p in parts]
+            for w in works:
+                w.wait()
+            for i, p in enumerate(parts):
+                if not np.array_equal(p, np.full(2, float(sum(range(world)) + world * i))):
+                    wrong.append(f"async allreduce {i}, round {salt}")
+        return {"board": comm.transport.board is not None, "chosen": chosen, "wrong": wrong}
+
+
+def job_board_p2p_while_waiting(rank: int, world: int, store: str, transport: str,
+                                **_: Any) -> dict:
+    """Rank 1 sends to rank 0, then joins an allreduce that rank 2 joins late: rank 0 waits
+    on the board meanwhile and reads rank 1's message off the pipe while it watches it; the
+    message must reach the receive after the op, whole."""
+    comm = init(rank, world, store, transport, timeout=30.0)
+    with comm:
+        payload = np.arange(20000, dtype=np.float64)  # through the pipe and the ring
+        if rank == 1:
+            comm.send(payload, dst=0)
+        if rank == 2:
+            time.sleep(0.3)
+        x = np.ones(4)
+        comm.allreduce(x)
+        got = np.zeros_like(payload)
+        if rank == 0:
+            comm.recv(got, src=1)
+        return {"sum": x.tolist(), "recv": bool(rank != 0 or np.array_equal(got, payload)),
+                "board": comm.transport.board is not None}

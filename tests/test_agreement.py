@@ -96,7 +96,9 @@ def test_ranks_with_different_cpu_affinity_choose_the_same_algorithm(cluster, tm
                                        params=params, share=share) for n in sizes]
                    for share in (0.5, 1.0)}
     assert local_views[0.5] != local_views[1.0]  # each rank on its own would differ
-    env = {r: {"RINGCOMM_PROFILE": profile, "RINGCOMM_ALGO": None} for r in range(2)}
+    # the links' algorithms at every size (with the board, small ones would take that)
+    env = {r: {"RINGCOMM_PROFILE": profile, "RINGCOMM_ALGO": None, "RINGCOMM_BOARD": "0"}
+           for r in range(2)}
     res = [_quick(x) for x in cluster.run(2, "job_agreement", env=env, sizes=sizes,
                                           cpus={1: cpus[:1]})]
     assert res[0]["chosen"] == res[1]["chosen"]

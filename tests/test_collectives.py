@@ -47,7 +47,8 @@ def test_the_table_and_the_communicator_name_the_same_collectives():
               if not name.startswith("_") and callable(value)}
     assert public - NOT_COLLECTIVES == set(COLLECTIVES)
     assert set(CALLS) == set(COLLECTIVES)
-    wire = {kind for kind in OpKind if kind not in (OpKind.P2P, OpKind.PROBE, OpKind.ABORT)}
+    wire = {kind for kind in OpKind
+            if kind not in (OpKind.P2P, OpKind.PROBE, OpKind.ABORT, OpKind.WAKE)}
     assert {spec.kind for spec in COLLECTIVES.values()} == wire
     for name, spec in COLLECTIVES.items():
         assert spec.name == name == spec.kind.name.lower()
@@ -185,8 +186,8 @@ def test_the_communicator_runs_the_broadcast_the_table_chooses():
 def test_ringcomm_schedule_lists_every_flat_algorithm_of_the_table(capsys):
     assert list(cli._SCHEDULES) == [
         "allreduce", "allreduce_tree", "allreduce_dbtree", "allreduce_hd", "allreduce_rd",
-        "reduce_scatter", "allgather", "broadcast", "broadcast_tree", "reduce", "gather",
-        "scatter", "alltoall", "barrier"]
+        "allreduce_board", "reduce_scatter", "allgather", "broadcast", "broadcast_tree",
+        "reduce", "gather", "scatter", "alltoall", "barrier", "barrier_board"]
     listed = sum(len([a for a in spec.algorithms if a not in HOST_AWARE])
                  for spec in COLLECTIVES.values())
     assert len(cli._SCHEDULES) == listed

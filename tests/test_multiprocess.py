@@ -253,6 +253,22 @@ def test_a_dead_peer_gives_peer_lost_errors_fast(cluster, tmp_path, transport, w
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("world,victim,when,how", [
+    (2, 1, "sleeping", "kill"),
+    (3, 0, "before", "exit"),  # rank 0 made the board and serves the store
+    (4, 2, "sleeping", "exit"),
+])
+def test_a_dead_peer_on_the_shared_board_gives_peer_lost_errors_fast(cluster, tmp_path, world,
+                                                                     victim, when, how):
+    """Small allreduces on the shared board: no message of the op travels, so the waiting
+    ranks learn of the death from the victim's pipe closing, which they watch meanwhile."""
+    res = _victim_run(cluster, tmp_path, world, victim, transport="ipc", when=when, how=how,
+                      op="small")
+    assert all(x["board"] for r, x in enumerate(res) if r != victim), res
+    _check_peer_death(res, victim, limit=FAST)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport,world", [("ipc", 2), ("tcp", 3)])
 def test_a_rank_that_only_sends_to_a_dead_peer_raises_peer_lost(cluster, tmp_path, transport,
                                                                 world):

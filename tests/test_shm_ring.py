@@ -164,6 +164,7 @@ def test_local_ranks_send_headers_and_small_payloads_through_the_pipe_or_the_mai
         monkeypatch, mailbox):
     monkeypatch.delenv("RINGCOMM_SHM", raising=False)
     monkeypatch.setenv("RINGCOMM_MAILBOX", mailbox)
+    monkeypatch.setenv("RINGCOMM_BOARD", "0")  # small allreduces over the links
     counters, text = _check_sums(_run_pair(_allreduce_many))
     assert counters["socket"] == 0, counters
     assert "pipe + shared memory" in text
@@ -222,6 +223,7 @@ def test_tcp_between_local_ranks_uses_no_shared_memory():
 def test_receives_are_right_without_a_spin_and_with_a_long_one(monkeypatch, spin_us, mailbox):
     monkeypatch.setenv("RINGCOMM_SPIN_US", spin_us)
     monkeypatch.setenv("RINGCOMM_MAILBOX", mailbox)
+    monkeypatch.setenv("RINGCOMM_BOARD", "0")  # small allreduces over the links
     counters, _ = _check_sums(_run_pair(_allreduce_many))
     assert counters["mailbox" if mailbox else "pipe"] > 0, counters
 

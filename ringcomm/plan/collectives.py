@@ -34,7 +34,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ..schedules import ALLREDUCE, allreduce_schedule, direct, ring, rooted
+from ..schedules import ALLREDUCE, allreduce_schedule, board, direct, ring, rooted
 from ..schedules.schedule import Schedule
 from ..transport.header import OpKind
 
@@ -263,11 +263,17 @@ _ALLREDUCE_SUMMARIES = {
             "broadcast inside each host",
 }
 
+# Not a candidate of the cost model (``ALLREDUCE``): the communicator takes it for every
+# message that fits the board, where its group has one.
+_BOARD_ALLREDUCE = Algorithm(
+    "board", "every rank posts its vector on the shared board and folds everyone's in rank "
+    "order (one host, small messages)", lambda r, n, c, s, **_: board.allreduce(r, n, c))
+
 _TABLE = (
     Collective(
         "allreduce", OpKind.ALLREDUCE, reduces=True, rooted=False, roles=_DATA,
         algorithms=_algorithms(*(_allreduce_algorithm(name, _ALLREDUCE_SUMMARIES[name])
-                                 for name in ALLREDUCE)),
+                                 for name in ALLREDUCE), _BOARD_ALLREDUCE),
         busbw_factor=lambda n: 2 * (n - 1) / n, _reference=_allreduce,
         _choose=_needs_algorithm),
     Collective(
@@ -325,9 +331,11 @@ _TABLE = (
         busbw_factor=_spread, _reference=_alltoall),
     Collective(
         "barrier", OpKind.BARRIER, reduces=False, rooted=False, roles=_DATA,
-        algorithms=_algorithms(Algorithm(
-            "dissemination", "dissemination barrier: log2(n) rounds of empty messages",
-            lambda r, n, c, s, **_: direct.barrier(r, n))),
+        algorithms=_algorithms(
+            Algorithm("dissemination", "dissemination barrier: log2(n) rounds of empty messages",
+                      lambda r, n, c, s, **_: direct.barrier(r, n)),
+            Algorithm("board", "every rank posts on the shared board and waits for every "
+                      "other's post (one host)", lambda r, n, c, s, **_: board.barrier(r, n))),
         busbw_factor=lambda n: 0.0, _reference=_barrier),
 )
 

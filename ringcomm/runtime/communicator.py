@@ -50,9 +50,11 @@ from ..plan.collectives import COLLECTIVES, Collective
 from ..plan.settings import Settings
 from ..plan.topology import Topology
 from ..schedules import ALLREDUCE
+from ..schedules import board as board_schedules
+from ..transport import board
 from ..transport.base import Transport
-from ..transport.header import OpDescriptor, algorithm_code, reduce_code
-from .executor import OpContext, TraceEvent, run_schedule
+from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
+from .executor import BoardProgram, OpContext, TraceEvent, board_program, run_board, run_schedule
 from .p2p import P2PEngine, P2POp
 from .work import Work
 
@@ -102,6 +104,18 @@ class _Collective:
     algorithm: str | None = None  # None: the table's choice
 
 
+@dataclass(frozen=True, slots=True)
+class _BoardPlan:
+    """A blocking allreduce that fits the board, ready to run again: everything about it but
+    the buffer and the sequence number (``Communicator._board_allreduce``)."""
+
+    program: BoardProgram
+    reduce: ReduceOp
+    dtype: int  # wire codes
+    algorithm: int
+    reduce_code: int
+
+
 # What the worker's queue carries: a collective with its sequence number and name, or a
 # point-to-point op.
 _Queued = tuple[_Collective, int, str] | P2POp
@@ -144,6 +158,7 @@ class Communicator:
         self.timeout = float(timeout)
         self.segment_bytes = int(segment_bytes)
         self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
+        self._board_plans: dict[tuple[np.dtype, int, str], _BoardPlan] = {}
         self.trace: list[TraceEvent] | None = None
         self._on_close = list(on_close)
         self._connect = connect  # (member ranks, tag) -> this rank's transport among them
@@ -169,6 +184,7 @@ class Communicator:
         them."""
         self.settings = settings
         self._chosen.clear()
+        self._board_plans.clear()
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -223,14 +239,19 @@ class Communicator:
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``) forces one for this
-        call, as ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all; by
-        default the cost model picks the cheapest for this size (``ringcomm.plan.cost``). The
-        automatic choice is a function of the size, the dtype, the settings agreed at init
-        and the table of every rank's host and cores, so it is the same on every rank; a
-        forced one that differs between ranks is caught at the first message.
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``, ``board``)
+        forces one for this call, as ``RINGCOMM_ALGO`` (which must be the same on every
+        rank) does for all; by default a message that fits the shared board goes there
+        (where every rank shares one host), and the cost model picks the cheapest link
+        algorithm for the others (``ringcomm.plan.cost``). The automatic choice is a
+        function of the size, the dtype, the board that all ranks set up together, the
+        settings agreed at init and the table of every rank's host and cores, so it is the
+        same on every rank; a forced one that differs between ranks is caught at the first
+        message or post.
         """
         data = as_buffer(x, name="x")
+        if algorithm is None and not async_op and self._board_allreduce(data, op):
+            return x
         rop = reduce_op(op, data.dtype)
         name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize, algorithm)
         return self._submit(_Collective(
@@ -244,13 +265,18 @@ class Communicator:
         choice from the agreed settings and topology (the same on every rank)."""
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
-            if name not in ALLREDUCE:
+            if name == "board":
+                self._check_fits_board(nbytes)
+            elif name not in ALLREDUCE:
                 raise ArgumentError(
                     f"allreduce algorithm {forced!r} is unknown; use one of "
-                    f"{', '.join(ALLREDUCE)}, or leave it unset for the automatic choice")
+                    f"{', '.join(ALLREDUCE)}, board, or leave it unset for the automatic "
+                    "choice")
             return name
         if self.settings.algorithm is not None:
             return self.settings.algorithm
+        if nbytes <= self._board_bytes:
+            return "board"
         key = (nbytes, itemsize)
         chosen = self._chosen.get(key)
         if chosen is None:  # the model costs tens of microseconds: ask once per size
@@ -261,6 +287,62 @@ class Communicator:
                 share=self.topology.cores_per_rank, hosts=self.topology.hosts,
                 remote=self.settings.remote)
         return chosen
+
+    def _board_allreduce(self, data: Buffer, op: str) -> bool:
+        """The short way for the commonest small call, a blocking allreduce that fits the
+        board: its plan is made once per dtype, size and op, and it runs on the caller's
+        thread without an op record, a queue or a schedule walk. Returns False, having done
+        nothing, where the general way must take it (no board, too large, ops still queued,
+        a trace to keep, a closed or failed communicator: that way raises what it must)."""
+        key = (data.dtype, data.count, op)
+        plan = self._board_plans.get(key)
+        if plan is None:
+            if (not isinstance(op, str) or self.settings.algorithm is not None
+                    or data.nbytes > self._board_bytes):
+                return False
+            rop = reduce_op(op, data.dtype)
+            program = board_program(board_schedules.allreduce(self.rank, self.world_size,
+                                                              data.count))
+            plan = self._board_plans[key] = _BoardPlan(
+                program, rop, dtype_code(data.dtype), algorithm_code("board"),
+                reduce_code(rop))
+        if self.trace is not None:
+            return False
+        with self._count_lock:
+            if self._outstanding or self._p2p.busy or self._closed or \
+                    self._failure is not None:
+                return False
+            self._outstanding += 1
+        seq = next(self._seq)
+        name = f"allreduce #{seq}"
+        desc = OpDescriptor(int(OpKind.ALLREDUCE), seq, plan.dtype, plan.algorithm,
+                            plan.reduce_code, -1, self.segment_bytes, data.count)
+        try:
+            run_board(plan.program, data, self.transport,
+                      OpContext(desc, name, data.dtype, time.monotonic() + self.timeout,
+                                plan.reduce))
+        except CommError as err:
+            self._fail(err, seq)
+            self._p2p.fail_all(err)
+            raise
+        finally:
+            self._op_done()
+        return True
+
+    @property
+    def _board_bytes(self) -> int:
+        """The largest payload this group's board holds; -1 without a board."""
+        return board.SLOT_BYTES if self.transport.board is not None else -1
+
+    def _check_fits_board(self, nbytes: int) -> None:
+        if self.transport.board is None:
+            raise ArgumentError(
+                "algorithm 'board' needs the shared board, which this group does not have "
+                "(its ranks span hosts, shared memory is off, or RINGCOMM_BOARD=0 on some "
+                "rank); choose another algorithm")
+        if nbytes > board.SLOT_BYTES:
+            raise ArgumentError(f"algorithm 'board' takes at most {board.SLOT_BYTES} B per "
+                                f"rank, got {nbytes} B; choose another algorithm")
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
@@ -379,8 +461,9 @@ class Communicator:
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
         empty = HostBuffer(np.zeros(0, np.uint8), "barrier")
+        algorithm = "board" if self.transport.board is not None else None
         return self._submit(_Collective(COLLECTIVES["barrier"], empty.dtype, {"data": empty},
-                                        None), async_op)
+                                        None, algorithm=algorithm), async_op)
 
     @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:

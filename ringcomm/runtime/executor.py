@@ -8,6 +8,9 @@ that reads overlapping memory, and before the op returns it waits for all of the
 caller may then reuse its buffers at once. Independent receives from several peers (an
 all-to-all's blocks) are taken in the order their messages arrive.
 
+Board steps (ranks of one host) post a region on the transport's shared board and take
+peers' posts from it, in place: the header of a post is checked like a message's.
+
 A fused receive-reduce-send asks the transport for the outgoing buffer first (shared
 memory, where it has some) and reduces into it, so a partial sum is written once instead of
 being written here and then copied out.
@@ -107,6 +110,10 @@ def run_schedule(
     trace: list[TraceEvent] | None = None,
 ) -> None:
     """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
+    if schedule.on_board:
+        program = board_program(schedule)
+        run_board(program, buffers[program.buffer], transport, ctx, trace)
+        return
     rank, world = transport.rank, transport.world_size
     itemsize = ctx.dtype.itemsize
     desc = ctx.desc
@@ -190,7 +197,7 @@ def run_schedule(
                     transport.release(peer)
                     track(transport.send(to, header, into, ctx.name), dst, to)
             else:
-                assert src is not None and dst is not None
+                assert kind is Kind.COPY and src is not None and dst is not None
                 buffers[dst.buf].copy(claim(dst), view(src))
         except CommTimeout as err:
             raise CommTimeout(
@@ -217,6 +224,95 @@ def run_schedule(
         ) from None
     for buf in buffers.values():
         buf.after_op()
+
+
+class BoardProgram:
+    """A board schedule made ready to run many times: its steps boiled down to what changes
+    between them (which peer's post to take, whether to reduce it, whether that completes
+    the reduction). A small op's whole time goes through ``run``, so it does no more than
+    that: it is the whole of a board op, for the executor and for the communicator's short
+    way alike."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        steps = schedule.steps
+        if not schedule.on_board or steps[0].kind is not Kind.POST or any(
+                s.kind is Kind.POST for s in steps[1:]):
+            raise ValueError(f"{schedule.algorithm} {schedule.collective} is not a board "
+                             "schedule (one post, then takes)")
+        post = steps[0].src
+        assert post is not None
+        if any(r.buf != post.buf or r.offset != 0 or r.count != post.count
+               for s in steps for r in (s.src, s.dst) if r is not None):
+            raise ValueError("a board schedule works on one whole buffer")
+        self.schedule = schedule
+        self.buffer = post.buf  # the role of the one buffer it reads and writes
+        self.count = post.count
+        self.takes = tuple((s.peer, s.kind is Kind.TAKE_REDUCE, s.final) for s in steps[1:])
+
+    def run(self, transport: Transport, buffer: Buffer, ctx: OpContext,
+            trace: list[TraceEvent] | None = None) -> None:
+        """Post ``buffer``'s values and take the peers' posts into it. ``buffer`` holds host
+        memory (``region`` views it)."""
+        rank, count, dtype, desc = transport.rank, self.count, ctx.dtype, ctx.desc
+        nbytes = count * dtype.itemsize
+        data = buffer.region(0, count)
+        started = time.perf_counter() if trace is not None else 0.0
+        transport.post(desc.outgoing(rank, rank, 0, nbytes), data if count else None,
+                       ctx.deadline, ctx.name)
+        if trace is not None:
+            started = self._traced(trace, 0, started, rank, ctx)
+        for index, (peer, reduces, final) in enumerate(self.takes, 1):
+            payload = transport.take(peer, desc.incoming(peer, 0, nbytes), ctx.deadline,
+                                     ctx.name).view(dtype)
+            if reduces:
+                assert ctx.reduce is not None
+                buffer.reduce_into(data, data, payload, ctx.reduce,
+                                   transport.world_size if final else 1)
+            elif count:
+                buffer.copy(data, payload)
+            if trace is not None:
+                started = self._traced(trace, index, started, rank, ctx)
+
+    def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
+                ctx: OpContext) -> float:
+        now = time.perf_counter()
+        trace.append(TraceEvent(rank, index, self.schedule.steps[index], started, now,
+                                ctx.name, self.schedule.algorithm))
+        return now
+
+
+def run_board(
+    program: BoardProgram,
+    buffer: Buffer,
+    transport: Transport,
+    ctx: OpContext,
+    trace: list[TraceEvent] | None = None,
+) -> None:
+    """Execute a board schedule's ``program`` on ``buffer``."""
+    schedule = program.schedule
+    buffer.before_op()
+    try:
+        program.run(transport, buffer, ctx, trace)
+    except CommTimeout as err:
+        raise CommTimeout(
+            f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "
+            "Check that every rank runs this op, or raise the timeout.",
+            rank=transport.rank, op=ctx.name, peer=err.peer) from None
+    buffer.after_op()
+
+
+_PROGRAMS: dict[int, tuple[Schedule, BoardProgram]] = {}  # id(schedule) -> (it, its program)
+
+
+def board_program(schedule: Schedule) -> BoardProgram:
+    """The program of a board schedule, made once per schedule (the builders cache their
+    schedules; looked up by identity, as hashing a schedule walks all its steps)."""
+    entry = _PROGRAMS.get(id(schedule))
+    if entry is None or entry[0] is not schedule:
+        if len(_PROGRAMS) >= 1024:
+            _PROGRAMS.clear()
+        entry = _PROGRAMS[id(schedule)] = (schedule, BoardProgram(schedule))
+    return entry[1]
 
 
 def _step_order(steps: tuple[Step, ...], runs: dict[int, int],

@@ -40,6 +40,7 @@ def run_group(
     trace: list[TraceEvent] | None = None,
     return_errors: bool = False,
     hosts: Sequence[Sequence[int]] | None = None,
+    board: bool = False,
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
@@ -47,8 +48,10 @@ def run_group(
     ``trace``, if given, collects every executed step of every rank. ``hosts`` (the ranks of
     each simulated host, e.g. ``[[0, 2], [1, 3]]``) gives the group a topology of several
     hosts, for the algorithms and choices that depend on it; by default all ranks share one.
+    ``board=True`` gives the group a shared board, as ranks of one host get (then small
+    allreduces and barriers run on it).
     """
-    net = InMemoryNetwork(world_size)
+    net = InMemoryNetwork(world_size, board=board and hosts is None)
     topology = None if hosts is None else simulated_hosts(world_size, hosts)
     def connector(rank: int) -> Callable[[tuple[int, ...], str], InMemoryTransport]:
         return lambda members, tag: net.subnetwork(tag, len(members)).transport(

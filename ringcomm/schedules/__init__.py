@@ -1,6 +1,6 @@
 """Algorithms generate schedules; they never send a byte. See ``schedule.py`` for the model."""
 
-from . import dbtree, direct, halving_doubling, hier, recursive_doubling, ring, rooted, tree
+from . import board, dbtree, direct, halving_doubling, hier, recursive_doubling, ring, rooted, tree
 from .schedule import Kind, Region, Schedule, Step
 
 # Every allreduce algorithm: name -> schedule(rank, world_size, count, segment). Those in
@@ -26,5 +26,5 @@ def allreduce_schedule(name: str, rank: int, world_size: int, count: int, segmen
 
 
 __all__ = ["ALLREDUCE", "HOST_AWARE", "Kind", "Region", "Schedule", "Step",
-           "allreduce_schedule", "dbtree", "direct", "halving_doubling", "hier",
+           "allreduce_schedule", "board", "dbtree", "direct", "halving_doubling", "hier",
            "recursive_doubling", "ring", "rooted", "tree"]

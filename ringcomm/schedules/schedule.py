@@ -2,9 +2,11 @@
 
 An algorithm never touches a socket. It returns, for one rank, the ordered steps that rank
 performs: send a region to a peer, receive a region from a peer (copying it in, or reducing
-it into local data), or copy a region locally. Regions name a buffer role (``data`` for
-in-place ops, ``input``/``output`` for out-of-place ones, ``scratch`` for partial results)
-and an element range, so one schedule serves every dtype and every buffer type.
+it into local data), or copy a region locally; or, on the shared board of ranks that share
+a host, post a region for every peer to read and take a peer's post. Regions name a buffer
+role (``data`` for in-place ops, ``input``/``output`` for out-of-place ones, ``scratch`` for
+partial results) and an element range, so one schedule serves every dtype and every buffer
+type.
 
 Because it is data, the same schedule is executed for real, run in one process over
 in-memory links by the tests, priced by a cost model, and printed for teaching
@@ -32,6 +34,10 @@ class Kind(Enum):
     # message (one memory pass instead of three): only for results nobody reads again
     RECV_REDUCE_SEND = "recv+reduce+send"
     COPY = "copy"  # local copy src -> dst
+    # the shared board (ranks of one host): no messages, every rank reads the others' posts
+    POST = "post"  # put src on the board, for every rank of the op to read
+    TAKE = "take"  # wait for peer's post of this op, copy it into dst
+    TAKE_REDUCE = "take+reduce"  # wait for peer's post, dst = src (op) post
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,14 @@ class Step:
         if self.kind is Kind.RECV_REDUCE_SEND:
             return (f"recv from rank {self.peer}, {self.src} (op) msg -> rank {self.to}   "
                     f"({where}, fused)")
+        if self.kind is Kind.POST:
+            return f"post {self.src} on the board   ({where})"
+        if self.kind is Kind.TAKE:
+            return f"take rank {self.peer}'s post -> {self.dst}   ({where})"
+        if self.kind is Kind.TAKE_REDUCE:
+            fin = ", final" if self.final else ""
+            return (f"take rank {self.peer}'s post, {self.dst} = {self.src} (op) post   "
+                    f"({where}{fin})")
         return f"copy {self.src} -> {self.dst}   ({where})"
 
 
@@ -106,6 +120,11 @@ class Schedule:
         return "\n".join(lines)
 
     @cached_property
+    def on_board(self) -> bool:
+        """Whether every step is a board step (the executor then runs it the short way)."""
+        return bool(self.steps) and all(s.kind in _BOARD_KINDS for s in self.steps)
+
+    @cached_property
     def receive_runs(self) -> dict[int, int]:
         """Runs of plain receives that may complete in any order: start index -> end index
         (exclusive). A run is two or more consecutive ``RECV`` steps from more than one peer
@@ -130,6 +149,9 @@ class Schedule:
         return len(sends), sum(s.src.count for s in sends if s.src is not None)
 
 
+_BOARD_KINDS = frozenset({Kind.POST, Kind.TAKE, Kind.TAKE_REDUCE})
+
+
 class StepList:
     """A small builder that keeps algorithm code short and readable."""
 
@@ -149,6 +171,15 @@ class StepList:
         """Receive from ``peer``, reduce with ``src``, send the result to ``to``. ``dst``
         receives the result only where the transport cannot fuse: nothing may read it later."""
         self.steps.append(Step(Kind.RECV_REDUCE_SEND, peer, src=src, dst=dst, to=to, **label))
+
+    def post(self, src: Region, **label) -> None:
+        self.steps.append(Step(Kind.POST, src=src, **label))
+
+    def take(self, peer: int, dst: Region, **label) -> None:
+        self.steps.append(Step(Kind.TAKE, peer, dst=dst, **label))
+
+    def take_reduce(self, peer: int, dst: Region, src: Region, final: bool, **label) -> None:
+        self.steps.append(Step(Kind.TAKE_REDUCE, peer, src=src, dst=dst, final=final, **label))
 
     def copy(self, src: Region, dst: Region, **label) -> None:
         if src.count:

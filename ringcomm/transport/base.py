@@ -10,6 +10,10 @@ other stream that arrives first is set aside, so a ``send`` issued before a coll
 does not break the collective on the receiver. Within a stream, the header of every
 message is compared with what the receiver expects (``header.check``): above the links, so
 every kind of link gets the same checks.
+
+A transport whose ranks all share one host may also hold a shared ``board`` (``board``):
+``post`` puts this rank's part of an op on it and ``take`` reads a peer's, with the same
+header check. How a rank waits for a post is the transport's own (``_board_wait``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .board import Board
 from .header import Header, OpKind, check
 from .link import ControlPlane, Link, SendHandle, Wait, remote_error
 
@@ -41,6 +46,8 @@ class Transport:
             (deque(), deque()) for _ in range(world_size)]
         self._closed = False
         self._checks_delivery: bool | None = None
+        # the shared board of every rank, where the transport could set one up
+        self.board: Board | None = None
 
     def _link(self, peer: int) -> Link:
         """The link to ``peer``, another rank (this rank has no link to itself)."""
@@ -134,6 +141,62 @@ class Transport:
                 check(expected, header, rank=self.rank, op=op)
             return None
 
+    # ---------------------------------------------------------------- the shared board
+    def post(self, header: Header, payload: np.ndarray | None, deadline: float,
+             op: str) -> None:
+        """Put this rank's part of a board op (``header``, ``payload`` or None) on the
+        board, once every peer has made the post before (they may still read the slot this
+        one overwrites: a rank runs at most one board op ahead of the slowest)."""
+        board = self.board
+        assert board is not None, "post needs a transport with a board"
+        behind = board.behind()
+        if behind:
+            wait = Wait(op, deadline, header)
+            for peer in behind:
+                self._board_wait(peer, board.number, wait)
+        board.post(header.pack(), payload)
+        self._posted()
+
+    def take(self, peer: int, expected: Header, deadline: float, op: str) -> np.ndarray:
+        """``peer``'s payload of the current board op (bytes, in place, valid until this
+        rank's next op), once it is posted and its header is ``expected``."""
+        board = self.board
+        assert board is not None, "take needs a transport with a board"
+        if board.posted(peer) < board.number:
+            self._board_wait(peer, board.number, Wait(op, deadline, expected))
+        got = board.header(peer)
+        if got != expected:
+            check(expected, got, rank=self.rank, op=op)
+        return board.payload(peer, expected.nbytes)
+
+    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
+        """Return once ``peer`` has made ``number`` posts; raise as a receive would (the
+        deadline, a lost peer, an abort, a message showing that the ranks disagree)."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared board")
+
+    def _posted(self) -> None:  # noqa: B027 - optional hook
+        """This rank has just posted: wake the peers that sleep waiting for it."""
+
+    def _screen(self, peer: int, wait: Wait) -> None:
+        """While this rank waits on the board (no message belongs to its op): read what
+        ``peer`` has sent. An abort raises; a point-to-point message, or one of a later op
+        (the peer has run ahead), is set aside for the receive that takes it; a collective
+        message of this op or an earlier one proves that the ranks disagree about the op
+        (one runs it on the board, the other over links): ``DesyncError``."""
+        link = self._link(peer)
+        expected = wait.expected
+        assert expected is not None, "a board wait knows the op's header"
+        while link.peek():
+            header = link.recv_header(Wait(wait.op, wait.deadline))
+            if header.kind == OpKind.ABORT:
+                raise remote_error(header, link.recv_payload(wait.op), self.rank, wait.op)
+            if header.is_p2p or header.seq > expected.seq:
+                self._stash[peer][int(header.is_p2p)].append(
+                    (header, bytes(link.recv_payload(wait.op))))
+                continue
+            link.discard_payload(wait.op)
+            check(expected._replace(sender=peer), header, rank=self.rank, op=wait.op)
+
     # ---------------------------------------------------------------- failures
     def abort(self, seq: int, text: str) -> None:
         """Tell every peer that this rank failed, so that none of them waits for it."""
@@ -151,8 +214,14 @@ class Transport:
     def leftover(self) -> Header | None:
         """The header of a collective message that has arrived and that no op of this rank
         took, if there is one: at close, proof that the ranks disagreed about an op (a rank
-        whose part of an op only sends cannot tell during it). Reads what is waiting, so it
-        is only for a transport about to close."""
+        whose part of an op only sends cannot tell during it), or a post on the board of an
+        op this rank never ran. Reads what is waiting, so it is only for a transport about
+        to close."""
+        board = self.board
+        if board is not None:
+            for peer in range(self.world_size):
+                if peer != self.rank and board.posted(peer) > board.number:
+                    return board.header(peer, board.number + 1)
         for peer, link in enumerate(self.links):
             if link is None:
                 continue
@@ -192,6 +261,8 @@ class Transport:
         self._close()
 
     def _close(self) -> None:
+        if self.board is not None:
+            self.board.close()
         links = [link for link in self.links if link is not None]
         for link in links:
             link.finish_sending()

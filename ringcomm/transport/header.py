@@ -25,7 +25,7 @@ from typing import NamedTuple
 from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
-WIRE_VERSION = 3  # bumped whenever the header or the framing changes; agreed at init
+WIRE_VERSION = 4  # bumped whenever the header or the framing changes; agreed at init
 _FORMAT = struct.Struct("<QQQIIIiBBBBB3x")  # Header's fields, then the version
 SIZE = _FORMAT.size
 
@@ -41,13 +41,14 @@ class OpKind(IntEnum):
     ALLTOALL = 8
     BARRIER = 9
     P2P = 10  # send/recv: their own stream, numbered per pair of ranks
+    WAKE = 253  # a post on the shared board wakes a rank asleep waiting for it (control plane)
     PROBE = 254  # a stalled receive asks which op the peer is in (control plane only)
     ABORT = 255  # a rank failed; the payload is its error message
 
 
 # The wire codes of the schedules' algorithm names (``Schedule.algorithm``); 0 is none.
 ALGORITHMS = ("-", "ring", "tree", "dbtree", "hd", "rd", "chain", "binomial", "direct",
-              "pairwise", "dissemination", "hier")
+              "pairwise", "dissemination", "hier", "board")
 ALGORITHM_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 _REDUCE_NAMES = {op.code + 1: name for name, op in REDUCE_OPS.items()}  # 0: no reduction
 
@@ -92,7 +93,7 @@ class Header(NamedTuple):
         return cls.unpack_from(raw, 0)
 
     @classmethod
-    def unpack_from(cls, buffer: bytes, offset: int) -> Header:
+    def unpack_from(cls, buffer: bytes | bytearray | memoryview, offset: int) -> Header:
         """The header at ``offset`` of ``buffer`` (which holds all of it)."""
         *fields, version = _FORMAT.unpack_from(buffer, offset)
         if version != WIRE_VERSION:

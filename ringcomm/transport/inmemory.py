@@ -2,7 +2,9 @@
 
 Every message is copied on send, as a wire would, so a schedule that reuses a buffer too
 early gives wrong results here too. Used by the tests to run every algorithm at every
-world size in a fraction of a second, and by teaching tools to trace a schedule.
+world size in a fraction of a second, and by teaching tools to trace a schedule. A network
+made with ``board=True`` also gives its ranks a shared board (in a bytearray), as ranks of
+one host get in shared memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from ..errors import CommTimeout
 from .base import Transport
+from .board import Board, size
 from .header import Header
 from .link import ControlPlane, Link, Wait, remote_error
 
@@ -37,11 +40,13 @@ class _Mailbox:
 class InMemoryNetwork:
     """Creates the ``world_size`` connected transports of one in-process group."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, *, board: bool = False) -> None:
         self.world_size = world_size
         self.mailboxes = [_Mailbox(world_size) for _ in range(world_size)]
         self._subnetworks: dict[str, InMemoryNetwork] = {}
         self._lock = threading.Lock()
+        self.board_memory = bytearray(size(world_size)) if board and world_size > 1 else None
+        self.board_posted = threading.Condition()  # notified on every post
 
     def transport(self, rank: int) -> InMemoryTransport:
         return InMemoryTransport(self, rank)
@@ -52,7 +57,8 @@ class InMemoryNetwork:
         with self._lock:
             net = self._subnetworks.get(tag)
             if net is None:
-                net = self._subnetworks[tag] = InMemoryNetwork(size)
+                net = self._subnetworks[tag] = InMemoryNetwork(
+                    size, board=self.board_memory is not None)
             return net
 
 
@@ -114,3 +120,25 @@ class InMemoryTransport(Transport):
         links = [None if peer == rank else InMemoryLink(network, rank, peer)
                  for peer in range(network.world_size)]
         super().__init__(rank, network.world_size, links, _InMemoryControl(network))
+        self._network = network
+        if network.board_memory is not None:
+            self.board = Board(network.board_memory, rank, network.world_size)
+
+    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
+        board, posted = self.board, self._network.board_posted
+        assert board is not None
+        aborts = self._network.mailboxes[self.rank].aborts
+        with posted:
+            while board.posted(peer) < number:
+                if aborts:
+                    header, text = aborts[0]
+                    raise remote_error(header, text, self.rank, wait.op)
+                left = wait.deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeout(f"rank {peer} did not post its part of this op in time",
+                                      rank=self.rank, op=wait.op, peer=peer)
+                posted.wait(min(left, 0.01))  # aborts come through the mailbox: look often
+
+    def _posted(self) -> None:
+        with self._network.board_posted:
+            self._network.board_posted.notify_all()

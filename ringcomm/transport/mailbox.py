@@ -30,15 +30,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import platform
 import struct
-import threading
 from typing import Any
 
 import numpy as np
 
 from .header import SIZE as HEADER_SIZE
-from .shm_ring import SHM_DIR, map_shared
+from .shm_ring import SHM_DIR, fence, map_shared, stores_in_order
 
 DEFAULT = "0"  # RINGCOMM_MAILBOX when unset (see ``wanted``)
 SLOTS = 16
@@ -50,18 +48,7 @@ _LINE = 64
 SIZE = _LINE + SLOTS * SLOT_BYTES
 DOZE_S = 0.02  # the longest a receiver sleeps without looking at its slot
 
-_fence_lock = threading.Lock()
-
-
-def _fence() -> None:
-    """A full memory barrier: taking a lock is an atomic read-modify-write instruction."""
-    with _fence_lock:
-        pass
-
-
-def supported() -> bool:
-    """Mailboxes need stores to become visible in program order (x86's TSO)."""
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+supported = stores_in_order  # a stamp is written after the frame it covers
 
 
 def wanted() -> bool:
@@ -132,7 +119,7 @@ class MailboxReader(_Mapped):
         """Say whether this end is about to sleep (the sender then rings the pipe)."""
         self._line[1] = int(sleeping)
         if sleeping:
-            _fence()
+            fence()
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -178,5 +165,5 @@ class MailboxWriter(_Mapped):
     @property
     def sleeping(self) -> bool:
         """Whether the receiver sleeps (ring its doorbell); read after a full barrier."""
-        _fence()
+        fence()
         return bool(self._line[1])

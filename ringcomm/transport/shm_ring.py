@@ -41,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import re
+import threading
 import uuid
 
 import numpy as np
@@ -51,7 +53,7 @@ _CONTROL = 64
 _ALIGN = 64
 # ring_name(new_token(), a, b): "ringcomm-<pid>-<pid namespace>-<12 hex digits>-<a>to<b>"
 _TOKEN = re.compile(r"(\d+)-([0-9a-f]+)-[0-9a-f]{12}")
-_RING_NAME = re.compile(rf"ringcomm-{_TOKEN.pattern}-\d+to\d+(?:-mbox)?")
+_RING_NAME = re.compile(rf"ringcomm-{_TOKEN.pattern}-(?:\d+to\d+(?:-mbox)?|board)")
 _PID_MAX = 1 << 22  # the most pid_max allows
 
 
@@ -140,6 +142,24 @@ def sweep(folder: str = SHM_DIR) -> list[str]:
                     continue
                 removed.append(entry.name)
     return removed
+
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: taking a lock is an atomic read-modify-write instruction. Put
+    between a store and a load that another process orders the other way round (each side
+    raises a flag, then reads the other's), so that one of the two always sees the other."""
+    with _fence_lock:
+        pass
+
+
+def stores_in_order() -> bool:
+    """Whether stores become visible to other processes in program order (x86's TSO): what
+    a flag written after the data it covers needs (mailboxes, the shared board). Elsewhere
+    the flag could be seen before the data."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
 def available() -> bool:

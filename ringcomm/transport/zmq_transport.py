@@ -10,6 +10,9 @@ Why this shape:
   both ranks offer it.
 - One control socket per rank carries aborts and probes (``zmq_control``), so a failure
   on one rank wakes every rank that waits.
+- Where every rank of the group shares this host and offers shared memory, the group also
+  gets a shared ``board`` for small collectives (``RINGCOMM_BOARD=0`` declines it): made by
+  rank 0, mapped by the others, used only if every rank has it.
 
 Set-up goes through the store: knowing from the caller which ranks share its host (the
 host identities gathered at init), every rank binds one receiving socket per peer and a
@@ -20,25 +23,31 @@ behind, even after a crash (``files``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
-from ..errors import ArgumentError, CommError
-from . import mailbox, shm_ring
+from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
+from . import board, mailbox, shm_ring
 from .base import Transport
 from .files import TransportFiles, ipc_base, sweep_litter
-from .link import Link
+from .link import Link, Wait
 from .local_link import LocalLink
 from .pipe import Flusher, PipeReader
 from .socket_link import SocketLink
-from .zmq_control import ZmqControl
+from .zmq_control import STALL_PROBE_S, ZmqControl
+
+log = logging.getLogger("ringcomm")
 
 DEFAULT_SPIN_US = 50  # a receive polls this long before it sleeps; RINGCOMM_SPIN_US overrides
+_WATCH_EVERY = 16  # a board wait that spins looks at the links and control plane this often
+_DOZE_MS = 20  # the longest a board wait sleeps between looks at the board
 
 
 def spin_seconds() -> float:
@@ -150,6 +159,8 @@ class ZmqTransport(Transport):
         self._abandon = False  # set-up failed: close without waiting for any socket
         self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []  # (socket, its monitor)
         self._unused_pipes: dict[int, PipeReader] = {}  # made for peers, no link yet
+        self._board_poller = zmq.Poller()  # what a board wait watches (``_watch_poller``)
+        self._pipe_peer: dict[int, int] = {}  # a pipe's file descriptor -> the peer at its end
         control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
         super().__init__(rank, world_size, [None] * world_size, control)
         sweep_litter()
@@ -214,15 +225,34 @@ class ZmqTransport(Transport):
         if capacity:  # a pipe from each local peer, used if it offers shared memory too
             pipes_in.update({r: PipeReader(f"{ipc_dir}/pipe-from-{r}") for r in local})
         endpoints.append(f"shm {token if capacity else '-'} {capacity}")
+        # The board: offered where every peer is local with shared memory; rank 0 makes it
+        # and publishes its name, and it is used if every rank offers and maps it.
+        offer = bool(capacity) and len(local) == n - 1 and board.wanted()
+        board_name, board_memory = "-", None
+        if offer and me == 0:
+            board_name = f"ringcomm-{token}-board"
+            path = os.path.join(shm_ring.SHM_DIR, board_name)
+            try:
+                board_memory = shm_ring.map_shared(path, board.size(n), create=True)
+                self._files.shm_paths.append(path)
+            except OSError as err:
+                log.warning("rank 0: no shared board (%s); small collectives use the links",
+                            err)
+                board_name = "-"
+        endpoints.append(f"board {board_name if me == 0 else ('yes' if offer else '-')}")
         store.set(self._key(prefix, "ep", me), "\n".join(endpoints).encode())
 
         ep_keys = [self._key(prefix, "ep", r) for r in range(n)]
         store.wait(ep_keys, timeout)
         links: list[Link | None] = [None] * n
+        offers = [offer] * n
         for peer in range(n):
             if peer == me:
                 continue
             theirs = store.get(ep_keys[peer]).decode().split("\n")
+            offers[peer] = theirs[n + 1] != "board -"
+            if peer == 0 and offers[0]:
+                board_name = theirs[n + 1].split(" ", 1)[1]
             control = theirs[peer].split(" ")
             # our messages to `peer` go to the socket it bound for us; aborts to its control
             self.control.endpoints[peer] = next(
@@ -257,17 +287,114 @@ class ZmqTransport(Transport):
                                          push=self._sockets.push(theirs[me]), pull=pulls[peer],
                                          monitor=monitors[peer])
         self.links = links
+        if all(offers) and me != 0:
+            try:
+                board_memory = shm_ring.map_shared(
+                    os.path.join(shm_ring.SHM_DIR, board_name), board.size(n), create=False)
+            except (OSError, ValueError) as err:
+                log.warning("rank %d: cannot map the shared board (%s); small collectives use "
+                            "the links", me, err)
         local_links = [link for link in links if isinstance(link, LocalLink)]
         if local_links:  # a pipe's reader sees end-of-file until its writer has opened it
-            store.set(self._key(prefix, "pipes", me), b"open")
-            store.wait([self._key(prefix, "pipes", link.peer) for link in local_links],
-                       timeout)
+            mapped = b"open board" if board_memory is not None else b"open"
+            store.set(self._key(prefix, "pipes", me), mapped)
+            pipe_keys = [self._key(prefix, "pipes", link.peer) for link in local_links]
+            store.wait(pipe_keys, timeout)
             for link in local_links:
                 link.opened()
+            if board_memory is not None:
+                if all(store.get(key) == b"open board" for key in pipe_keys):
+                    self.board = board.Board(board_memory, me, n)
+                    self._board_poller = self._watch_poller(local_links)
+                if me == 0:  # every rank has mapped it, or will not: the name goes
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(shm_ring.SHM_DIR, board_name))
+
+    # ------------------------------------------------------------------ the board
+    def _watch_poller(self, links: list[LocalLink]) -> zmq.Poller:
+        """What a board wait watches: the control plane and every peer's pipe (whose data,
+        or end-of-file, the wait then looks at)."""
+        poller = zmq.Poller()
+        poller.register(self.control.socket, zmq.POLLIN)
+        for link in links:
+            poller.register(link.pipe_in.fd, zmq.POLLIN)
+            self._pipe_peer[link.pipe_in.fd] = link.peer
+        return poller
+
+    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
+        """Spin (yielding the CPU on every turn) for ``spin_s``, then sleep in ``poll`` until
+        a poster wakes this rank; look at the links and the control plane every few turns
+        meanwhile, and ask the peer which op it is in after ``STALL_PROBE_S``."""
+        posted, control = self.board.posted, self.control  # type: ignore[union-attr]
+        started = time.monotonic()
+        spin_until, probe_at = started + self.spin_s, started + STALL_PROBE_S
+        turn = 0
+        while posted(peer) < number:
+            turn += 1
+            now = time.monotonic()
+            if turn % _WATCH_EVERY == 0 or now >= spin_until:
+                if now >= wait.deadline:
+                    raise CommTimeout(f"rank {peer} did not post its part of this op on the "
+                                      "shared board within the timeout (is it running this "
+                                      "op?)", rank=self.rank, op=wait.op, peer=peer)
+                if probe_at and now >= probe_at:
+                    probe_at = 0.0
+                    assert wait.expected is not None  # a board wait knows the op's header
+                    control.probe(peer, wait.expected._replace(sender=self.rank), wait.op)
+            if now < spin_until:
+                if turn % _WATCH_EVERY == 0:
+                    events = self._board_poller.poll(0)
+                    if events and self._watch(events, wait, peer, number):
+                        return
+                os.sched_yield()
+                continue
+            self.board.doze(True)  # type: ignore[union-attr]
+            try:
+                if posted(peer) >= number:
+                    return
+                sleep_s = min(wait.deadline, probe_at or wait.deadline) - now
+                events = self._board_poller.poll(min(_DOZE_MS, max(1, int(sleep_s * 1000))))
+            finally:
+                self.board.doze(False)  # type: ignore[union-attr]
+            if self._watch(events, wait, peer, number):
+                return
+
+    def _watch(self, events: list[tuple[Any, int]], wait: Wait, peer: int,
+               number: int) -> bool:
+        """Handle what ``poll`` reported during a wait for ``peer``'s post ``number``:
+        notices on the control plane, and whatever a peer's pipe holds (``_screen``).
+        Returns True if the post has come meanwhile (then nothing else matters: a peer that
+        has posted and gone on may have closed its pipes already)."""
+        board_ = self.board
+        assert board_ is not None
+        control = self.control.socket
+        for what, _ in events:
+            if board_.posted(peer) >= number:
+                return True
+            if what is control:
+                self.control.handle(wait)
+                continue
+            try:
+                self._screen(self._pipe_peer[what], wait)
+            except PeerLostError:
+                if board_.posted(peer) >= number:
+                    return True
+                raise
+        return board_.posted(peer) >= number
+
+    def _posted(self) -> None:
+        board_ = self.board
+        assert board_ is not None
+        shm_ring.fence()  # the count is stored before any flag is read
+        for peer in range(self.world_size):
+            if peer != self.rank and board_.sleeping(peer):
+                self.control.wake(peer)
 
     # ------------------------------------------------------------------ teardown
     def _close(self) -> None:
         try:
+            if self.board is not None:
+                self.board.close()
             links = [link for link in self.links if link is not None]
             for link in links:  # queued frames first: live peers may still read them
                 link.finish_sending()

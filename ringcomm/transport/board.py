@@ -1,0 +1,134 @@
+"""The shared board: small collectives among the ranks of one host, through memory they all
+map, with no message at all.
+
+Why: over links a small allreduce costs every rank one message per round (a header, a pipe
+write, a wake-up, a read, a header check), ``log2 n`` rounds or more, and at a few bytes
+that is all its time. On the board each rank copies its vector once into its own slot and
+reads every other rank's straight from theirs: no system call while ranks keep pace, and
+every rank reads everyone's part, so all of them fold the parts in the same order and get
+the same bits. MPICH's shared-memory collectives do the same for the same reason.
+
+The protocol, for the ``k``-th post of every rank (every rank posts once per board op, and
+all ranks run the same ops in the same order, so their ``k`` agree):
+
+- a rank writes its header (the op descriptor, as a message would carry it) and its payload
+  into its slot ``k % 2``, then stores ``k`` as its ``posted`` count. Stores become visible
+  in program order (x86's TSO, ``shm_ring.stores_in_order``), so a reader that sees
+  ``posted >= k`` sees the slot filled;
+- a reader waits until the poster's ``posted >= k``, compares the header with what it
+  expects (``DesyncError`` naming both ranks otherwise) and reads the payload in place;
+- each rank has two slots, so a rank may run one op ahead of the slowest: it writes slot
+  ``k % 2`` again at post ``k + 2`` only once every peer has posted ``k + 1``, which each
+  does only after it has finished reading post ``k``.
+
+Waiting (spinning, then sleeping until a poster wakes the sleeper) belongs to the transport,
+which also watches the links meanwhile for a lost peer, an abort or a message that shows
+the ranks disagree; the board only says who has posted and who sleeps.
+
+Layout: per rank a 64-byte line (``posted``, ``sleeping``), then two slots, each a 64-byte
+line holding the header and ``SLOT_BYTES`` of payload.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from .header import SIZE as HEADER_SIZE
+from .header import Header
+from .shm_ring import fence, stores_in_order
+
+SLOT_BYTES = 64 << 10  # the largest payload a rank posts; larger ops take the links
+_LINE = 64
+_SLOT = _LINE + SLOT_BYTES
+_RANK_BYTES = _LINE + 2 * _SLOT
+_WORD = struct.Struct("<Q")
+
+
+def size(world_size: int) -> int:
+    """Bytes of the board of ``world_size`` ranks."""
+    return world_size * _RANK_BYTES
+
+
+def wanted() -> bool:
+    """Whether this rank offers to use a board: ``RINGCOMM_BOARD`` (default on), where
+    stores become visible in order. A group uses one only if every rank offers."""
+    value = os.environ.get("RINGCOMM_BOARD", "1").strip().lower()
+    return value not in ("0", "false", "no", "off", "") and stores_in_order()
+
+
+class Board:
+    """Rank ``rank``'s view of a board of ``world_size`` ranks in ``memory`` (a writable
+    buffer of ``size(world_size)`` bytes: shared memory, or a bytearray for ranks that are
+    threads of one process)."""
+
+    def __init__(self, memory: Any, rank: int, world_size: int) -> None:
+        if len(memory) < size(world_size):
+            raise ValueError(f"a board of {world_size} ranks needs {size(world_size)} B, "
+                             f"got {len(memory)} B")
+        self._mem = memoryview(memory).cast("B")
+        self._bytes = np.frombuffer(memory, np.uint8)  # not of _mem: that one is released
+        self.rank = rank
+        self.world_size = world_size
+        self.number = 0  # posts this rank has made: the board op it is in
+        self._mine = rank * _RANK_BYTES
+
+    def posted(self, peer: int) -> int:
+        """How many posts ``peer`` has made."""
+        return _WORD.unpack_from(self._mem, peer * _RANK_BYTES)[0]
+
+    def behind(self) -> list[int]:
+        """The peers that have not yet made this rank's last post: a new post would
+        overwrite the slot they may still be reading."""
+        return [peer for peer in range(self.world_size)
+                if peer != self.rank and self.posted(peer) < self.number]
+
+    def post(self, header: bytes, payload: np.ndarray | None) -> None:
+        """Make the next post: ``header`` (packed) and ``payload`` (at most ``SLOT_BYTES``;
+        None for none), then the count that shows them. Call once ``behind`` is empty."""
+        number = self.number + 1
+        at = self._mine + _LINE + (number % 2) * _SLOT
+        self._mem[at: at + HEADER_SIZE] = header
+        if payload is not None:
+            data = payload.reshape(-1).view(np.uint8)
+            if data.size > SLOT_BYTES:
+                raise ValueError(f"a board post holds at most {SLOT_BYTES} B, got {data.size}")
+            self._bytes[at + _LINE: at + _LINE + data.size] = data
+        _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
+        self.number = number
+
+    def header(self, peer: int, number: int | None = None) -> Header:
+        """The header of ``peer``'s post ``number`` (default: of this rank's current op),
+        once it has made it."""
+        return Header.unpack_from(self._mem, self._slot(peer, number))
+
+    def payload(self, peer: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of ``peer``'s payload of the current op, in place (valid until the
+        next op)."""
+        at = self._slot(peer) + _LINE
+        return self._bytes[at: at + nbytes]
+
+    def _slot(self, peer: int, number: int | None = None) -> int:
+        parity = (self.number if number is None else number) % 2
+        return peer * _RANK_BYTES + _LINE + parity * _SLOT
+
+    def sleeping(self, peer: int) -> bool:
+        """Whether ``peer`` sleeps waiting for a post (a poster then wakes it). Read after a
+        ``fence``: the poster's count is stored before this is loaded."""
+        return bool(_WORD.unpack_from(self._mem, peer * _RANK_BYTES + 8)[0])
+
+    def doze(self, sleeping: bool) -> None:
+        """Say whether this rank is about to sleep. Raising the flag is followed by a fence,
+        so that either the rank sees a post made meanwhile when it looks once more, or the
+        poster sees the flag and wakes it."""
+        _WORD.pack_into(self._mem, self._mine + 8, int(sleeping))
+        if sleeping:
+            fence()
+
+    def close(self) -> None:
+        """Let go of the memory (a closed board is not used again)."""
+        self._bytes = None  # type: ignore[assignment]
+        self._mem.release()

@@ -1,0 +1,160 @@
+"""The shared board: small allreduces and barriers among ranks of one host, through memory.
+
+What users rely on: the same bits on every rank (parts folded in rank order, as the
+reference does), the board chosen for what fits it and the links for the rest, on every
+rank alike, ordering with link ops, point-to-point messages and async ops kept, and every
+disagreement or death a typed error, as over links."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ringcomm import cli
+from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.runtime.local import run_group
+from ringcomm.transport.board import SLOT_BYTES
+
+REDUCE_DTYPES = {
+    "sum": [np.float32, np.float64, np.int32, ml_dtypes.bfloat16, np.complex64],
+    "avg": [np.float32, np.float16],
+    "prod": [np.float64, np.int64],
+    "min": [np.float32, np.int8],
+    "max": [np.float64, np.int16],
+    "band": [np.int32], "bor": [np.uint8], "bxor": [np.int64],
+}
+
+
+def _inputs(world: int, count: int, dtype) -> list[np.ndarray]:
+    """Values whose sum depends on the order it is taken in (floats of mixed magnitudes)."""
+    rng = np.random.default_rng(world * 1000 + count)
+    raw = [rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count) for _ in range(world)]
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        raw = [(r * 7).astype(np.int64) % 5 + 1 for r in raw]
+    return [np.asarray(r).astype(dtype) for r in raw]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_every_rank_gets_the_reference_bits_for_every_op_and_dtype(world):
+    count = 37
+
+    def fn(comm):
+        out = []
+        for op, dtypes in REDUCE_DTYPES.items():
+            for dtype in dtypes:
+                x = _inputs(comm.world_size, count, dtype)[comm.rank].copy()
+                comm.allreduce(x, op)
+                out.append(x)
+        comm.barrier()
+        return out
+
+    trace = []
+    results = run_group(world, fn, board=True, trace=trace)
+    i = 0
+    for op, dtypes in REDUCE_DTYPES.items():
+        for dtype in dtypes:
+            want = COLLECTIVES["allreduce"].reference(_inputs(world, count, dtype), op)[0]
+            for r in range(world):
+                assert results[r][i].tobytes() == want.tobytes(), (op, dtype, r)
+            i += 1
+    if world > 1:
+        assert {e.algorithm for e in trace} == {"board"}
+
+
+def test_what_fits_goes_on_the_board_and_the_rest_over_links():
+    sizes = [SLOT_BYTES // 4, SLOT_BYTES // 4 + 1]  # float32 elements
+
+    def fn(comm):
+        for n in sizes:
+            x = np.ones(n, np.float32)
+            comm.allreduce(x)
+            assert np.all(x == comm.world_size)
+
+    trace = []
+    run_group(3, fn, board=True, trace=trace)
+    ran = {e.op: e.algorithm for e in trace}
+    assert ran["allreduce #0"] == "board" and ran["allreduce #1"] != "board", ran
+    trace.clear()
+    run_group(3, fn, trace=trace)  # no board: links only
+    assert "board" not in {e.algorithm for e in trace}
+
+
+def test_board_only_when_there_is_one_and_the_message_fits():
+    def fn(comm):
+        errors = []
+        for n in (4, SLOT_BYTES + 4):
+            try:
+                comm.allreduce(np.ones(n // 4, np.float32), algorithm="board")
+            except Exception as err:  # noqa: BLE001 - the test looks at it
+                errors.append(str(err))
+        return errors
+
+    with_board = run_group(2, fn, board=True)[0]
+    assert len(with_board) == 1 and f"at most {SLOT_BYTES} B" in with_board[0], with_board
+    without = run_group(2, fn)[0]
+    assert len(without) == 2 and all("does not have" in e for e in without), without
+
+
+def test_ringcomm_schedule_explains_the_board(capsys):
+    cli.main(["schedule", "allreduce_board", "-n", "4", "-c", "6", "--rank", "2"])
+    assert capsys.readouterr().out.splitlines() == [
+        "allreduce (board), rank 2 of 4, 5 steps",
+        "     0  post data[0:6] on the board   (post round 0)",
+        "     1  take rank 0's post -> data[0:6]   (fold round 0)",
+        "     2  take rank 1's post, data[0:6] = data[0:6] (op) post   (fold round 1)",
+        "     3  take rank 2's post, data[0:6] = data[0:6] (op) post   (fold round 2)",
+        "     4  take rank 3's post, data[0:6] = data[0:6] (op) post   (fold round 3, final)",
+    ]
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_real_ranks_mix_board_ops_with_link_ops_p2p_and_async_ops(cluster, world):
+    res = cluster.run(world, "job_board", transport="ipc")
+    for r, x in enumerate(res):
+        assert x["board"], r
+        assert x["wrong"] == [], (r, x["wrong"])
+    chosen = res[0]["chosen"]
+    assert all(x["chosen"] == chosen for x in res)
+    assert chosen[4] == chosen[4096] == chosen[SLOT_BYTES] == "board", chosen
+    assert chosen[SLOT_BYTES + 4] != "board" and chosen[1 << 20] != "board", chosen
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_declines_the_board_leaves_every_rank_on_the_links(cluster):
+    env = {1: {"RINGCOMM_BOARD": "0"}}
+    res = cluster.run(3, "job_board", transport="ipc", env=env)
+    assert [x["board"] for x in res] == [False] * 3
+    assert all(x["wrong"] == [] and "board" not in x["chosen"].values() for x in res), res
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_tcp_have_no_board(cluster):
+    res = cluster.run(2, "job_board", transport="tcp")
+    assert [x["board"] for x in res] == [False, False]
+    assert all(x["wrong"] == [] for x in res), res
+
+
+@pytest.mark.timeout(60)
+def test_a_message_that_arrives_during_a_board_wait_reaches_its_receive(cluster):
+    res = cluster.run(3, "job_board_p2p_while_waiting", transport="ipc")
+    assert all(x["board"] and x["sum"] == [3.0] * 4 and x["recv"] for x in res), res
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_on_the_links_and_ranks_on_the_board_raise_typed_errors_fast(cluster, world):
+    """Rank 1's vector is too big for the board, the others' fit: rank 1 runs a link
+    algorithm, the others the board, and they must say so instead of waiting out the
+    timeout."""
+    from test_multiprocess import FAST, _check_disagreement
+
+    res = cluster.run(world, "job_mismatch", transport="ipc", case="board-vs-links")
+    errs = _check_disagreement(res, world, ["allreduce #1"] * world)
+    assert all(e["elapsed"] < FAST for e in errs), errs
+    found = " ".join(e["msg"] for e in errs if e["type"] == "DesyncError")
+    assert "board" in found and "elements" in found, errs
