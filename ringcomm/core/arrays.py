@@ -238,7 +238,7 @@ class NumpyKind(HostKind):
         if writable and not flags.writeable:
             raise ArgumentError(f"{name} is read-only but the op writes its result into it")
         dtype_code(x.dtype)
-        return x.reshape(-1)
+        return x if x.ndim == 1 else x.reshape(-1)
 
 
 class TorchCPUKind(HostKind):
@@ -268,7 +268,9 @@ class TorchCPUKind(HostKind):
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().reshape(-1).view(ml_dtypes.bfloat16)
         try:
-            arr = t.numpy().reshape(-1)  # the numpy reshape: a fraction of torch's cost
+            arr = t.numpy()
+            if arr.ndim != 1:
+                arr = arr.reshape(-1)  # numpy's reshape: a fraction of torch's cost
         except TypeError:
             raise ArgumentError(f"{name} has dtype {t.dtype}, which is not supported") from None
         dtype_code(arr.dtype)

@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,6 +105,9 @@ class _Collective:
     algorithm: str | None = None  # None: the table's choice
 
 
+_SEQ = struct.Struct("<Q")  # a header's first field
+
+
 @dataclass(frozen=True, slots=True)
 class _BoardPlan:
     """A blocking allreduce that fits the board, ready to run again: everything about it but
@@ -111,9 +115,15 @@ class _BoardPlan:
 
     program: BoardProgram
     reduce: ReduceOp
-    dtype: int  # wire codes
-    algorithm: int
-    reduce_code: int
+    desc: OpDescriptor  # of sequence number 0
+    header: bytes  # this rank's post's, packed, for sequence number 0
+
+    def header_of(self, seq: int) -> bytes:
+        return _SEQ.pack(seq) + self.header[_SEQ.size:]
+
+
+# the plan of every allreduce in a group of one: the result is the input (checked once)
+_ALONE = _BoardPlan(None, None, None, b"")  # type: ignore[arg-type]
 
 
 # What the worker's queue carries: a collective with its sequence number and name, or a
@@ -250,7 +260,7 @@ class Communicator:
         message or post.
         """
         data = as_buffer(x, name="x")
-        if algorithm is None and not async_op and self._board_allreduce(data, op):
+        if algorithm is None and not async_op and self._allreduce_now(data, op):
             return x
         rop = reduce_op(op, data.dtype)
         name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize, algorithm)
@@ -288,39 +298,51 @@ class Communicator:
                 remote=self.settings.remote)
         return chosen
 
-    def _board_allreduce(self, data: Buffer, op: str) -> bool:
+    def _allreduce_now(self, data: Buffer, op: str) -> bool:
         """The short way for the commonest small call, a blocking allreduce that fits the
-        board: its plan is made once per dtype, size and op, and it runs on the caller's
-        thread without an op record, a queue or a schedule walk. Returns False, having done
-        nothing, where the general way must take it (no board, too large, ops still queued,
-        a trace to keep, a closed or failed communicator: that way raises what it must)."""
+        board (or in a group of one, which has nothing to exchange): its plan is made once
+        per dtype, size and op, and it runs on the caller's thread without an op record, a
+        queue or a schedule walk. Returns False, having done nothing, where the general way
+        must take it (no board, too large, ops still queued, a trace to keep or a line to
+        log per op, a closed or failed communicator: that way raises what it must)."""
         key = (data.dtype, data.count, op)
         plan = self._board_plans.get(key)
         if plan is None:
+            alone = self.world_size == 1
             if (not isinstance(op, str) or self.settings.algorithm is not None
-                    or data.nbytes > self._board_bytes):
+                    or (data.nbytes > self._board_bytes and not alone)):
                 return False
             rop = reduce_op(op, data.dtype)
+            if alone:
+                self._board_plans[key] = _ALONE
+                return self._allreduce_now(data, op)
             program = board_program(board_schedules.allreduce(self.rank, self.world_size,
                                                               data.count))
+            desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
+                                algorithm_code("board"), reduce_code(rop), -1,
+                                self.segment_bytes, data.count)
             plan = self._board_plans[key] = _BoardPlan(
-                program, rop, dtype_code(data.dtype), algorithm_code("board"),
-                reduce_code(rop))
-        if self.trace is not None:
-            return False
+                program, rop, desc, desc.outgoing(self.rank, self.rank, 0, data.nbytes).pack())
+        if self.trace is not None or log.isEnabledFor(logging.DEBUG):  # the general way
+            return False  # keeps a trace and logs a line per op
         with self._count_lock:
             if self._outstanding or self._p2p.busy or self._closed or \
                     self._failure is not None:
                 return False
             self._outstanding += 1
         seq = next(self._seq)
+        if plan is _ALONE:  # the values stay; a staged buffer still goes through its stages
+            try:
+                data.before_op()
+                data.after_op()
+            finally:
+                self._op_done()
+            return True
         name = f"allreduce #{seq}"
-        desc = OpDescriptor(int(OpKind.ALLREDUCE), seq, plan.dtype, plan.algorithm,
-                            plan.reduce_code, -1, self.segment_bytes, data.count)
         try:
             run_board(plan.program, data, self.transport,
-                      OpContext(desc, name, data.dtype, time.monotonic() + self.timeout,
-                                plan.reduce))
+                      OpContext(plan.desc, name, data.dtype, time.monotonic() + self.timeout,
+                                plan.reduce), header=plan.header_of(seq))
         except CommError as err:
             self._fail(err, seq)
             self._p2p.fail_all(err)

@@ -249,21 +249,18 @@ class BoardProgram:
         self.count = post.count
         self.takes = tuple((s.peer, s.kind is Kind.TAKE_REDUCE, s.final) for s in steps[1:])
 
-    def run(self, transport: Transport, buffer: Buffer, ctx: OpContext,
+    def run(self, transport: Transport, buffer: Buffer, header: bytes, ctx: OpContext,
             trace: list[TraceEvent] | None = None) -> None:
-        """Post ``buffer``'s values and take the peers' posts into it. ``buffer`` holds host
-        memory (``region`` views it)."""
-        rank, count, dtype, desc = transport.rank, self.count, ctx.dtype, ctx.desc
-        nbytes = count * dtype.itemsize
+        """Post ``buffer``'s values under ``header`` (this rank's, packed) and take the
+        peers' posts into it. ``buffer`` holds host memory (``region`` views it)."""
+        count, dtype = self.count, ctx.dtype
         data = buffer.region(0, count)
         started = time.perf_counter() if trace is not None else 0.0
-        transport.post(desc.outgoing(rank, rank, 0, nbytes), data if count else None,
-                       ctx.deadline, ctx.name)
+        transport.post(header, data if count else None, ctx.deadline, ctx.name)
         if trace is not None:
-            started = self._traced(trace, 0, started, rank, ctx)
+            started = self._traced(trace, 0, started, transport.rank, ctx)
         for index, (peer, reduces, final) in enumerate(self.takes, 1):
-            payload = transport.take(peer, desc.incoming(peer, 0, nbytes), ctx.deadline,
-                                     ctx.name).view(dtype)
+            payload = transport.take(peer, header, dtype, count, ctx.deadline, ctx.name)
             if reduces:
                 assert ctx.reduce is not None
                 buffer.reduce_into(data, data, payload, ctx.reduce,
@@ -271,7 +268,7 @@ class BoardProgram:
             elif count:
                 buffer.copy(data, payload)
             if trace is not None:
-                started = self._traced(trace, index, started, rank, ctx)
+                started = self._traced(trace, index, started, transport.rank, ctx)
 
     def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
                 ctx: OpContext) -> float:
@@ -287,12 +284,17 @@ def run_board(
     transport: Transport,
     ctx: OpContext,
     trace: list[TraceEvent] | None = None,
+    header: bytes | None = None,
 ) -> None:
-    """Execute a board schedule's ``program`` on ``buffer``."""
+    """Execute a board schedule's ``program`` on ``buffer``; ``header`` is this rank's
+    post's, packed (default: made from ``ctx``'s descriptor)."""
     schedule = program.schedule
+    if header is None:
+        rank = transport.rank
+        header = ctx.desc.outgoing(rank, rank, 0, program.count * ctx.dtype.itemsize).pack()
     buffer.before_op()
     try:
-        program.run(transport, buffer, ctx, trace)
+        program.run(transport, buffer, header, ctx, trace)
     except CommTimeout as err:
         raise CommTimeout(
             f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "

@@ -142,32 +142,36 @@ class Transport:
             return None
 
     # ---------------------------------------------------------------- the shared board
-    def post(self, header: Header, payload: np.ndarray | None, deadline: float,
+    def post(self, header: bytes, payload: np.ndarray | None, deadline: float,
              op: str) -> None:
-        """Put this rank's part of a board op (``header``, ``payload`` or None) on the
-        board, once every peer has made the post before (they may still read the slot this
-        one overwrites: a rank runs at most one board op ahead of the slowest)."""
+        """Put this rank's part of a board op (its ``header``, packed, and ``payload`` or
+        None) on the board, once every peer has made the post before (they may still read
+        the slot this one overwrites: a rank runs at most one board op ahead of the
+        slowest)."""
         board = self.board
         assert board is not None, "post needs a transport with a board"
         behind = board.behind()
         if behind:
-            wait = Wait(op, deadline, header)
+            wait = Wait(op, deadline, Header.unpack(header))
             for peer in behind:
                 self._board_wait(peer, board.number, wait)
-        board.post(header.pack(), payload)
+        board.post(header, payload)
         self._posted()
 
-    def take(self, peer: int, expected: Header, deadline: float, op: str) -> np.ndarray:
-        """``peer``'s payload of the current board op (bytes, in place, valid until this
-        rank's next op), once it is posted and its header is ``expected``."""
+    def take(self, peer: int, header: bytes, dtype: np.dtype, count: int, deadline: float,
+             op: str) -> np.ndarray:
+        """``peer``'s payload of the current board op, ``count`` elements of ``dtype`` in
+        place (valid until this rank's next op), once it is posted with this rank's own
+        ``header`` (packed; every rank's post of an op carries the same but the sender)."""
         board = self.board
         assert board is not None, "take needs a transport with a board"
         if board.posted(peer) < board.number:
+            expected = Header.unpack(header)._replace(sender=peer)
             self._board_wait(peer, board.number, Wait(op, deadline, expected))
-        got = board.header(peer)
-        if got != expected:
-            check(expected, got, rank=self.rank, op=op)
-        return board.payload(peer, expected.nbytes)
+        if not board.matches(peer, header):
+            check(Header.unpack(header)._replace(sender=peer), board.header(peer),
+                  rank=self.rank, op=op)
+        return board.payload(peer, dtype, count)
 
     def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
         """Return once ``peer`` has made ``number`` posts; raise as a receive would (the

@@ -15,8 +15,9 @@ all ranks run the same ops in the same order, so their ``k`` agree):
   into its slot ``k % 2``, then stores ``k`` as its ``posted`` count. Stores become visible
   in program order (x86's TSO, ``shm_ring.stores_in_order``), so a reader that sees
   ``posted >= k`` sees the slot filled;
-- a reader waits until the poster's ``posted >= k``, compares the header with what it
-  expects (``DesyncError`` naming both ranks otherwise) and reads the payload in place;
+- a reader waits until the poster's ``posted >= k``, compares the header with its own
+  (every rank's post of an op carries the same header but for the sender; ``DesyncError``
+  naming both ranks and what differs otherwise) and reads the payload in place;
 - each rank has two slots, so a rank may run one op ahead of the slowest: it writes slot
   ``k % 2`` again at post ``k + 2`` only once every peer has posted ``k + 1``, which each
   does only after it has finished reading post ``k``.
@@ -46,6 +47,9 @@ _LINE = 64
 _SLOT = _LINE + SLOT_BYTES
 _RANK_BYTES = _LINE + 2 * _SLOT
 _WORD = struct.Struct("<Q")
+# the header's sender field, the one part of it that differs between the ranks' posts
+_SENDER = slice(28, 32)
+_BEFORE_SENDER, _AFTER_SENDER = slice(0, _SENDER.start), slice(_SENDER.stop, HEADER_SIZE)
 
 
 def size(world_size: int) -> int:
@@ -75,6 +79,8 @@ class Board:
         self.world_size = world_size
         self.number = 0  # posts this rank has made: the board op it is in
         self._mine = rank * _RANK_BYTES
+        self._peers = [peer for peer in range(world_size) if peer != rank]
+        self._typed: dict[tuple[np.dtype, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
     def posted(self, peer: int) -> int:
         """How many posts ``peer`` has made."""
@@ -83,8 +89,11 @@ class Board:
     def behind(self) -> list[int]:
         """The peers that have not yet made this rank's last post: a new post would
         overwrite the slot they may still be reading."""
-        return [peer for peer in range(self.world_size)
-                if peer != self.rank and self.posted(peer) < self.number]
+        number, posted = self.number, self.posted
+        for peer in self._peers:  # the common case (none) without building a list
+            if posted(peer) < number:
+                return [p for p in self._peers if posted(p) < number]
+        return []
 
     def post(self, header: bytes, payload: np.ndarray | None) -> None:
         """Make the next post: ``header`` (packed) and ``payload`` (at most ``SLOT_BYTES``;
@@ -105,11 +114,32 @@ class Board:
         once it has made it."""
         return Header.unpack_from(self._mem, self._slot(peer, number))
 
-    def payload(self, peer: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` of ``peer``'s payload of the current op, in place (valid until the
-        next op)."""
-        at = self._slot(peer) + _LINE
-        return self._bytes[at: at + nbytes]
+    def matches(self, peer: int, header: bytes) -> bool:
+        """Whether ``peer``'s post of the current op carries ``header`` (packed), its sender
+        aside: two slices compared, where unpacking and comparing takes several times as
+        long on every take."""
+        mem, at = self._mem, self._slot(peer)
+        return (mem[at: at + _SENDER.start] == header[_BEFORE_SENDER]
+                and mem[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
+
+    def payload(self, peer: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``peer``'s payload of the current op as ``count`` elements of ``dtype``, in place
+        (valid until the next op). The views are made once per dtype and count."""
+        views = self._typed.get((dtype, count))
+        if views is None:
+            nbytes = count * dtype.itemsize
+            if nbytes > SLOT_BYTES:
+                raise ValueError(f"a board post holds at most {SLOT_BYTES} B, got {nbytes} B")
+
+            def of(parity: int) -> list[np.ndarray]:
+                starts = (p * _RANK_BYTES + _LINE + parity * _SLOT + _LINE
+                          for p in range(self.world_size))
+                return [self._bytes[at: at + nbytes].view(dtype) for at in starts]
+
+            views = self._typed[(dtype, count)] = (of(0), of(1))
+            if len(self._typed) > 64:  # many sizes: keep the latest
+                del self._typed[next(iter(self._typed))]
+        return views[self.number % 2][peer]
 
     def _slot(self, peer: int, number: int | None = None) -> int:
         parity = (self.number if number is None else number) % 2

@@ -41,7 +41,6 @@ class OpKind(IntEnum):
     ALLTOALL = 8
     BARRIER = 9
     P2P = 10  # send/recv: their own stream, numbered per pair of ranks
-    WAKE = 253  # a post on the shared board wakes a rank asleep waiting for it (control plane)
     PROBE = 254  # a stalled receive asks which op the peer is in (control plane only)
     ABORT = 255  # a rank failed; the payload is its error message
 

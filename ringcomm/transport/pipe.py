@@ -110,6 +110,49 @@ class PipeReader:
             os.close(self.fd)
 
 
+class Doorbell:
+    """A FIFO that wakes its owner, asleep in ``poll``: any peer ``ring``s it by writing a
+    byte, and the owner ``drain``s it once awake. The bytes mean nothing, so a write that
+    finds the pipe full (the owner has a byte waiting already) is dropped."""
+
+    def __init__(self, path: str) -> None:
+        os.mkfifo(path, 0o600)
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def drain(self) -> bool:
+        """Read what was rung; False once every peer has closed its end (end-of-file:
+        nothing will ring again)."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 4096)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def open_doorbell(path: str) -> int:
+    """A peer's doorbell at ``path``, for ``ring`` (it must be open at its owner's end)."""
+    return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+
+
+def ring(fd: int) -> None:
+    """Ring a doorbell opened with ``open_doorbell``; never blocks (a full pipe has rung
+    already, a closed one has nobody left to wake)."""
+    with contextlib.suppress(BlockingIOError, BrokenPipeError):
+        os.write(fd, b"\0")
+
+
 class PipeWriter:
     """The sending end of a peer's FIFO. ``write`` never blocks: what the pipe cannot take
     now goes to ``flusher``. Raises BrokenPipeError once the reader is gone."""

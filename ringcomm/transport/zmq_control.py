@@ -56,19 +56,12 @@ class ZmqControl(ControlPlane):
         probe = Header.control(OpKind.PROBE, expected.seq, self.rank)
         self._to(peer).send_multipart((probe.pack(), expected.pack() + op.encode()))
 
-    def wake(self, peer: int) -> None:
-        """Wake ``peer``, asleep waiting for a post on the shared board."""
-        self._to(peer).send_multipart((Header.control(OpKind.WAKE, 0, self.rank).pack(), b""))
-
     def handle(self, wait: Wait) -> None:
         """Read one notice. An abort raises RemoteError; a probe from a rank that waits in
         the same op as this one (same sequence number) but sees it differently raises
-        DesyncError; other probes, and wake-ups (their work is done once read), are fine
-        and dropped."""
+        DesyncError; other probes are fine and dropped."""
         header = Header.unpack(self.socket.recv())
         payload = self.socket.recv()
-        if header.kind == OpKind.WAKE:
-            return
         if header.kind != OpKind.PROBE:
             raise remote_error(header, payload, self.rank, wait.op)
         mine = wait.expected

@@ -12,7 +12,8 @@ Why this shape:
   on one rank wakes every rank that waits.
 - Where every rank of the group shares this host and offers shared memory, the group also
   gets a shared ``board`` for small collectives (``RINGCOMM_BOARD=0`` declines it): made by
-  rank 0, mapped by the others, used only if every rank has it.
+  rank 0, mapped by the others, used only if every rank has it. Each rank then also has a
+  doorbell (a FIFO) that a rank posting on the board rings if it sleeps.
 
 Set-up goes through the store: knowing from the caller which ranks share its host (the
 host identities gathered at init), every rank binds one receiving socket per peer and a
@@ -39,7 +40,7 @@ from .base import Transport
 from .files import TransportFiles, ipc_base, sweep_litter
 from .link import Link, Wait
 from .local_link import LocalLink
-from .pipe import Flusher, PipeReader
+from .pipe import Doorbell, Flusher, PipeReader, open_doorbell, ring
 from .socket_link import SocketLink
 from .zmq_control import STALL_PROBE_S, ZmqControl
 
@@ -161,6 +162,8 @@ class ZmqTransport(Transport):
         self._unused_pipes: dict[int, PipeReader] = {}  # made for peers, no link yet
         self._board_poller = zmq.Poller()  # what a board wait watches (``_watch_poller``)
         self._pipe_peer: dict[int, int] = {}  # a pipe's file descriptor -> the peer at its end
+        self._bell: Doorbell | None = None  # ours, rung by a peer that posts while we sleep
+        self._bells: dict[int, int] = {}  # peer -> its doorbell, open for writing
         control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
         super().__init__(rank, world_size, [None] * world_size, control)
         sweep_litter()
@@ -228,6 +231,9 @@ class ZmqTransport(Transport):
         # The board: offered where every peer is local with shared memory; rank 0 makes it
         # and publishes its name, and it is used if every rank offers and maps it.
         offer = bool(capacity) and len(local) == n - 1 and board.wanted()
+        if offer:
+            assert ipc_dir is not None  # there are local peers
+            self._bell = Doorbell(f"{ipc_dir}/board-bell")
         board_name, board_memory = "-", None
         if offer and me == 0:
             board_name = f"ringcomm-{token}-board"
@@ -246,6 +252,7 @@ class ZmqTransport(Transport):
         store.wait(ep_keys, timeout)
         links: list[Link | None] = [None] * n
         offers = [offer] * n
+        peer_dirs: dict[int, str] = {}
         for peer in range(n):
             if peer == me:
                 continue
@@ -272,7 +279,7 @@ class ZmqTransport(Transport):
                 # ours until the reader maps it; theirs is not needed once we stop reading
                 self._files.shm_paths += [os.path.join(shm_ring.SHM_DIR, name)
                                           for name in (ring_out, ring_in, mailbox_in)]
-                their_dir = theirs[me][len("ipc://"):].rsplit("/", 1)[0]
+                their_dir = peer_dirs[peer] = theirs[me][len("ipc://"):].rsplit("/", 1)[0]
                 links[peer] = LocalLink(
                     me, peer, self.control, self.spin_s, pipe_in=pipes_in.pop(peer),
                     pipe_out_path=f"{their_dir}/pipe-from-{me}", flusher=self._flusher,
@@ -304,11 +311,16 @@ class ZmqTransport(Transport):
                 link.opened()
             if board_memory is not None:
                 if all(store.get(key) == b"open board" for key in pipe_keys):
+                    self._bells = {peer: open_doorbell(f"{where}/board-bell")
+                                   for peer, where in peer_dirs.items()}
                     self.board = board.Board(board_memory, me, n)
                     self._board_poller = self._watch_poller(local_links)
                 if me == 0:  # every rank has mapped it, or will not: the name goes
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(shm_ring.SHM_DIR, board_name))
+            if self.board is None and self._bell is not None:
+                self._bell.close()
+                self._bell = None
 
     # ------------------------------------------------------------------ the board
     def _watch_poller(self, links: list[LocalLink]) -> zmq.Poller:
@@ -316,6 +328,8 @@ class ZmqTransport(Transport):
         or end-of-file, the wait then looks at)."""
         poller = zmq.Poller()
         poller.register(self.control.socket, zmq.POLLIN)
+        assert self._bell is not None  # a rank with a board has a doorbell
+        poller.register(self._bell.fd, zmq.POLLIN)
         for link in links:
             poller.register(link.pipe_in.fd, zmq.POLLIN)
             self._pipe_peer[link.pipe_in.fd] = link.peer
@@ -323,8 +337,8 @@ class ZmqTransport(Transport):
 
     def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
         """Spin (yielding the CPU on every turn) for ``spin_s``, then sleep in ``poll`` until
-        a poster wakes this rank; look at the links and the control plane every few turns
-        meanwhile, and ask the peer which op it is in after ``STALL_PROBE_S``."""
+        a poster rings this rank's doorbell; look at the links and the control plane every
+        few turns meanwhile, and ask the peer which op it is in after ``STALL_PROBE_S``."""
         posted, control = self.board.posted, self.control  # type: ignore[union-attr]
         started = time.monotonic()
         spin_until, probe_at = started + self.spin_s, started + STALL_PROBE_S
@@ -365,14 +379,18 @@ class ZmqTransport(Transport):
         notices on the control plane, and whatever a peer's pipe holds (``_screen``).
         Returns True if the post has come meanwhile (then nothing else matters: a peer that
         has posted and gone on may have closed its pipes already)."""
-        board_ = self.board
-        assert board_ is not None
+        board_, bell = self.board, self._bell
+        assert board_ is not None and bell is not None
         control = self.control.socket
         for what, _ in events:
             if board_.posted(peer) >= number:
                 return True
             if what is control:
                 self.control.handle(wait)
+                continue
+            if what == bell.fd:
+                if not bell.drain():  # every peer has closed: the pipes say why
+                    self._board_poller.unregister(bell.fd)
                 continue
             try:
                 self._screen(self._pipe_peer[what], wait)
@@ -386,9 +404,9 @@ class ZmqTransport(Transport):
         board_ = self.board
         assert board_ is not None
         shm_ring.fence()  # the count is stored before any flag is read
-        for peer in range(self.world_size):
-            if peer != self.rank and board_.sleeping(peer):
-                self.control.wake(peer)
+        for peer, bell in self._bells.items():
+            if board_.sleeping(peer):
+                ring(bell)
 
     # ------------------------------------------------------------------ teardown
     def _close(self) -> None:
@@ -403,6 +421,11 @@ class ZmqTransport(Transport):
                 link.close()
             for pipe in self._unused_pipes.values():
                 pipe.close()
+            for fd in self._bells.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if self._bell is not None:
+                self._bell.close()
             for pull, monitor in self._monitors:
                 with contextlib.suppress(zmq.ZMQError):
                     pull.disable_monitor()
