@@ -297,8 +297,11 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
 
     ``writable``: the op writes results into ``x``. ``reads``: the op reads the values ``x``
     holds (False for an output the op only fills, which a device kind then does not copy
-    in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``.
+    in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``. A
+    ``Buffer`` already made (by a layer above that has checked its array) is taken as it is.
     """
+    if isinstance(x, Buffer):
+        return x
     if not (reads or writable):
         raise ValueError("a buffer that the op neither reads nor writes has no use")
     for kind in _KINDS:

@@ -37,6 +37,7 @@ from torch.distributed import ReduceOp
 
 from ..bootstrap.rendezvous import _reachable_host, init
 from ..bootstrap.store import TorchStore
+from ..core.arrays import HostBuffer
 from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
 from ..runtime.work import Work as CommWork
@@ -51,6 +52,8 @@ _CORE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 }
+# the core dtypes numpy has: a tensor of one is viewed by ``Tensor.numpy`` as it is
+_NUMPY_DTYPES = _CORE_DTYPES - {torch.bfloat16}
 _OPS = {
     ReduceOp.SUM: "sum",
     ReduceOp.AVG: "avg",
@@ -472,7 +475,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
             if (t.is_cpu and t.dtype in _CORE_DTYPES and t.layout == torch.strided
                     and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
-                return self._now("allreduce", self.comm.allreduce, tensors, t, op)
+                x: Any = t
+                if t.dtype in _NUMPY_DTYPES and not t.requires_grad:  # checked just above
+                    x = HostBuffer(t.numpy().reshape(-1) if t.dim() != 1 else t.numpy(),
+                                   "tensor")
+                return self._now("allreduce", self.comm.allreduce, tensors, x, op)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         stage = _Staging()
