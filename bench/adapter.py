@@ -26,20 +26,25 @@ def allreduce(comm: Any, x: Any, op: str, algorithm: str | None) -> Any:
     return comm.allreduce(x, op=op, algorithm=algorithm)
 
 
-def chosen_algorithm(world_size: int, nbytes: int, itemsize: int, segment_bytes: int) -> str:
-    """The allreduce algorithm the communicator picks by itself for this call."""
-    return cost.choose("allreduce", world_size, nbytes, itemsize, segment_bytes=segment_bytes)
+def chosen_algorithm(comm: Any, nbytes: int, itemsize: int) -> str:
+    """The allreduce algorithm ``comm`` picks by itself for this call (the shared board for
+    what fits it, where the group has one; else the cost model's choice)."""
+    return comm.allreduce_algorithm(nbytes, itemsize)
 
 
 def predicted_seconds(collective: str, algorithm: str | None, world_size: int, nbytes: int,
                       itemsize: int, segment_bytes: int) -> float | None:
     """Cost-model time of one call; ``nbytes`` is the nccl-tests size (see ``sweep``).
 
-    None where there is nothing to predict (an empty message)."""
+    None where there is nothing to predict (an empty message, or the shared board, which the
+    model does not cover: it is taken for what fits it, not chosen by cost)."""
     if nbytes == 0:
         return None
     if collective == "allreduce":
-        algorithm = algorithm or chosen_algorithm(world_size, nbytes, itemsize, segment_bytes)
+        algorithm = algorithm or cost.choose("allreduce", world_size, nbytes, itemsize,
+                                             segment_bytes=segment_bytes)
+        if algorithm == "board":
+            return None
         return cost.predict("allreduce", algorithm, world_size, nbytes, itemsize,
                             segment_bytes=segment_bytes)
     return _replayed(collective, world_size, nbytes // itemsize, itemsize, segment_bytes)

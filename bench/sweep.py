@@ -489,8 +489,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
                                                             size, itemsize)
         elif ours:
             if collective == "allreduce":
-                chosen = b.algorithm or adapter.chosen_algorithm(world, size, itemsize,
-                                                                 comm.segment_bytes)
+                chosen = b.algorithm or adapter.chosen_algorithm(comm, size, itemsize)
             predicted = adapter.predicted_seconds(collective, chosen, world, size, itemsize,
                                                   comm.segment_bytes)
         rows.append({
