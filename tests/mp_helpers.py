@@ -844,6 +844,11 @@ def job_board(rank: int, world: int, store: str, transport: str,
                         np.max([values(r, n // 8, salt) for r in range(world)], axis=0))):
                     wrong.append(f"max of a tensor, {n} B, round {salt}")
             comm.barrier()
+            for root in range(world):
+                b = np.full(5, float(rank))
+                comm.broadcast(b, root=root)
+                if not np.array_equal(b, np.full(5, float(root))):
+                    wrong.append(f"broadcast from {root}, round {salt}")
             # a message between two board ops, taken after them
             if rank == 1:
                 comm.send(np.full(5, 7.0 + salt), dst=0)

@@ -62,6 +62,41 @@ def test_every_rank_gets_the_reference_bits_for_every_op_and_dtype(world):
         assert {e.algorithm for e in trace} == {"board"}
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_broadcast_on_the_board_gives_every_rank_the_roots_values(world):
+    def fn(comm):
+        out = []
+        for root in range(comm.world_size):
+            for dtype in (np.float64, ml_dtypes.bfloat16, np.int8):
+                x = _inputs(comm.world_size, 19, dtype)[comm.rank].copy()
+                comm.broadcast(x, root=root)
+                out.append(x)
+        return out
+
+    trace = []
+    results = run_group(world, fn, board=True, trace=trace)
+    for r in range(world):
+        i = 0
+        for root in range(world):
+            for dtype in (np.float64, ml_dtypes.bfloat16, np.int8):
+                want = _inputs(world, 19, dtype)[root]
+                assert results[r][i].tobytes() == want.tobytes(), (r, root, dtype)
+                i += 1
+    if world > 1:
+        assert {e.algorithm for e in trace} == {"board"}
+
+
+def test_ranks_that_disagree_about_a_broadcasts_root_find_out_in_the_op():
+    """Both ranks think they are the root: over links each only sends and returns; on the
+    board each checks the other's header."""
+    def fn(comm):
+        comm.broadcast(np.ones(4), root=comm.rank)
+
+    errors = run_group(2, fn, board=True, return_errors=True, timeout=10)
+    assert all(type(e).__name__ in ("DesyncError", "RemoteError") for e in errors), errors
+    assert any("root" in str(e) for e in errors), errors
+
+
 def test_what_fits_goes_on_the_board_and_the_rest_over_links():
     sizes = [SLOT_BYTES // 4, SLOT_BYTES // 4 + 1]  # float32 elements
 

@@ -186,7 +186,8 @@ def test_ringcomm_schedule_lists_every_flat_algorithm_of_the_table(capsys):
     assert list(cli._SCHEDULES) == [
         "allreduce", "allreduce_tree", "allreduce_dbtree", "allreduce_hd", "allreduce_rd",
         "allreduce_board", "reduce_scatter", "allgather", "broadcast", "broadcast_tree",
-        "reduce", "gather", "scatter", "alltoall", "barrier", "barrier_board"]
+        "broadcast_board", "reduce", "gather", "scatter", "alltoall", "barrier",
+        "barrier_board"]
     listed = sum(len([a for a in spec.algorithms if a not in HOST_AWARE])
                  for spec in COLLECTIVES.values())
     assert len(cli._SCHEDULES) == listed

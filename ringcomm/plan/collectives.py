@@ -298,7 +298,10 @@ _TABLE = (
                       rooted.broadcast_chain(r, n, root, c, s)),
             Algorithm("binomial", "binomial tree from the root (small messages)",
                       lambda r, n, c, s, root, **_:
-                      rooted.broadcast_binomial(r, n, root, c), label="tree")),
+                      rooted.broadcast_binomial(r, n, root, c), label="tree"),
+            Algorithm("board", "the root posts on the shared board, every rank takes it and "
+                      "checks every header (one host, small messages)",
+                      lambda r, n, c, s, root, **_: board.broadcast(r, n, root, c))),
         busbw_factor=_same, _reference=_broadcast, _choose=_broadcast_by_size),
     Collective(
         "reduce", OpKind.REDUCE, reduces=True, rooted=True, roles=_DATA,

@@ -371,9 +371,10 @@ class Communicator:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
         self._check_rank(root, "root")
         data = as_buffer(x, name="x", reads=self.rank == root)
+        algorithm = "board" if data.nbytes <= self._board_bytes else None
         return self._submit(_Collective(COLLECTIVES["broadcast"], data.dtype, {"data": data}, x,
-                                        arg=root, count=data.count,
-                                        segment=self.segment_bytes), async_op)
+                                        arg=root, count=data.count, segment=self.segment_bytes,
+                                        algorithm=algorithm), async_op)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:

@@ -226,12 +226,16 @@ def run_schedule(
         buf.after_op()
 
 
+_COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
+
+
 class BoardProgram:
     """A board schedule made ready to run many times: its steps boiled down to what changes
-    between them (which peer's post to take, whether to reduce it, whether that completes
-    the reduction). A small op's whole time goes through ``run``, so it does no more than
-    that: it is the whole of a board op, for the executor and for the communicator's short
-    way alike."""
+    between them (whether this rank's post carries its values; which peer's post to take,
+    and whether to copy it in, reduce it in, or only check its header; whether that
+    completes the reduction). A small op's whole time goes through ``run``, so it does no
+    more than that: it is the whole of a board op, for the executor and for the
+    communicator's short way alike."""
 
     def __init__(self, schedule: Schedule) -> None:
         steps = schedule.steps
@@ -239,33 +243,39 @@ class BoardProgram:
                 s.kind is Kind.POST for s in steps[1:]):
             raise ValueError(f"{schedule.algorithm} {schedule.collective} is not a board "
                              "schedule (one post, then takes)")
+        regions = [r for s in steps for r in (s.src, s.dst) if r is not None]
+        count = max(r.count for r in regions)
+        if any(r.buf != regions[0].buf or r.offset != 0 or r.count not in (0, count)
+               for r in regions):
+            raise ValueError("a board schedule works on one whole buffer (or none of it)")
+        self.schedule = schedule
+        self.buffer = regions[0].buf  # the role of the one buffer it reads and writes
+        self.count = count  # the op's elements: every rank's header says so
         post = steps[0].src
         assert post is not None
-        if any(r.buf != post.buf or r.offset != 0 or r.count != post.count
-               for s in steps for r in (s.src, s.dst) if r is not None):
-            raise ValueError("a board schedule works on one whole buffer")
-        self.schedule = schedule
-        self.buffer = post.buf  # the role of the one buffer it reads and writes
-        self.count = post.count
-        self.takes = tuple((s.peer, s.kind is Kind.TAKE_REDUCE, s.final) for s in steps[1:])
+        self.posts_values = post.count > 0
+        self.takes = tuple(
+            (s.peer, _CHECK if s.dst is None or not s.dst.count else
+             _REDUCE if s.kind is Kind.TAKE_REDUCE else _COPY, s.final) for s in steps[1:])
 
     def run(self, transport: Transport, buffer: Buffer, header: bytes, ctx: OpContext,
             trace: list[TraceEvent] | None = None) -> None:
-        """Post ``buffer``'s values under ``header`` (this rank's, packed) and take the
-        peers' posts into it. ``buffer`` holds host memory (``region`` views it)."""
+        """Post under ``header`` (this rank's, packed) ``buffer``'s values, where this rank
+        has values to give, and take the peers' posts into it. ``buffer`` holds host memory
+        (``region`` views it)."""
         count, dtype = self.count, ctx.dtype
         data = buffer.region(0, count)
         started = time.perf_counter() if trace is not None else 0.0
-        transport.post(header, data if count else None, ctx.deadline, ctx.name)
+        transport.post(header, data if self.posts_values else None, ctx.deadline, ctx.name)
         if trace is not None:
             started = self._traced(trace, 0, started, transport.rank, ctx)
-        for index, (peer, reduces, final) in enumerate(self.takes, 1):
+        for index, (peer, does, final) in enumerate(self.takes, 1):
             payload = transport.take(peer, header, dtype, count, ctx.deadline, ctx.name)
-            if reduces:
+            if does is _REDUCE:
                 assert ctx.reduce is not None
                 buffer.reduce_into(data, data, payload, ctx.reduce,
                                    transport.world_size if final else 1)
-            elif count:
+            elif does is _COPY:
                 buffer.copy(data, payload)
             if trace is not None:
                 started = self._traced(trace, index, started, transport.rank, ctx)
@@ -289,7 +299,7 @@ def run_board(
     """Execute a board schedule's ``program`` on ``buffer``; ``header`` is this rank's
     post's, packed (default: made from ``ctx``'s descriptor)."""
     schedule = program.schedule
-    if header is None:
+    if header is None:  # the op's whole vector, whatever this rank posts of it
         rank = transport.rank
         header = ctx.desc.outgoing(rank, rank, 0, program.count * ctx.dtype.itemsize).pack()
     buffer.before_op()

@@ -12,6 +12,11 @@ fold in the other of the two (the ops are commutative: ``x1 op x0`` is ``x0 op x
 other rank starts from a copy of rank 0's part and folds in the rest, its own part from the
 board, where it is the same as in its buffer.
 
+*Broadcast*: the root posts its vector, every other rank posts its header alone; each rank
+takes the root's post (copying it in) and checks every other rank's header, so that ranks
+that disagree about the root (or the size) find out in the op itself, where a root that only
+sends over links cannot.
+
 *Barrier*: every rank posts nothing and takes every other's post: none leaves before all
 have arrived.
 """
@@ -40,6 +45,20 @@ def allreduce(rank: int, world_size: int, count: int) -> Schedule:
         steps.take_reduce(peer, data, data, final=i == len(parts) - 1, phase="fold",
                           round=i + 1)
     return steps.build("allreduce", "board", rank, world_size)
+
+
+@lru_cache(maxsize=512)
+def broadcast(rank: int, world_size: int, root: int, count: int) -> Schedule:
+    """Root's ``data`` (``count`` elements) into every rank's ``data`` through the board."""
+    steps = StepList()
+    data, nothing = Region(DATA, 0, count), Region(DATA, 0, 0)
+    steps.post(data if rank == root else nothing, phase="post")
+    for peer in range(world_size):
+        if peer == root and rank != root:
+            steps.take(peer, data, phase="copy")
+        elif peer != rank:
+            steps.take(peer, nothing, phase="check")
+    return steps.build("broadcast", "board", rank, world_size)
 
 
 @lru_cache(maxsize=64)
