@@ -42,7 +42,7 @@ from ..transport.base import SendHandle, Transport
 from ..transport.header import Header, OpDescriptor
 
 
-@dataclass
+@dataclass(slots=True)  # made once per op
 class OpContext:
     """One op as it runs: its descriptor (what goes into every header), its name for
     errors, its buffers' dtype and reduction, and its deadline."""

@@ -74,6 +74,7 @@ class Board:
             raise ValueError(f"a board of {world_size} ranks needs {size(world_size)} B, "
                              f"got {len(memory)} B")
         self._mem = memoryview(memory).cast("B")
+        self._raw = memory  # slicing an mmap or a bytearray copies out bytes, cheaply
         self._bytes = np.frombuffer(memory, np.uint8)  # not of _mem: that one is released
         self.rank = rank
         self.world_size = world_size
@@ -102,10 +103,8 @@ class Board:
         at = self._mine + _LINE + (number % 2) * _SLOT
         self._mem[at: at + HEADER_SIZE] = header
         if payload is not None:
-            data = payload.reshape(-1).view(np.uint8)
-            if data.size > SLOT_BYTES:
-                raise ValueError(f"a board post holds at most {SLOT_BYTES} B, got {data.size}")
-            self._bytes[at + _LINE: at + _LINE + data.size] = data
+            values = payload if payload.ndim == 1 else payload.reshape(-1)
+            self._views(values.dtype, values.size)[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
 
@@ -116,15 +115,20 @@ class Board:
 
     def matches(self, peer: int, header: bytes) -> bool:
         """Whether ``peer``'s post of the current op carries ``header`` (packed), its sender
-        aside: two slices compared, where unpacking and comparing takes several times as
-        long on every take."""
-        mem, at = self._mem, self._slot(peer)
-        return (mem[at: at + _SENDER.start] == header[_BEFORE_SENDER]
-                and mem[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
+        aside: two slices of bytes compared, where unpacking and comparing takes several
+        times as long on every take."""
+        raw, at = self._raw, self._slot(peer)
+        return (raw[at: at + _SENDER.start] == header[_BEFORE_SENDER]
+                and raw[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
 
     def payload(self, peer: int, dtype: np.dtype, count: int) -> np.ndarray:
         """``peer``'s payload of the current op as ``count`` elements of ``dtype``, in place
-        (valid until the next op). The views are made once per dtype and count."""
+        (valid until the next op)."""
+        return self._views(dtype, count)[self.number % 2][peer]
+
+    def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Every rank's payload as ``count`` elements of ``dtype``, for each parity of post
+        numbers: made once per dtype and count."""
         views = self._typed.get((dtype, count))
         if views is None:
             nbytes = count * dtype.itemsize
@@ -139,7 +143,7 @@ class Board:
             views = self._typed[(dtype, count)] = (of(0), of(1))
             if len(self._typed) > 64:  # many sizes: keep the latest
                 del self._typed[next(iter(self._typed))]
-        return views[self.number % 2][peer]
+        return views
 
     def _slot(self, peer: int, number: int | None = None) -> int:
         parity = (self.number if number is None else number) % 2
@@ -160,5 +164,6 @@ class Board:
 
     def close(self) -> None:
         """Let go of the memory (a closed board is not used again)."""
-        self._bytes = None  # type: ignore[assignment]
+        self._bytes = self._raw = None  # type: ignore[assignment]
+        self._typed.clear()
         self._mem.release()
