@@ -844,6 +844,10 @@ def job_board(rank: int, world: int, store: str, transport: str,
                         np.max([values(r, n // 8, salt) for r in range(world)], axis=0))):
                     wrong.append(f"max of a tensor, {n} B, round {salt}")
             comm.barrier()
+            blocks = np.zeros(3 * world)
+            comm.allgather(blocks, np.full(3, float(rank + salt)))
+            if not np.array_equal(blocks, np.repeat(np.arange(world) + float(salt), 3)):
+                wrong.append(f"allgather, round {salt}")
             for root in range(world):
                 b = np.full(5, float(rank))
                 comm.broadcast(b, root=root)

@@ -86,6 +86,26 @@ def test_a_broadcast_on_the_board_gives_every_rank_the_roots_values(world):
         assert {e.algorithm for e in trace} == {"board"}
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_an_allgather_on_the_board_puts_every_block_in_its_place(world):
+    def fn(comm):
+        out = []
+        for dtype in (np.float32, np.complex128, np.uint8):
+            x = _inputs(comm.world_size, 7, dtype)[comm.rank]
+            got = np.zeros(7 * comm.world_size, dtype)
+            comm.allgather(got, x)
+            out.append(got)
+        return out
+
+    trace = []
+    results = run_group(world, fn, board=True, trace=trace)
+    for i, dtype in enumerate((np.float32, np.complex128, np.uint8)):
+        want = np.concatenate(_inputs(world, 7, dtype))
+        assert all(results[r][i].tobytes() == want.tobytes() for r in range(world)), dtype
+    if world > 1:
+        assert {e.algorithm for e in trace} == {"board"}
+
+
 def test_ranks_that_disagree_about_a_broadcasts_root_find_out_in_the_op():
     """Both ranks think they are the root: over links each only sends and returns; on the
     board each checks the other's header."""

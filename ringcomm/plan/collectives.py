@@ -286,9 +286,12 @@ _TABLE = (
     Collective(
         "allgather", OpKind.ALLGATHER, reduces=False, rooted=False,
         roles=(Role("input"), Role("output", world_blocks=True)),
-        algorithms=_algorithms(Algorithm(
-            "ring", "ring all-gather (count per rank)",
-            lambda r, n, c, s, **_: ring.allgather(r, n, (c,) * n, s))),
+        algorithms=_algorithms(
+            Algorithm("ring", "ring all-gather (count per rank)",
+                      lambda r, n, c, s, **_: ring.allgather(r, n, (c,) * n, s)),
+            Algorithm("board", "every rank posts its block on the shared board and takes "
+                      "everyone's (one host, small messages)",
+                      lambda r, n, c, s, **_: board.allgather(r, n, c))),
         busbw_factor=_spread, _reference=_allgather),
     Collective(
         "broadcast", OpKind.BROADCAST, reduces=False, rooted=True, roles=_DATA,

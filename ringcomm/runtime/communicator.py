@@ -55,7 +55,9 @@ from ..schedules import board as board_schedules
 from ..transport import board
 from ..transport.base import Transport
 from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .executor import BoardProgram, OpContext, TraceEvent, board_program, run_board, run_schedule
+from .board_program import BoardProgram, board_program, run_board
+from .context import OpContext, TraceEvent
+from .executor import run_schedule
 from .p2p import P2PEngine, P2POp
 from .work import Work
 
@@ -340,7 +342,7 @@ class Communicator:
             return True
         name = f"allreduce #{seq}"
         try:
-            run_board(plan.program, data, self.transport,
+            run_board(plan.program, {"data": data}, self.transport,
                       OpContext(plan.desc, name, data.dtype, time.monotonic() + self.timeout,
                                 plan.reduce), header=plan.header_of(seq))
         except CommError as err:
@@ -393,9 +395,10 @@ class Communicator:
         result = as_buffer(out, name="out", reads=False)
         self._check_same_dtype(result, data, "out", "x")
         self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
+        algorithm = "board" if data.nbytes <= self._board_bytes else None
         return self._submit(_Collective(
             COLLECTIVES["allgather"], data.dtype, {"input": data, "output": result}, out,
-            count=data.count, segment=self.segment_bytes), async_op)
+            count=data.count, segment=self.segment_bytes, algorithm=algorithm), async_op)
 
     @_names_bad_input
     def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,

@@ -8,8 +8,8 @@ that reads overlapping memory, and before the op returns it waits for all of the
 caller may then reuse its buffers at once. Independent receives from several peers (an
 all-to-all's blocks) are taken in the order their messages arrive.
 
-Board steps (ranks of one host) post a region on the transport's shared board and take
-peers' posts from it, in place: the header of a post is checked like a message's.
+A schedule of board steps (ranks of one host) goes to ``board_program``, which runs it on
+the transport's shared board.
 
 A fused receive-reduce-send asks the transport for the outgoing buffer first (shared
 memory, where it has some) and reduces into it, so a partial sum is written once instead of
@@ -30,42 +30,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.arrays import Buffer
-from ..core.dtypes import ReduceOp
 from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport
-from ..transport.header import Header, OpDescriptor
+from ..transport.header import Header
+from .board_program import board_program, run_board
+from .context import OpContext, TraceEvent
 
-
-@dataclass(slots=True)  # made once per op
-class OpContext:
-    """One op as it runs: its descriptor (what goes into every header), its name for
-    errors, its buffers' dtype and reduction, and its deadline."""
-
-    desc: OpDescriptor
-    name: str
-    dtype: np.dtype
-    deadline: float
-    reduce: ReduceOp | None = None
-
-
-@dataclass(slots=True)
-class TraceEvent:
-    """One executed step, for timelines: when it started and ended (``time.perf_counter``),
-    in which op, run by which algorithm (so a trace shows every automatic choice)."""
-
-    rank: int
-    index: int
-    step: Step
-    start: float
-    end: float
-    op: str = ""
-    algorithm: str = ""
+__all__ = ["OpContext", "TraceEvent", "run_schedule"]
 
 
 class _PendingSends:
@@ -111,8 +87,7 @@ def run_schedule(
 ) -> None:
     """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
     if schedule.on_board:
-        program = board_program(schedule)
-        run_board(program, buffers[program.buffer], transport, ctx, trace)
+        run_board(board_program(schedule), buffers, transport, ctx, trace)
         return
     rank, world = transport.rank, transport.world_size
     itemsize = ctx.dtype.itemsize
@@ -224,107 +199,6 @@ def run_schedule(
         ) from None
     for buf in buffers.values():
         buf.after_op()
-
-
-_COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
-
-
-class BoardProgram:
-    """A board schedule made ready to run many times: its steps boiled down to what changes
-    between them (whether this rank's post carries its values; which peer's post to take,
-    and whether to copy it in, reduce it in, or only check its header; whether that
-    completes the reduction). A small op's whole time goes through ``run``, so it does no
-    more than that: it is the whole of a board op, for the executor and for the
-    communicator's short way alike."""
-
-    def __init__(self, schedule: Schedule) -> None:
-        steps = schedule.steps
-        if not schedule.on_board or steps[0].kind is not Kind.POST or any(
-                s.kind is Kind.POST for s in steps[1:]):
-            raise ValueError(f"{schedule.algorithm} {schedule.collective} is not a board "
-                             "schedule (one post, then takes)")
-        regions = [r for s in steps for r in (s.src, s.dst) if r is not None]
-        count = max(r.count for r in regions)
-        if any(r.buf != regions[0].buf or r.offset != 0 or r.count not in (0, count)
-               for r in regions):
-            raise ValueError("a board schedule works on one whole buffer (or none of it)")
-        self.schedule = schedule
-        self.buffer = regions[0].buf  # the role of the one buffer it reads and writes
-        self.count = count  # the op's elements: every rank's header says so
-        post = steps[0].src
-        assert post is not None
-        self.posts_values = post.count > 0
-        self.takes = tuple(
-            (s.peer, _CHECK if s.dst is None or not s.dst.count else
-             _REDUCE if s.kind is Kind.TAKE_REDUCE else _COPY, s.final) for s in steps[1:])
-
-    def run(self, transport: Transport, buffer: Buffer, header: bytes, ctx: OpContext,
-            trace: list[TraceEvent] | None = None) -> None:
-        """Post under ``header`` (this rank's, packed) ``buffer``'s values, where this rank
-        has values to give, and take the peers' posts into it. ``buffer`` holds host memory
-        (``region`` views it)."""
-        count, dtype = self.count, ctx.dtype
-        data = buffer.region(0, count)
-        started = time.perf_counter() if trace is not None else 0.0
-        transport.post(header, data if self.posts_values else None, ctx.deadline, ctx.name)
-        if trace is not None:
-            started = self._traced(trace, 0, started, transport.rank, ctx)
-        for index, (peer, does, final) in enumerate(self.takes, 1):
-            payload = transport.take(peer, header, dtype, count, ctx.deadline, ctx.name)
-            if does is _REDUCE:
-                assert ctx.reduce is not None
-                buffer.reduce_into(data, data, payload, ctx.reduce,
-                                   transport.world_size if final else 1)
-            elif does is _COPY:
-                buffer.copy(data, payload)
-            if trace is not None:
-                started = self._traced(trace, index, started, transport.rank, ctx)
-
-    def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
-                ctx: OpContext) -> float:
-        now = time.perf_counter()
-        trace.append(TraceEvent(rank, index, self.schedule.steps[index], started, now,
-                                ctx.name, self.schedule.algorithm))
-        return now
-
-
-def run_board(
-    program: BoardProgram,
-    buffer: Buffer,
-    transport: Transport,
-    ctx: OpContext,
-    trace: list[TraceEvent] | None = None,
-    header: bytes | None = None,
-) -> None:
-    """Execute a board schedule's ``program`` on ``buffer``; ``header`` is this rank's
-    post's, packed (default: made from ``ctx``'s descriptor)."""
-    schedule = program.schedule
-    if header is None:  # the op's whole vector, whatever this rank posts of it
-        rank = transport.rank
-        header = ctx.desc.outgoing(rank, rank, 0, program.count * ctx.dtype.itemsize).pack()
-    buffer.before_op()
-    try:
-        program.run(transport, buffer, header, ctx, trace)
-    except CommTimeout as err:
-        raise CommTimeout(
-            f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "
-            "Check that every rank runs this op, or raise the timeout.",
-            rank=transport.rank, op=ctx.name, peer=err.peer) from None
-    buffer.after_op()
-
-
-_PROGRAMS: dict[int, tuple[Schedule, BoardProgram]] = {}  # id(schedule) -> (it, its program)
-
-
-def board_program(schedule: Schedule) -> BoardProgram:
-    """The program of a board schedule, made once per schedule (the builders cache their
-    schedules; looked up by identity, as hashing a schedule walks all its steps)."""
-    entry = _PROGRAMS.get(id(schedule))
-    if entry is None or entry[0] is not schedule:
-        if len(_PROGRAMS) >= 1024:
-            _PROGRAMS.clear()
-        entry = _PROGRAMS[id(schedule)] = (schedule, BoardProgram(schedule))
-    return entry[1]
 
 
 def _step_order(steps: tuple[Step, ...], runs: dict[int, int],

@@ -16,7 +16,7 @@ from ..errors import CommError
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
-from .executor import TraceEvent
+from .context import TraceEvent
 
 
 def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:

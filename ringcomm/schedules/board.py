@@ -17,6 +17,9 @@ takes the root's post (copying it in) and checks every other rank's header, so t
 that disagree about the root (or the size) find out in the op itself, where a root that only
 sends over links cannot.
 
+*All-gather*: every rank posts its block and takes every rank's post (its own too) into
+its place in ``output``.
+
 *Barrier*: every rank posts nothing and takes every other's post: none leaves before all
 have arrived.
 """
@@ -59,6 +62,16 @@ def broadcast(rank: int, world_size: int, root: int, count: int) -> Schedule:
         elif peer != rank:
             steps.take(peer, nothing, phase="check")
     return steps.build("broadcast", "board", rank, world_size)
+
+
+@lru_cache(maxsize=512)
+def allgather(rank: int, world_size: int, count: int) -> Schedule:
+    """Every rank's ``input`` (``count`` elements) into block ``rank`` of every ``output``."""
+    steps = StepList()
+    steps.post(Region("input", 0, count), phase="post")
+    for peer in range(world_size):
+        steps.take(peer, Region("output", peer * count, count), phase="gather")
+    return steps.build("allgather", "board", rank, world_size)
 
 
 @lru_cache(maxsize=64)
