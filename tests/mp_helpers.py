@@ -637,7 +637,9 @@ def job_lifecycle(rank: int, world: int, store: str, stores: list, transport: st
         if transport == "ipc":
             assert ipc_dir and os.path.isdir(ipc_dir), ipc_dir
             assert os.path.dirname(ipc_dir) == IPC_BASE, ipc_dir
-            assert len(os.listdir(ipc_dir)) == world, os.listdir(ipc_dir)
+            # a socket per peer and the control socket, and the shared board's doorbell
+            assert sorted(os.listdir(ipc_dir)) == sorted(
+                [str(r) for r in range(world)] + ["board-bell"]), os.listdir(ipc_dir)
         else:
             assert ipc_dir is None
         assert _ringcomm_threads() != base_threads
