@@ -36,13 +36,30 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
 
 
-class PipeReader:
-    """The receiving end: creates the FIFO at ``path`` and opens it without blocking."""
+class _FifoEnd:
+    """The reading end of a FIFO this rank owns: made at ``path``, opened without blocking."""
 
     def __init__(self, path: str) -> None:
         os.mkfifo(path, 0o600)
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def unlink(self) -> None:
+        """Remove the name once both ends are open; the pipe lives on until they close."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class PipeReader(_FifoEnd):
+    """The receiving end of a peer's messages."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
         _widen(self.fd)
         self._buf = bytearray()
         self._off = 0
@@ -99,26 +116,11 @@ class PipeReader:
             buf += chunk
         return True
 
-    def unlink(self) -> None:
-        """Remove the name once both ends are open; the pipe lives on until they close."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
 
-    def close(self) -> None:
-        self.unlink()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-class Doorbell:
+class Doorbell(_FifoEnd):
     """A FIFO that wakes its owner, asleep in ``poll``: any peer ``ring``s it by writing a
     byte, and the owner ``drain``s it once awake. The bytes mean nothing, so a write that
     finds the pipe full (the owner has a byte waiting already) is dropped."""
-
-    def __init__(self, path: str) -> None:
-        os.mkfifo(path, 0o600)
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
 
     def drain(self) -> bool:
         """Read what was rung; False once every peer has closed its end (end-of-file:
@@ -130,15 +132,6 @@ class Doorbell:
                 return True
             if not chunk:
                 return False
-
-    def unlink(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-    def close(self) -> None:
-        self.unlink()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
 
 
 def open_doorbell(path: str) -> int:
