@@ -36,14 +36,15 @@ def predicted_seconds(collective: str, algorithm: str | None, world_size: int, n
                       itemsize: int, segment_bytes: int) -> float | None:
     """Cost-model time of one call; ``nbytes`` is the nccl-tests size (see ``sweep``).
 
-    None where there is nothing to predict (an empty message, or the shared board, which the
-    model does not cover: it is taken for what fits it, not chosen by cost)."""
+    None where there is nothing to predict (an empty message, or the shared board's
+    algorithms, which the model does not cover: a group with a board takes them by size, not
+    by cost)."""
     if nbytes == 0:
         return None
     if collective == "allreduce":
         algorithm = algorithm or cost.choose("allreduce", world_size, nbytes, itemsize,
                                              segment_bytes=segment_bytes)
-        if algorithm == "board":
+        if algorithm not in ALLREDUCE:
             return None
         return cost.predict("allreduce", algorithm, world_size, nbytes, itemsize,
                             segment_bytes=segment_bytes)

@@ -23,6 +23,7 @@ from ._version import __version__
 from .errors import ArgumentError
 from .plan.collectives import COLLECTIVES, Collective
 from .schedules import HOST_AWARE, Schedule
+from .transport.board import SLOT_BYTES
 
 # builder(rank, world_size, count, segment, root) -> that rank's schedule
 _Builder = Callable[[int, int, int, int, int], Schedule]
@@ -47,7 +48,8 @@ def _builder(spec: Collective, algorithm: str) -> _Builder:
     """``spec``'s schedules by ``algorithm``, called the way this command calls them all."""
 
     def build(rank: int, world_size: int, count: int, segment: int, root: int) -> Schedule:
-        return spec.schedule(rank, world_size, count, segment, root=root, algorithm=algorithm)
+        return spec.schedule(rank, world_size, count, segment, root=root, algorithm=algorithm,
+                             piece=SLOT_BYTES // 4)  # a post's worth of float32
     return build
 
 

@@ -3,14 +3,15 @@
 the store on 127.0.0.1:PORT). It prints one JSON line, what it saw while running (its own
 files among them), and then ends the way SCENARIO says:
 
-- ``exit``: a 4 MiB allreduce (shared memory) and a barrier, then a normal exit.
-- ``desync``: ranks disagree about the size of a 1 MiB allreduce; the error ends the program
-  (exit status 1, Python's exit hooks run).
+- ``exit``: 4 MiB allreduces on the shared board and over the links' shared-memory rings,
+  and a barrier, then a normal exit.
+- ``desync``: ranks disagree about the size of a 1 MiB ring allreduce; the error ends the
+  program (exit status 1, Python's exit hooks run).
 - ``kill``: world 3, ring allreduces of 2 MiB; rank 1 also sends rank 0 a 1 MiB message that
   rank 0 never receives (a ring its reader never maps), then SIGKILLs itself in the middle of
   a run of allreduces; the others fail with the error they get.
-- ``torch``: ``dist.init_process_group("ringcomm")`` and a 4 MiB ``all_reduce``, then a normal
-  exit.
+- ``torch``: ``dist.init_process_group("ringcomm")``, a 4 MiB ``all_reduce`` (on the board)
+  and a 4 MiB ``broadcast`` from every rank (over the rings), then a normal exit.
 
 Imports only what the scenario needs, so a rank starts in a fraction of a second (torch's
 scenario excepted).
@@ -60,6 +61,8 @@ def scenario_exit(rank: int, world: int, port: int) -> None:
     x = np.ones(MiB, np.float32)
     comm.allreduce(x)
     assert (x == world).all()
+    comm.allreduce(x, algorithm="ring")
+    assert (x == world * world).all()
     comm.barrier()  # every rank has read from its rings: their names are gone
     report(shm=comm.transport.counters["shm"])
 
@@ -69,7 +72,7 @@ def scenario_desync(rank: int, world: int, port: int) -> None:
 
     comm = init(rank, world, port)
     try:
-        comm.allreduce(np.ones(MiB // 4 + 8 * rank, np.float32))
+        comm.allreduce(np.ones(MiB // 4 + 8 * rank, np.float32), algorithm="ring")
     except CommError as err:
         report(error=type(err).__name__, shm=comm.transport.counters["shm"])
         raise
@@ -109,6 +112,8 @@ def scenario_torch(rank: int, world: int, port: int) -> None:
     t = torch.ones(MiB)
     dist.all_reduce(t)
     assert (t == world).all()
+    for root in range(world):  # every rank sends through its rings
+        dist.broadcast(t, src=root)
     dist.barrier()
     report(shm=dist.group.WORLD.comm.transport.counters["shm"])
 

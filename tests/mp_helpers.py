@@ -475,7 +475,10 @@ def job_mismatch(rank: int, world: int, store: str, transport: str, case: str,
             err = timed_error(lambda: comm.allreduce(np.ones(1000, dtype)))
         elif case == "count":
             err = timed_error(lambda: comm.allreduce(np.ones(100 + (rank == 1), np.float32)))
-        elif case == "board-vs-links":  # rank 1's op is too big for the board, the others' not
+        elif case == "board-vs-links":  # rank 1 forces a link algorithm, the others not
+            err = timed_error(lambda: comm.allreduce(
+                np.ones(4, np.float32), algorithm="ring" if rank == 1 else None))
+        elif case == "one-shot-vs-two-shot":  # rank 1's op is too big for one post
             n = BIG if rank == 1 else 4
             err = timed_error(lambda: comm.allreduce(np.ones(n, np.float32)))
         elif case == "big-count":  # differs deep into a 5 MiB pipelined op
@@ -825,13 +828,15 @@ def job_board(rank: int, world: int, store: str, transport: str,
               env: dict[int, dict[str, str | None]] | None = None, **_: Any) -> dict:
     """Board ops mixed with link ops, point-to-point messages and async ops, each checked:
     what the board and the automatic choice were, and which checks failed."""
+    from ringcomm.schedules.board import ONE_SHOT_BYTES
     from ringcomm.transport.board import SLOT_BYTES
 
     with _rank_environment((env or {}).get(rank, {}), None):
         comm = init(rank, world, store, transport, timeout=30.0)
     wrong: list[str] = []
     with comm:
-        sizes = (4, 4096, SLOT_BYTES, SLOT_BYTES + 4, 1 << 20)
+        # one-shot, two-shot in one piece and in three (the last one short)
+        sizes = (4, 4096, ONE_SHOT_BYTES, ONE_SHOT_BYTES + 4, 2 * SLOT_BYTES + 12)
         chosen = {n: comm.allreduce_algorithm(n) for n in sizes}
         for salt in range(3):
             for n in sizes:
@@ -840,6 +845,10 @@ def job_board(rank: int, world: int, store: str, transport: str,
                 want = sum(values(r, n // 4, salt) for r in range(world))
                 if not np.array_equal(x, want.astype(np.float32)):
                     wrong.append(f"allreduce {n} B, round {salt}")
+                x = values(rank, n // 4, salt).astype(np.float32)
+                comm.allreduce(x, algorithm="ring")  # over the links, between board ops
+                if not np.array_equal(x, want.astype(np.float32)):
+                    wrong.append(f"ring allreduce {n} B, round {salt}")
                 t = torch.from_numpy(values(rank, n // 8, salt)).to(torch.float64)
                 comm.allreduce(t, "max")
                 if not torch.equal(t, torch.from_numpy(

@@ -14,6 +14,8 @@ import pytest
 from ringcomm import cli
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.runtime.local import run_group
+from ringcomm.schedules.board import ONE_SHOT_BYTES
+from ringcomm.schedules.schedule import Kind
 from ringcomm.transport.board import SLOT_BYTES
 
 REDUCE_DTYPES = {
@@ -60,6 +62,39 @@ def test_every_rank_gets_the_reference_bits_for_every_op_and_dtype(world):
             i += 1
     if world > 1:
         assert {e.algorithm for e in trace} == {"board"}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_two_shot_gives_every_rank_the_reference_bits_piece_by_piece(world):
+    """Chunks that are empty (fewer elements than ranks) or uneven, and vectors of several
+    posts with a short last one: every element is folded by one rank, in rank order."""
+    cases = [(op, dtype) for op, dtypes in REDUCE_DTYPES.items() for dtype in dtypes[:1]]
+    cases.append(("sum", np.float32))
+
+    def counts(dtype) -> list[int]:
+        piece = SLOT_BYTES // np.dtype(dtype).itemsize
+        return [1, world + 1, 37, 2 * piece + 5] if dtype in (np.float32, np.float16) \
+            else [world - 1, 37]
+
+    def fn(comm):
+        out = []
+        for op, dtype in cases:
+            for count in counts(dtype):
+                x = _inputs(comm.world_size, count, dtype)[comm.rank].copy()
+                comm.allreduce(x, op, algorithm="twoshot")
+                out.append(x)
+        return out
+
+    trace = []
+    results = run_group(world, fn, board=True, trace=trace)
+    i = 0
+    for op, dtype in cases:
+        for count in counts(dtype):
+            want = COLLECTIVES["allreduce"].reference(_inputs(world, count, dtype), op)[0]
+            for r in range(world):
+                assert results[r][i].tobytes() == want.tobytes(), (op, dtype, count, r)
+            i += 1
+    assert {e.algorithm for e in trace} == {"twoshot"}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -117,8 +152,8 @@ def test_ranks_that_disagree_about_a_broadcasts_root_find_out_in_the_op():
     assert any("root" in str(e) for e in errors), errors
 
 
-def test_what_fits_goes_on_the_board_and_the_rest_over_links():
-    sizes = [SLOT_BYTES // 4, SLOT_BYTES // 4 + 1]  # float32 elements
+def test_small_messages_go_one_shot_larger_two_shot_and_none_without_a_board():
+    sizes = [ONE_SHOT_BYTES // 4, ONE_SHOT_BYTES // 4 + 1]  # float32 elements
 
     def fn(comm):
         for n in sizes:
@@ -129,10 +164,10 @@ def test_what_fits_goes_on_the_board_and_the_rest_over_links():
     trace = []
     run_group(3, fn, board=True, trace=trace)
     ran = {e.op: e.algorithm for e in trace}
-    assert ran["allreduce #0"] == "board" and ran["allreduce #1"] != "board", ran
+    assert ran["allreduce #0"] == "board" and ran["allreduce #1"] == "twoshot", ran
     trace.clear()
     run_group(3, fn, trace=trace)  # no board: links only
-    assert "board" not in {e.algorithm for e in trace}
+    assert not {"board", "twoshot"} & {e.algorithm for e in trace}
 
 
 def test_board_only_when_there_is_one_and_the_message_fits():
@@ -163,6 +198,20 @@ def test_ringcomm_schedule_explains_the_board(capsys):
     ]
 
 
+def test_ringcomm_schedule_explains_the_two_shot_allreduce(capsys):
+    cli.main(["schedule", "allreduce_twoshot", "-n", "3", "-c", "10", "--rank", "1"])
+    assert capsys.readouterr().out.splitlines() == [
+        "allreduce (twoshot), rank 1 of 3, 6 steps",
+        "     0  post data[0:7] on the board   (post round 0)",
+        "     1  take rank 0's post[7:10], data[7:10] = data[7:10] (op) post   (fold round 1)",
+        "     2  take rank 2's post[7:10], data[7:10] = data[7:10] (op) post   "
+        "(fold round 2, final)",
+        "     3  post data[7:10] on the board   (share round 0)",
+        "     4  take rank 0's post -> data[0:4]   (gather round 0)",
+        "     5  take rank 2's post -> data[4:7]   (gather round 0)",
+    ]
+
+
 # --------------------------------------------------------------------------- real ranks
 
 
@@ -175,8 +224,8 @@ def test_real_ranks_mix_board_ops_with_link_ops_p2p_and_async_ops(cluster, world
         assert x["wrong"] == [], (r, x["wrong"])
     chosen = res[0]["chosen"]
     assert all(x["chosen"] == chosen for x in res)
-    assert chosen[4] == chosen[4096] == chosen[SLOT_BYTES] == "board", chosen
-    assert chosen[SLOT_BYTES + 4] != "board" and chosen[1 << 20] != "board", chosen
+    assert chosen[4] == chosen[4096] == chosen[ONE_SHOT_BYTES] == "board", chosen
+    assert chosen[ONE_SHOT_BYTES + 4] == chosen[2 * SLOT_BYTES + 12] == "twoshot", chosen
 
 
 @pytest.mark.timeout(60)
@@ -184,7 +233,8 @@ def test_a_rank_that_declines_the_board_leaves_every_rank_on_the_links(cluster):
     env = {1: {"RINGCOMM_BOARD": "0"}}
     res = cluster.run(3, "job_board", transport="ipc", env=env)
     assert [x["board"] for x in res] == [False] * 3
-    assert all(x["wrong"] == [] and "board" not in x["chosen"].values() for x in res), res
+    assert all(x["wrong"] == [] and not {"board", "twoshot"} & set(x["chosen"].values())
+               for x in res), res
 
 
 @pytest.mark.timeout(60)
@@ -202,14 +252,46 @@ def test_a_message_that_arrives_during_a_board_wait_reaches_its_receive(cluster)
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_on_the_links_and_ranks_on_the_board_raise_typed_errors_fast(cluster, world):
-    """Rank 1's vector is too big for the board, the others' fit: rank 1 runs a link
-    algorithm, the others the board, and they must say so instead of waiting out the
-    timeout."""
+@pytest.mark.parametrize("case,words", [
+    ("board-vs-links", ["board", "ring"]),  # rank 1 forces a link algorithm
+    ("one-shot-vs-two-shot", ["board", "twoshot", "elements"]),  # rank 1's op is larger
+])
+def test_ranks_on_different_board_and_link_algorithms_raise_typed_errors_fast(
+        cluster, world, case, words):
+    """Ranks that disagree about the op (and so about its algorithm) say so instead of
+    waiting out the timeout, naming what differs."""
     from test_multiprocess import FAST, _check_disagreement
 
-    res = cluster.run(world, "job_mismatch", transport="ipc", case="board-vs-links")
+    res = cluster.run(world, "job_mismatch", transport="ipc", case=case)
     errs = _check_disagreement(res, world, ["allreduce #1"] * world)
     assert all(e["elapsed"] < FAST for e in errs), errs
     found = " ".join(e["msg"] for e in errs if e["type"] == "DesyncError")
-    assert "board" in found and "elements" in found, errs
+    assert all(word in found for word in words), errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("count,piece", [(0, 4), (1, 4), (5, 8), (23, 4), (23, 0), (64, 16)])
+def test_every_take_reads_the_same_elements_from_a_post_its_peer_made(world, count, piece):
+    """Static check of the allreduce schedules on the board: posts line up (every rank makes
+    the same number), and each take reads, from its peer's post of that number, a range the
+    peer put there, holding the elements its destination holds."""
+    schedules = [COLLECTIVES["allreduce"].schedule(r, world, count, 4, algorithm=algorithm,
+                                                   piece=piece)
+                 for algorithm in ("board", "twoshot") for r in range(world)]
+    for first in range(0, len(schedules), world):
+        group = schedules[first: first + world]
+        posts = [[s for s in schedule.steps if s.kind is Kind.POST] for schedule in group]
+        assert len({len(p) for p in posts}) == 1, group[0].algorithm
+        for rank, schedule in enumerate(group):
+            number = -1
+            for step in schedule.steps:
+                if step.kind is Kind.POST:
+                    number += 1
+                    continue
+                assert number >= 0 and step.dst is not None
+                if not step.dst.count:
+                    continue
+                post = posts[step.peer][number]
+                assert post.at <= step.at and \
+                    step.at + step.dst.count <= post.at + post.src.count, (rank, step)
+                assert post.src.offset + step.at - post.at == step.dst.offset, (rank, step)

@@ -185,7 +185,8 @@ def test_the_communicator_runs_the_broadcast_the_table_chooses():
 def test_ringcomm_schedule_lists_every_flat_algorithm_of_the_table(capsys):
     assert list(cli._SCHEDULES) == [
         "allreduce", "allreduce_tree", "allreduce_dbtree", "allreduce_hd", "allreduce_rd",
-        "allreduce_board", "reduce_scatter", "allgather", "allgather_board", "broadcast",
+        "allreduce_board", "allreduce_twoshot", "reduce_scatter", "allgather", "allgather_board",
+        "broadcast",
         "broadcast_tree", "broadcast_board", "reduce", "gather", "scatter", "alltoall",
         "barrier", "barrier_board"]
     listed = sum(len([a for a in spec.algorithms if a not in HOST_AWARE])

@@ -153,6 +153,7 @@ def _check_sums(results):
 @pytest.mark.timeout(60)
 def test_local_ranks_send_large_payloads_through_shared_memory(monkeypatch):
     monkeypatch.delenv("RINGCOMM_SHM", raising=False)
+    monkeypatch.setenv("RINGCOMM_BOARD", "0")  # large allreduces over the links
     counters, text = _check_sums(_run_pair(_allreduce_many, segment_bytes=256 * 1024))
     assert counters["shm"] > 0 and counters["shm_full"] == 0, counters
     assert "shared memory" in text
@@ -199,6 +200,7 @@ def test_sends_to_a_full_pipe_do_not_block(monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_ring_too_small_for_the_traffic_falls_back_to_the_pipe(monkeypatch):
     monkeypatch.setenv("RINGCOMM_SHM_BYTES", str(300 * 1024))  # one 256 KiB segment fits
+    monkeypatch.setenv("RINGCOMM_BOARD", "0")  # large allreduces over the links
     counters, _ = _check_sums(_run_pair(_allreduce_many, segment_bytes=256 * 1024))
     assert counters["shm"] > 0 and counters["shm_full"] > 0, counters
 

@@ -211,12 +211,13 @@ class Collective:
     def schedule(self, rank: int, world: int, block: int, segment: int, *, root: int = 0,
                  algorithm: str | None = None, hosts: Hosts | None = None,
                  nbytes: int | None = None, send_counts: tuple[int, ...] | None = None,
-                 recv_counts: tuple[int, ...] | None = None) -> Schedule:
+                 recv_counts: tuple[int, ...] | None = None, piece: int = 0) -> Schedule:
         """``rank``'s steps for one call: ``block`` elements (see ``block``), ``segment``
         elements per message at most. ``algorithm`` picks one of ``algorithms``; without
         it the collective picks (broadcast by ``nbytes``; allreduce needs the caller's
         choice). ``hosts`` reaches the host-aware algorithms; ``send_counts`` and
-        ``recv_counts`` give an all-to-all's uneven splits."""
+        ``recv_counts`` give an all-to-all's uneven splits; ``piece`` is how many elements
+        one post on the shared board holds, for the algorithms that post in pieces."""
         name = algorithm
         if name is None:
             name = self._choose(nbytes) if self._choose else next(iter(self.algorithms))
@@ -226,7 +227,7 @@ class Collective:
             raise ValueError(f"{self.name} has no algorithm {name!r}; it has "
                              f"{', '.join(self.algorithms)}") from None
         return build(rank, world, block, segment, root=root, hosts=hosts,
-                     send_counts=send_counts, recv_counts=recv_counts)
+                     send_counts=send_counts, recv_counts=recv_counts, piece=piece)
 
     def reference(self, inputs: Inputs, op: str = "sum", root: int = 0) -> Outputs:
         """Every rank's result, from every rank's ``source`` buffer (None where a rank
@@ -263,17 +264,22 @@ _ALLREDUCE_SUMMARIES = {
             "broadcast inside each host",
 }
 
-# Not a candidate of the cost model (``ALLREDUCE``): the communicator takes it for every
-# message that fits the board, where its group has one.
-_BOARD_ALLREDUCE = Algorithm(
-    "board", "every rank posts its vector on the shared board and folds everyone's in rank "
-    "order (one host, small messages)", lambda r, n, c, s, **_: board.allreduce(r, n, c))
+# Not candidates of the cost model (``ALLREDUCE``): the communicator takes them for the
+# sizes they serve, where its group has a board (``Communicator.allreduce_algorithm``).
+_BOARD_ALLREDUCE = (
+    Algorithm("board", "every rank posts its vector on the shared board and folds everyone's "
+              "in rank order (one host, small messages)",
+              lambda r, n, c, s, **_: board.allreduce(r, n, c)),
+    Algorithm("twoshot", "on the shared board, piece by piece: each rank folds its chunk from "
+              "everyone's post, then takes everyone's folded chunk (one host)",
+              lambda r, n, c, s, piece, **_: board.allreduce_twoshot(r, n, c, piece)),
+)
 
 _TABLE = (
     Collective(
         "allreduce", OpKind.ALLREDUCE, reduces=True, rooted=False, roles=_DATA,
         algorithms=_algorithms(*(_allreduce_algorithm(name, _ALLREDUCE_SUMMARIES[name])
-                                 for name in ALLREDUCE), _BOARD_ALLREDUCE),
+                                 for name in ALLREDUCE), *_BOARD_ALLREDUCE),
         busbw_factor=lambda n: 2 * (n - 1) / n, _reference=_allreduce,
         _choose=_needs_algorithm),
     Collective(

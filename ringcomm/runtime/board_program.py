@@ -1,81 +1,99 @@
-"""Running a board schedule: one post, then takes of the peers' posts.
+"""Running a board schedule: posts, each followed by takes of the peers' posts.
 
 A board op sends no message, so the link executor's machinery (pending sends, receive
 order, per-peer message counts) has nothing to do; what is left is short enough that a
 small op's whole time goes through here. ``BoardProgram`` boils a schedule down, once, to
 what changes between its steps (which region this rank posts; which peer's post to take,
-and whether to copy it into a region, reduce it into one, or only check its header; whether
-that completes a reduction), and ``run`` does no more than that. The executor runs board
-schedules through it, and so does the communicator's short way for a blocking allreduce.
+from which element, and whether to copy it into a region, reduce it into one, or only
+check its header; whether that completes a reduction), and ``run`` does no more than that.
+The executor runs board schedules through it, and so does the communicator's short way for
+a blocking allreduce.
 
-Every region of a board schedule is the op's block (the element count every rank's header
-carries) or empty, and a reduction is in place (``dst = dst (op) post``).
+Every post of an op carries the op's header with the post's number within the op as its
+``index``, so that ranks whose posts do not line up find out at the first take. A reduction
+is in place (``dst = dst (op) post``).
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Mapping
 
 from ..core.arrays import Buffer
 from ..errors import CommTimeout
-from ..schedules.schedule import Kind, Schedule
+from ..schedules.schedule import Kind, Region, Schedule
 from ..transport.base import Transport
+from ..transport.header import OpDescriptor
 from .context import OpContext, TraceEvent
 
 _COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
+_INDEX = slice(32, 36)  # the header's ``index`` field, packed
+_U32 = struct.Struct("<I")
+
+# a take: (peer, what it does, final, buffer role, offset, count, element of the post)
+Take = tuple[int, str, bool, str, int, int, int]
 
 
 class BoardProgram:
-    """``schedule`` (one post, then takes), ready to run many times."""
+    """``schedule`` (posts, each followed by takes), ready to run many times."""
 
     def __init__(self, schedule: Schedule) -> None:
         steps = schedule.steps
-        if not schedule.on_board or steps[0].kind is not Kind.POST or any(
-                s.kind is Kind.POST for s in steps[1:]):
+        if not schedule.on_board or steps[0].kind is not Kind.POST:
             raise ValueError(f"{schedule.algorithm} {schedule.collective} is not a board "
-                             "schedule (one post, then takes)")
+                             "schedule (posts, each followed by takes)")
+        if any(s.kind is Kind.TAKE_REDUCE and s.src != s.dst for s in steps):
+            raise ValueError("a reduction on the board is in place")
         regions = [r for s in steps for r in (s.src, s.dst) if r is not None]
-        count = max(r.count for r in regions)
-        if any(r.count not in (0, count) for r in regions) or any(
-                s.kind is Kind.TAKE_REDUCE and s.src != s.dst for s in steps):
-            raise ValueError("every region of a board schedule is the op's block or empty, "
-                             "and a reduction is in place")
-        post = steps[0].src
-        assert post is not None
         self.schedule = schedule
-        self.count = count  # the op's block: every rank's header says so
-        self.post = post if post.count else None  # what this rank gives, if anything
-        self.takes = tuple(
-            (s.peer, _CHECK if s.dst is None or not s.dst.count else
-             _REDUCE if s.kind is Kind.TAKE_REDUCE else _COPY, s.final,
-             s.dst.buf if s.dst is not None else "", s.dst.offset if s.dst is not None else 0)
-            for s in steps[1:])
+        rounds: list[tuple[Region | None, int, tuple[Take, ...]]] = []
+        for step in steps:
+            if step.kind is Kind.POST:
+                assert step.src is not None
+                rounds.append((step.src if step.src.count else None, step.at, ()))
+                continue
+            dst = step.dst
+            does = _CHECK if dst is None or not dst.count else \
+                _REDUCE if step.kind is Kind.TAKE_REDUCE else _COPY
+            take = (step.peer, does, step.final, dst.buf if dst is not None else "",
+                    dst.offset if dst is not None else 0, dst.count if dst is not None else 0,
+                    step.at)
+            post, at, takes = rounds[-1]
+            rounds[-1] = (post, at, (*takes, take))
+        self.rounds = tuple(rounds)
         self.roles = tuple(dict.fromkeys(r.buf for r in regions if r.count))  # buffers used
 
     def run(self, transport: Transport, buffers: Mapping[str, Buffer], header: bytes,
             ctx: OpContext, trace: list[TraceEvent] | None = None) -> None:
-        """Post under ``header`` (this rank's, packed) what this rank gives, and take the
-        peers' posts into ``buffers`` (by role; host memory, which ``region`` views)."""
-        count, dtype, post = self.count, ctx.dtype, self.post
+        """Make this rank's posts (``header``, packed, is its first's; the later ones differ
+        in their ``index``) and take the peers' posts into ``buffers`` (by role; host
+        memory, which ``region`` views)."""
+        dtype, deadline, name = ctx.dtype, ctx.deadline, ctx.name
         started = time.perf_counter() if trace is not None else 0.0
-        transport.post(header, buffers[post.buf].region(post.offset, count) if post else None,
-                       ctx.deadline, ctx.name)
-        if trace is not None:
-            started = self._traced(trace, 0, started, transport.rank, ctx)
-        for index, (peer, does, final, role, offset) in enumerate(self.takes, 1):
-            payload = transport.take(peer, header, dtype, count, ctx.deadline, ctx.name)
-            if does is not _CHECK:
-                target = buffers[role]
-                into = target.region(offset, count)
-                if does is _REDUCE:
-                    assert ctx.reduce is not None
-                    target.reduce_into(into, into, payload, ctx.reduce,
-                                       transport.world_size if final else 1)
-                else:
-                    target.copy(into, payload)
+        step = 0
+        for number, (post, place, takes) in enumerate(self.rounds):
+            if number:
+                header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
+            transport.post(header, buffers[post.buf].region(post.offset, post.count)
+                           if post is not None else None, deadline, name, place)
             if trace is not None:
-                started = self._traced(trace, index, started, transport.rank, ctx)
+                started = self._traced(trace, step, started, transport.rank, ctx)
+            step += 1
+            for peer, does, final, role, offset, count, at in takes:
+                payload = transport.take(peer, header, dtype, count, deadline, name, at)
+                if does is not _CHECK:
+                    target = buffers[role]
+                    into = target.region(offset, count)
+                    if does is _REDUCE:
+                        assert ctx.reduce is not None
+                        target.reduce_into(into, into, payload, ctx.reduce,
+                                           transport.world_size if final else 1)
+                    else:
+                        target.copy(into, payload)
+                if trace is not None:
+                    started = self._traced(trace, step, started, transport.rank, ctx)
+                step += 1
 
     def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
                 ctx: OpContext) -> float:
@@ -83,6 +101,12 @@ class BoardProgram:
         trace.append(TraceEvent(rank, index, self.schedule.steps[index], started, now,
                                 ctx.name, self.schedule.algorithm))
         return now
+
+
+def board_header(desc: OpDescriptor, rank: int, itemsize: int) -> bytes:
+    """The header of ``rank``'s first post of the op ``desc`` describes, packed: the op's
+    block as its size, the same on every rank whatever each posts of it."""
+    return desc.outgoing(rank, rank, 0, desc.count * itemsize).pack()
 
 
 def run_board(
@@ -96,9 +120,8 @@ def run_board(
     """Execute a board schedule's ``program`` on ``buffers``; ``header`` is this rank's
     post's, packed (default: made from ``ctx``'s descriptor)."""
     schedule = program.schedule
-    if header is None:  # the op's whole block, whatever this rank posts of it
-        rank = transport.rank
-        header = ctx.desc.outgoing(rank, rank, 0, program.count * ctx.dtype.itemsize).pack()
+    if header is None:
+        header = board_header(ctx.desc, transport.rank, ctx.dtype.itemsize)
     used = [buffers[role] for role in program.roles]
     for buf in used:
         buf.before_op()

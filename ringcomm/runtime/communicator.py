@@ -55,7 +55,7 @@ from ..schedules import board as board_schedules
 from ..transport import board
 from ..transport.base import Transport
 from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .board_program import BoardProgram, board_program, run_board
+from .board_program import BoardProgram, board_header, board_program, run_board
 from .context import OpContext, TraceEvent
 from .executor import run_schedule
 from .p2p import P2PEngine, P2POp
@@ -108,11 +108,12 @@ class _Collective:
 
 
 _SEQ = struct.Struct("<Q")  # a header's first field
+_ON_BOARD = ("board", "twoshot")  # the allreduce algorithms of the shared board
 
 
 @dataclass(frozen=True, slots=True)
 class _BoardPlan:
-    """A blocking allreduce that fits the board, ready to run again: everything about it but
+    """A blocking allreduce on the board, ready to run again: everything about it but
     the buffer and the sequence number (``Communicator._board_allreduce``)."""
 
     program: BoardProgram
@@ -277,18 +278,18 @@ class Communicator:
         choice from the agreed settings and topology (the same on every rank)."""
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
-            if name == "board":
-                self._check_fits_board(nbytes)
+            if name in _ON_BOARD:
+                self._check_board(name, nbytes)
             elif name not in ALLREDUCE:
                 raise ArgumentError(
                     f"allreduce algorithm {forced!r} is unknown; use one of "
-                    f"{', '.join(ALLREDUCE)}, board, or leave it unset for the automatic "
-                    "choice")
+                    f"{', '.join((*ALLREDUCE, *_ON_BOARD))}, or leave it unset for the "
+                    "automatic choice")
             return name
         if self.settings.algorithm is not None:
             return self.settings.algorithm
-        if nbytes <= self._board_bytes:
-            return "board"
+        if self.transport.board is not None:
+            return "board" if nbytes <= board_schedules.ONE_SHOT_BYTES else "twoshot"
         key = (nbytes, itemsize)
         chosen = self._chosen.get(key)
         if chosen is None:  # the model costs tens of microseconds: ask once per size
@@ -301,30 +302,34 @@ class Communicator:
         return chosen
 
     def _allreduce_now(self, data: Buffer, op: str) -> bool:
-        """The short way for the commonest small call, a blocking allreduce that fits the
-        board (or in a group of one, which has nothing to exchange): its plan is made once
-        per dtype, size and op, and it runs on the caller's thread without an op record, a
+        """The short way for the commonest call, a blocking allreduce on the shared board
+        (or in a group of one, which has nothing to exchange): its plan is made once per
+        dtype, size and op, and it runs on the caller's thread without an op record, a
         queue or a schedule walk. Returns False, having done nothing, where the general way
-        must take it (no board, too large, ops still queued, a trace to keep or a line to
-        log per op, a closed or failed communicator: that way raises what it must)."""
+        must take it (no board, ops still queued, a trace to keep or a line to log per op,
+        a closed or failed communicator: that way raises what it must)."""
         key = (data.dtype, data.count, op)
         plan = self._board_plans.get(key)
         if plan is None:
             alone = self.world_size == 1
             if (not isinstance(op, str) or self.settings.algorithm is not None
-                    or (data.nbytes > self._board_bytes and not alone)):
+                    or (self.transport.board is None and not alone)):
                 return False
             rop = reduce_op(op, data.dtype)
             if alone:
                 self._board_plans[key] = _ALONE
                 return self._allreduce_now(data, op)
-            program = board_program(board_schedules.allreduce(self.rank, self.world_size,
-                                                              data.count))
+            name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize)
+            program = board_program(COLLECTIVES["allreduce"].schedule(
+                self.rank, self.world_size, data.count, self._segment(data), algorithm=name,
+                piece=board.SLOT_BYTES // data.dtype.itemsize))
             desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
-                                algorithm_code("board"), reduce_code(rop), -1,
+                                algorithm_code(name), reduce_code(rop), -1,
                                 self.segment_bytes, data.count)
-            plan = self._board_plans[key] = _BoardPlan(
-                program, rop, desc, desc.outgoing(self.rank, self.rank, 0, data.nbytes).pack())
+            header = board_header(desc, self.rank, data.dtype.itemsize)
+            if len(self._board_plans) >= 256:  # many sizes: keep the latest
+                del self._board_plans[next(iter(self._board_plans))]
+            plan = self._board_plans[key] = _BoardPlan(program, rop, desc, header)
         if self.trace is not None or log.isEnabledFor(logging.DEBUG):  # the general way
             return False  # keeps a trace and logs a line per op
         with self._count_lock:
@@ -355,18 +360,19 @@ class Communicator:
 
     @property
     def _board_bytes(self) -> int:
-        """The largest payload this group's board holds; -1 without a board."""
-        return board.SLOT_BYTES if self.transport.board is not None else -1
+        """The largest message this group's small collectives put on the board in one post
+        for every rank to read; -1 without a board."""
+        return board_schedules.ONE_SHOT_BYTES if self.transport.board is not None else -1
 
-    def _check_fits_board(self, nbytes: int) -> None:
+    def _check_board(self, algorithm: str, nbytes: int) -> None:
         if self.transport.board is None:
             raise ArgumentError(
-                "algorithm 'board' needs the shared board, which this group does not have "
-                "(its ranks span hosts, shared memory is off, or RINGCOMM_BOARD=0 on some "
-                "rank); choose another algorithm")
-        if nbytes > board.SLOT_BYTES:
+                f"algorithm {algorithm!r} needs the shared board, which this group does not "
+                "have (its ranks span hosts, shared memory is off, or RINGCOMM_BOARD=0 on "
+                "some rank); choose another algorithm")
+        if algorithm == "board" and nbytes > board.SLOT_BYTES:
             raise ArgumentError(f"algorithm 'board' takes at most {board.SLOT_BYTES} B per "
-                                f"rank, got {nbytes} B; choose another algorithm")
+                                f"rank, got {nbytes} B; choose 'twoshot' or another algorithm")
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
@@ -665,7 +671,7 @@ class Communicator:
             self.rank, self.world_size, op.count, max(1, op.segment // max(1, dtype.itemsize)),
             root=op.arg, algorithm=op.algorithm, hosts=self.topology.hosts,
             nbytes=op.count * dtype.itemsize, send_counts=op.send_counts,
-            recv_counts=op.recv_counts)
+            recv_counts=op.recv_counts, piece=board.SLOT_BYTES // dtype.itemsize)
         buffers = op.buffers
         if schedule.scratch:
             buffers = dict(buffers, scratch=HostBuffer(self._scratch(dtype, schedule.scratch),

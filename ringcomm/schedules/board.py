@@ -12,6 +12,15 @@ fold in the other of the two (the ops are commutative: ``x1 op x0`` is ``x0 op x
 other rank starts from a copy of rank 0's part and folds in the rest, its own part from the
 board, where it is the same as in its buffer.
 
+*Two-shot allreduce* (larger messages, which ``n`` reads of everything would make dear):
+the vector goes in pieces of at most one post. For each piece every rank posts it, then
+reduces its own share of it (a chunk) from everyone's post, folding in rank order as
+above, posts that share of the result and takes every other rank's share: a reduce-scatter
+and an all-gather through memory, each rank reading about ``2x`` the vector where the
+one-shot reads ``n x``. Each element is reduced by one rank only, so every rank still gets the
+same bits. (The one-shot and two-shot names are those of the custom all-reduce kernels that
+do the same over NVLink.)
+
 *Broadcast*: the root posts its vector, every other rank posts its header alone; each rank
 takes the root's post (copying it in) and checks every other rank's header, so that ranks
 that disagree about the root (or the size) find out in the op itself, where a root that only
@@ -28,9 +37,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ..core.partition import Partition
 from .schedule import Region, Schedule, StepList
 
 DATA = "data"
+ONE_SHOT_BYTES = 64 << 10  # up to this an allreduce reads everyone's post: one round
 
 
 @lru_cache(maxsize=512)
@@ -48,6 +59,57 @@ def allreduce(rank: int, world_size: int, count: int) -> Schedule:
         steps.take_reduce(peer, data, data, final=i == len(parts) - 1, phase="fold",
                           round=i + 1)
     return steps.build("allreduce", "board", rank, world_size)
+
+
+def _chunk(chunks: Partition, rank: int) -> tuple[int, int]:
+    """(offset, size) of the chunk of a piece ``rank`` reduces in a two-shot allreduce: rank
+    0 the first, rank 1 the last, so that the two ranks whose own part opens their fold (see
+    the module docstring) leave it out of their post by posting one range."""
+    index = 0 if rank == 0 else chunks.parts - 1 if rank == 1 else rank - 1
+    return chunks.offset(index), chunks.size(index)
+
+
+@lru_cache(maxsize=256)
+def allreduce_twoshot(rank: int, world_size: int, count: int, piece: int) -> Schedule:
+    """``data`` (``count`` elements) reduced across ranks through the board, ``piece``
+    elements (what one post holds; 0: all of them) at a time: each rank reduces its chunk of
+    a piece and everyone takes the reduced chunks."""
+    if piece < 0:
+        raise ValueError(f"a two-shot allreduce needs a piece size of 0 or more, got {piece}")
+    piece = piece or max(count, 1)
+    steps = StepList()
+    others = [peer for peer in range(world_size) if peer != rank]
+    for number, start in enumerate(range(0, count, piece)):
+        size = min(piece, count - start)
+        where = f" (piece {number})" if count > piece else ""
+        chunks = Partition(size, world_size)
+        at, length = _chunk(chunks, rank)
+        mine = Region(DATA, start + at, length)
+        if rank == 0 and world_size > 1:  # its chunk opens the piece: post the rest
+            steps.post(Region(DATA, start + length, size - length), at=length,
+                       phase="post" + where)
+        elif rank == 1:  # its chunk closes the piece
+            steps.post(Region(DATA, start, size - length), phase="post" + where)
+        else:
+            steps.post(Region(DATA, start, size), phase="post" + where)
+        if not length:  # nothing to reduce: check the others' posts all the same
+            for peer in others:
+                steps.take(peer, Region(DATA, start, 0), phase="fold" + where)
+        elif rank < 2 and world_size > 1:  # fold into its own part, in place
+            parts = [1 - rank, *range(2, world_size)]
+            for i, peer in enumerate(parts):
+                steps.take_reduce(peer, mine, mine, final=i == len(parts) - 1, at=at,
+                                  phase="fold" + where, round=i + 1)
+        else:  # start from rank 0's part; its own comes from its post, in its turn
+            steps.take(0, mine, at=at, phase="fold" + where)
+            for peer in range(1, world_size):
+                steps.take_reduce(peer, mine, mine, final=peer == world_size - 1, at=at,
+                                  phase="fold" + where, round=peer)
+        steps.post(mine, phase="share" + where)
+        for peer in others:
+            offset, length = _chunk(chunks, peer)
+            steps.take(peer, Region(DATA, start + offset, length), phase="gather" + where)
+    return steps.build("allreduce", "twoshot", rank, world_size)
 
 
 @lru_cache(maxsize=512)

@@ -58,7 +58,9 @@ class Step:
 
     ``phase``, ``round``, ``chunk`` and ``segment`` exist for people: they label the step in
     printouts and traces and play no part in execution. ``to`` is where a fused
-    ``RECV_REDUCE_SEND`` forwards its result.
+    ``RECV_REDUCE_SEND`` forwards its result. ``at`` is an element of a slot on the board:
+    where a post puts ``src``, and where a take starts reading the peer's post (as many
+    elements as its ``dst`` holds).
     """
 
     kind: Kind
@@ -71,6 +73,7 @@ class Step:
     chunk: int = -1
     segment: int = 0
     to: int = -1
+    at: int = 0
 
     def describe(self) -> str:
         where = f"{self.phase} round {self.round}"
@@ -87,14 +90,23 @@ class Step:
             return (f"recv from rank {self.peer}, {self.src} (op) msg -> rank {self.to}   "
                     f"({where}, fused)")
         if self.kind is Kind.POST:
-            return f"post {self.src} on the board   ({where})"
+            place = f" at [{self.at}:]" if self.at else ""
+            return f"post {self.src} on the board{place}   ({where})"
         if self.kind is Kind.TAKE:
-            return f"take rank {self.peer}'s post -> {self.dst}   ({where})"
+            if self.dst is None or not self.dst.count:
+                return f"check rank {self.peer}'s post   ({where})"
+            return f"take rank {self.peer}'s {self._post_part()} -> {self.dst}   ({where})"
         if self.kind is Kind.TAKE_REDUCE:
             fin = ", final" if self.final else ""
-            return (f"take rank {self.peer}'s post, {self.dst} = {self.src} (op) post   "
-                    f"({where}{fin})")
+            return (f"take rank {self.peer}'s {self._post_part()}, {self.dst} = {self.src} "
+                    f"(op) post   ({where}{fin})")
         return f"copy {self.src} -> {self.dst}   ({where})"
+
+    def _post_part(self) -> str:
+        if not self.at:
+            return "post"
+        count = self.dst.count if self.dst is not None else 0
+        return f"post[{self.at}:{self.at + count}]"
 
 
 @dataclass(frozen=True)
@@ -172,14 +184,16 @@ class StepList:
         receives the result only where the transport cannot fuse: nothing may read it later."""
         self.steps.append(Step(Kind.RECV_REDUCE_SEND, peer, src=src, dst=dst, to=to, **label))
 
-    def post(self, src: Region, **label) -> None:
-        self.steps.append(Step(Kind.POST, src=src, **label))
+    def post(self, src: Region, at: int = 0, **label) -> None:
+        self.steps.append(Step(Kind.POST, src=src, at=at, **label))
 
-    def take(self, peer: int, dst: Region, **label) -> None:
-        self.steps.append(Step(Kind.TAKE, peer, dst=dst, **label))
+    def take(self, peer: int, dst: Region, at: int = 0, **label) -> None:
+        self.steps.append(Step(Kind.TAKE, peer, dst=dst, at=at, **label))
 
-    def take_reduce(self, peer: int, dst: Region, src: Region, final: bool, **label) -> None:
-        self.steps.append(Step(Kind.TAKE_REDUCE, peer, src=src, dst=dst, final=final, **label))
+    def take_reduce(self, peer: int, dst: Region, src: Region, final: bool, at: int = 0,
+                    **label) -> None:
+        self.steps.append(Step(Kind.TAKE_REDUCE, peer, src=src, dst=dst, final=final, at=at,
+                               **label))
 
     def copy(self, src: Region, dst: Region, **label) -> None:
         if src.count:

@@ -143,11 +143,11 @@ class Transport:
 
     # ---------------------------------------------------------------- the shared board
     def post(self, header: bytes, payload: np.ndarray | None, deadline: float,
-             op: str) -> None:
+             op: str, at: int = 0) -> None:
         """Put this rank's part of a board op (its ``header``, packed, and ``payload`` or
-        None) on the board, once every peer has made the post before (they may still read
-        the slot this one overwrites: a rank runs at most one board op ahead of the
-        slowest)."""
+        None, from element ``at`` of its slot) on the board, once every peer has made the
+        post before (they may still read the slot this one overwrites: a rank runs at most
+        one post ahead of the slowest)."""
         board = self.board
         assert board is not None, "post needs a transport with a board"
         behind = board.behind()
@@ -155,14 +155,14 @@ class Transport:
             wait = Wait(op, deadline, Header.unpack(header))
             for peer in behind:
                 self._board_wait(peer, board.number, wait)
-        board.post(header, payload)
+        board.post(header, payload, at)
         self._posted()
 
     def take(self, peer: int, header: bytes, dtype: np.dtype, count: int, deadline: float,
-             op: str) -> np.ndarray:
-        """``peer``'s payload of the current board op, ``count`` elements of ``dtype`` in
-        place (valid until this rank's next op), once it is posted with this rank's own
-        ``header`` (packed; every rank's post of an op carries the same but the sender)."""
+             op: str, at: int = 0) -> np.ndarray:
+        """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current board
+        post, in place (valid until this rank's next post), once it is posted with this
+        rank's own ``header`` (packed; every rank's post carries the same but the sender)."""
         board = self.board
         assert board is not None, "take needs a transport with a board"
         if board.posted(peer) < board.number:
@@ -171,7 +171,7 @@ class Transport:
         if not board.matches(peer, header):
             check(Header.unpack(header)._replace(sender=peer), board.header(peer),
                   rank=self.rank, op=op)
-        return board.payload(peer, dtype, count)
+        return board.payload(peer, dtype, count, at)
 
     def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
         """Return once ``peer`` has made ``number`` posts; raise as a receive would (the

@@ -26,8 +26,12 @@ Waiting (spinning, then sleeping until a poster wakes the sleeper) belongs to th
 which also watches the links meanwhile for a lost peer, an abort or a message that shows
 the ranks disagree; the board only says who has posted and who sleeps.
 
+An op may make several posts (a large allreduce posts each piece, then its share of the
+result); each is the next post under the rule above, and a take may read part of a post.
+
 Layout: per rank a 64-byte line (``posted``, ``sleeping``), then two slots, each a 64-byte
-line holding the header and ``SLOT_BYTES`` of payload.
+line holding the header and ``SLOT_BYTES`` of payload. The pages of a slot are only touched
+once a post fills them, so a board whose ops stay small costs little memory.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from .header import SIZE as HEADER_SIZE
 from .header import Header
 from .shm_ring import fence, stores_in_order
 
-SLOT_BYTES = 64 << 10  # the largest payload a rank posts; larger ops take the links
+SLOT_BYTES = 1 << 20  # the largest payload one post holds; larger ops post in pieces
 _LINE = 64
 _SLOT = _LINE + SLOT_BYTES
 _RANK_BYTES = _LINE + 2 * _SLOT
@@ -81,7 +85,7 @@ class Board:
         self.number = 0  # posts this rank has made: the board op it is in
         self._mine = rank * _RANK_BYTES
         self._peers = [peer for peer in range(world_size) if peer != rank]
-        self._typed: dict[tuple[np.dtype, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._typed: dict[tuple[np.dtype, int, int], tuple[list[np.ndarray], ...]] = {}
 
     def posted(self, peer: int) -> int:
         """How many posts ``peer`` has made."""
@@ -96,15 +100,16 @@ class Board:
                 return [p for p in self._peers if posted(p) < number]
         return []
 
-    def post(self, header: bytes, payload: np.ndarray | None) -> None:
-        """Make the next post: ``header`` (packed) and ``payload`` (at most ``SLOT_BYTES``;
-        None for none), then the count that shows them. Call once ``behind`` is empty."""
+    def post(self, header: bytes, payload: np.ndarray | None, at: int = 0) -> None:
+        """Make the next post: ``header`` (packed) and ``payload`` (None for none) from
+        element ``at`` of the slot on, then the count that shows them. Call once ``behind``
+        is empty."""
         number = self.number + 1
-        at = self._mine + _LINE + (number % 2) * _SLOT
-        self._mem[at: at + HEADER_SIZE] = header
+        start = self._mine + _LINE + (number % 2) * _SLOT
+        self._mem[start: start + HEADER_SIZE] = header
         if payload is not None:
             values = payload if payload.ndim == 1 else payload.reshape(-1)
-            self._views(values.dtype, values.size)[number % 2][self.rank][...] = values
+            self._part(values.dtype, values.size, at)[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
 
@@ -121,15 +126,30 @@ class Board:
         return (raw[at: at + _SENDER.start] == header[_BEFORE_SENDER]
                 and raw[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
 
-    def payload(self, peer: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """``peer``'s payload of the current op as ``count`` elements of ``dtype``, in place
-        (valid until the next op)."""
-        return self._views(dtype, count)[self.number % 2][peer]
+    def payload(self, peer: int, dtype: np.dtype, count: int, at: int = 0) -> np.ndarray:
+        """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current post, in
+        place (valid until this rank's next post, after which the peer may overwrite it)."""
+        return self._part(dtype, count, at)[self.number % 2][peer]
 
-    def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _part(self, dtype: np.dtype, count: int, at: int) -> tuple[list[np.ndarray], ...]:
+        """Elements ``at:at + count`` of every rank's slots, as ``_views`` has them."""
+        if not at:
+            return self._views(dtype, count)
+        views = self._typed.get((dtype, count, at))
+        if views is None:
+            if (at + count) * dtype.itemsize > SLOT_BYTES:
+                raise ValueError(f"a board post holds at most {SLOT_BYTES} B; elements "
+                                 f"{at}:{at + count} of {dtype} lie beyond it")
+            whole = self._views(dtype, SLOT_BYTES // dtype.itemsize)
+            views = self._typed[(dtype, count, at)] = tuple(
+                [rank[at: at + count] for rank in parity] for parity in whole)
+            self._trim()
+        return views
+
+    def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], ...]:
         """Every rank's payload as ``count`` elements of ``dtype``, for each parity of post
         numbers: made once per dtype and count."""
-        views = self._typed.get((dtype, count))
+        views = self._typed.get((dtype, count, 0))
         if views is None:
             nbytes = count * dtype.itemsize
             if nbytes > SLOT_BYTES:
@@ -140,10 +160,13 @@ class Board:
                           for p in range(self.world_size))
                 return [self._bytes[at: at + nbytes].view(dtype) for at in starts]
 
-            views = self._typed[(dtype, count)] = (of(0), of(1))
-            if len(self._typed) > 64:  # many sizes: keep the latest
-                del self._typed[next(iter(self._typed))]
+            views = self._typed[(dtype, count, 0)] = (of(0), of(1))
+            self._trim()
         return views
+
+    def _trim(self) -> None:
+        while len(self._typed) > 256:  # many sizes: keep the latest
+            del self._typed[next(iter(self._typed))]
 
     def _slot(self, peer: int, number: int | None = None) -> int:
         parity = (self.number if number is None else number) % 2

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
-WIRE_VERSION = 4  # bumped whenever the header or the framing changes; agreed at init
+WIRE_VERSION = 5  # bumped whenever the header, the framing or the board changes; agreed at init
 _FORMAT = struct.Struct("<QQQIIIiBBBBB3x")  # Header's fields, then the version
 SIZE = _FORMAT.size
 
@@ -47,7 +47,7 @@ class OpKind(IntEnum):
 
 # The wire codes of the schedules' algorithm names (``Schedule.algorithm``); 0 is none.
 ALGORITHMS = ("-", "ring", "tree", "dbtree", "hd", "rd", "chain", "binomial", "direct",
-              "pairwise", "dissemination", "hier", "board")
+              "pairwise", "dissemination", "hier", "board", "twoshot")
 ALGORITHM_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 _REDUCE_NAMES = {op.code + 1: name for name, op in REDUCE_OPS.items()}  # 0: no reduction
 
