@@ -13,12 +13,13 @@ from typing import Any
 
 from ringcomm.plan import cost
 from ringcomm.plan.collectives import COLLECTIVES
-from ringcomm.schedules import ALLREDUCE
+from ringcomm.schedules import ALLREDUCE, ON_BOARD
 
 
-def allreduce_algorithms() -> list[str]:
-    """Names of the allreduce algorithms the communicator can be forced to use."""
-    return list(ALLREDUCE)
+def allreduce_algorithms(board: bool = False) -> list[str]:
+    """Names of the allreduce algorithms the communicator can be forced to use; with
+    ``board``, the shared board's too (ranks of one host only)."""
+    return [*ALLREDUCE, *ON_BOARD] if board else list(ALLREDUCE)
 
 
 def allreduce(comm: Any, x: Any, op: str, algorithm: str | None) -> Any:

@@ -93,11 +93,12 @@ TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
 
 
 def parse_backends(spec: list[str]) -> list[Backend]:
-    """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm), ``ringcomm:all`` (the
-    automatic choice and every flat algorithm; the two-level ``hier`` only where named:
-    on one host it is a reduce and a broadcast), ``ringcomm/torch``, ``gloo``, ``nccl``;
-    commas or spaces between them. (MPI runs in processes of its own: ``--peers mpi``.)"""
-    algorithms = adapter.allreduce_algorithms()
+    """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm, the shared board's too),
+    ``ringcomm:all`` (the automatic choice and every flat algorithm over links; the
+    two-level ``hier`` only where named: on one host it is a reduce and a broadcast),
+    ``ringcomm/torch``, ``gloo``, ``nccl``; commas or spaces between them. (MPI runs in
+    processes of its own: ``--peers mpi``.)"""
+    algorithms = adapter.allreduce_algorithms(board=True)
     out: list[Backend] = []
     for word in (w.strip().lower() for item in spec for w in item.split(",")):
         if not word:
@@ -111,7 +112,7 @@ def parse_backends(spec: list[str]) -> list[Backend]:
             found = [Backend(TORCH, TORCH)]
         elif word == "ringcomm:all":
             found = [Backend("ringcomm", "ringcomm")] + [
-                Backend(f"ringcomm:{a}", "ringcomm", a) for a in algorithms
+                Backend(f"ringcomm:{a}", "ringcomm", a) for a in adapter.allreduce_algorithms()
                 if a not in HOST_AWARE]
         elif word.startswith("ringcomm:") and word.split(":", 1)[1] in algorithms:
             a = word.split(":", 1)[1]
@@ -610,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"which collectives ({', '.join(COLLECTIVES)}; default all)")
     p.add_argument("--backends", nargs="+", default=["ringcomm:all", TORCH, "gloo", "nccl"],
                    help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
-                   f"ALGO one of {', '.join(adapter.allreduce_algorithms())}), ringcomm:all, "
+                   f"ALGO one of {', '.join(adapter.allreduce_algorithms(board=True))}; "
+                   "board and twoshot on one host only), ringcomm:all, "
                    f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
                    f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
                    "rank)")

@@ -828,7 +828,7 @@ def job_board(rank: int, world: int, store: str, transport: str,
               env: dict[int, dict[str, str | None]] | None = None, **_: Any) -> dict:
     """Board ops mixed with link ops, point-to-point messages and async ops, each checked:
     what the board and the automatic choice were, and which checks failed."""
-    from ringcomm.schedules.board import ONE_SHOT_BYTES
+    from ringcomm.schedules.board import one_shot_bytes
     from ringcomm.transport.board import SLOT_BYTES
 
     with _rank_environment((env or {}).get(rank, {}), None):
@@ -836,7 +836,8 @@ def job_board(rank: int, world: int, store: str, transport: str,
     wrong: list[str] = []
     with comm:
         # one-shot, two-shot in one piece and in three (the last one short)
-        sizes = (4, 4096, ONE_SHOT_BYTES, ONE_SHOT_BYTES + 4, 2 * SLOT_BYTES + 12)
+        one_shot = one_shot_bytes(world)
+        sizes = (4, 4096, one_shot, one_shot + 4, 2 * SLOT_BYTES + 12)
         chosen = {n: comm.allreduce_algorithm(n) for n in sizes}
         for salt in range(3):
             for n in sizes:

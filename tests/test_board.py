@@ -14,7 +14,7 @@ import pytest
 from ringcomm import cli
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.runtime.local import run_group
-from ringcomm.schedules.board import ONE_SHOT_BYTES
+from ringcomm.schedules.board import one_shot_bytes
 from ringcomm.schedules.schedule import Kind
 from ringcomm.transport.board import SLOT_BYTES
 
@@ -153,7 +153,7 @@ def test_ranks_that_disagree_about_a_broadcasts_root_find_out_in_the_op():
 
 
 def test_small_messages_go_one_shot_larger_two_shot_and_none_without_a_board():
-    sizes = [ONE_SHOT_BYTES // 4, ONE_SHOT_BYTES // 4 + 1]  # float32 elements
+    sizes = [one_shot_bytes(3) // 4, one_shot_bytes(3) // 4 + 1]  # float32 elements
 
     def fn(comm):
         for n in sizes:
@@ -224,8 +224,9 @@ def test_real_ranks_mix_board_ops_with_link_ops_p2p_and_async_ops(cluster, world
         assert x["wrong"] == [], (r, x["wrong"])
     chosen = res[0]["chosen"]
     assert all(x["chosen"] == chosen for x in res)
-    assert chosen[4] == chosen[4096] == chosen[ONE_SHOT_BYTES] == "board", chosen
-    assert chosen[ONE_SHOT_BYTES + 4] == chosen[2 * SLOT_BYTES + 12] == "twoshot", chosen
+    one_shot = one_shot_bytes(world)
+    assert chosen[4] == chosen[4096] == chosen[one_shot] == "board", chosen
+    assert chosen[one_shot + 4] == chosen[2 * SLOT_BYTES + 12] == "twoshot", chosen
 
 
 @pytest.mark.timeout(60)

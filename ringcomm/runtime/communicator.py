@@ -50,7 +50,7 @@ from ..plan import cost
 from ..plan.collectives import COLLECTIVES, Collective
 from ..plan.settings import Settings
 from ..plan.topology import Topology
-from ..schedules import ALLREDUCE
+from ..schedules import ALLREDUCE, ON_BOARD
 from ..schedules import board as board_schedules
 from ..transport import board
 from ..transport.base import Transport
@@ -108,7 +108,6 @@ class _Collective:
 
 
 _SEQ = struct.Struct("<Q")  # a header's first field
-_ON_BOARD = ("board", "twoshot")  # the allreduce algorithms of the shared board
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +171,7 @@ class Communicator:
         self.segment_bytes = int(segment_bytes)
         self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
         self._board_plans: dict[tuple[np.dtype, int, str], _BoardPlan] = {}
+        self._one_shot_bytes = board_schedules.one_shot_bytes(self.world_size)
         self.trace: list[TraceEvent] | None = None
         self._on_close = list(on_close)
         self._connect = connect  # (member ranks, tag) -> this rank's transport among them
@@ -278,18 +278,18 @@ class Communicator:
         choice from the agreed settings and topology (the same on every rank)."""
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
-            if name in _ON_BOARD:
+            if name in ON_BOARD:
                 self._check_board(name, nbytes)
             elif name not in ALLREDUCE:
                 raise ArgumentError(
                     f"allreduce algorithm {forced!r} is unknown; use one of "
-                    f"{', '.join((*ALLREDUCE, *_ON_BOARD))}, or leave it unset for the "
+                    f"{', '.join((*ALLREDUCE, *ON_BOARD))}, or leave it unset for the "
                     "automatic choice")
             return name
         if self.settings.algorithm is not None:
             return self.settings.algorithm
         if self.transport.board is not None:
-            return "board" if nbytes <= board_schedules.ONE_SHOT_BYTES else "twoshot"
+            return "board" if nbytes <= self._one_shot_bytes else "twoshot"
         key = (nbytes, itemsize)
         chosen = self._chosen.get(key)
         if chosen is None:  # the model costs tens of microseconds: ask once per size
@@ -360,9 +360,9 @@ class Communicator:
 
     @property
     def _board_bytes(self) -> int:
-        """The largest message this group's small collectives put on the board in one post
-        for every rank to read; -1 without a board."""
-        return board_schedules.ONE_SHOT_BYTES if self.transport.board is not None else -1
+        """The largest message this group's broadcasts and all-gathers put on the board in
+        one post for every rank to read; -1 without a board."""
+        return board_schedules.SMALL_BYTES if self.transport.board is not None else -1
 
     def _check_board(self, algorithm: str, nbytes: int) -> None:
         if self.transport.board is None:

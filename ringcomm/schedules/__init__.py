@@ -14,6 +14,9 @@ ALLREDUCE = {
     "hier": hier.allreduce,
 }
 HOST_AWARE = frozenset({"hier"})
+# The allreduce algorithms of the shared board (ranks of one host): not priced by the cost
+# model, taken by size where a group has a board (``board.one_shot_bytes``).
+ON_BOARD = ("board", "twoshot")
 
 
 def allreduce_schedule(name: str, rank: int, world_size: int, count: int, segment: int,
@@ -25,6 +28,6 @@ def allreduce_schedule(name: str, rank: int, world_size: int, count: int, segmen
     return ALLREDUCE[name](rank, world_size, count, segment)
 
 
-__all__ = ["ALLREDUCE", "HOST_AWARE", "Kind", "Region", "Schedule", "Step",
+__all__ = ["ALLREDUCE", "HOST_AWARE", "ON_BOARD", "Kind", "Region", "Schedule", "Step",
            "allreduce_schedule", "board", "dbtree", "direct", "halving_doubling", "hier",
            "recursive_doubling", "ring", "rooted", "tree"]
