@@ -300,7 +300,7 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
     in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``. A
     ``Buffer`` already made (by a layer above that has checked its array) is taken as it is.
     """
-    if isinstance(x, Buffer):
+    if type(x) is HostBuffer or isinstance(x, Buffer):  # the first test is the quick one
         return x
     if not (reads or writable):
         raise ValueError("a buffer that the op neither reads nor writes has no use")

@@ -20,7 +20,10 @@ import struct
 import time
 from collections.abc import Mapping
 
+import numpy as np
+
 from ..core.arrays import Buffer
+from ..core.dtypes import ReduceOp, finish_reduction
 from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule
 from ..transport.base import Transport
@@ -63,6 +66,15 @@ class BoardProgram:
             rounds[-1] = (post, at, (*takes, take))
         self.rounds = tuple(rounds)
         self.roles = tuple(dict.fromkeys(r.buf for r in regions if r.count))  # buffers used
+        # one post of a whole buffer whose takes copy or reduce all of it (the one-shot
+        # allreduce): (peer, reduces, final) per take, for ``run_whole``; else None
+        post, place, takes = rounds[0]
+        self.whole: tuple[tuple[int, bool, bool], ...] | None = None
+        if len(rounds) == 1 and post is not None and not post.offset and not place and all(
+                does is not _CHECK and (role, offset, count, at) == (post.buf, 0, post.count, 0)
+                for _, does, _, role, offset, count, at in takes):
+            self.whole = tuple((peer, does is _REDUCE, final)
+                               for peer, does, final, *_ in takes)
 
     def run(self, transport: Transport, buffers: Mapping[str, Buffer], header: bytes,
             ctx: OpContext, trace: list[TraceEvent] | None = None) -> None:
@@ -94,6 +106,24 @@ class BoardProgram:
                 if trace is not None:
                     started = self._traced(trace, step, started, transport.rank, ctx)
                 step += 1
+
+    def run_whole(self, transport: Transport, data: np.ndarray, header: bytes,
+                  deadline: float, name: str, reduce: ReduceOp | None) -> None:
+        """``run`` for a program with ``whole`` takes, on ``data`` (all of the buffer, in
+        host memory): the same posts and takes without the general bookkeeping, where the
+        smallest calls spend most of their time."""
+        assert self.whole is not None, "run_whole needs a program of whole takes"
+        transport.post(header, data, deadline, name)
+        dtype, count = data.dtype, data.size
+        for peer, reduces, final in self.whole:
+            payload = transport.take(peer, header, dtype, count, deadline, name)
+            if reduces:
+                assert reduce is not None
+                reduce.ufunc(data, payload, out=data)
+                if final and reduce.divides:
+                    finish_reduction(data, reduce, transport.world_size)
+            else:
+                np.copyto(data, payload)
 
     def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
                 ctx: OpContext) -> float:
@@ -128,12 +158,28 @@ def run_board(
     try:
         program.run(transport, buffers, header, ctx, trace)
     except CommTimeout as err:
-        raise CommTimeout(
-            f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "
-            "Check that every rank runs this op, or raise the timeout.",
-            rank=transport.rank, op=ctx.name, peer=err.peer) from None
+        raise _on_board(err, schedule, transport.rank, ctx.name) from None
     for buf in used:
         buf.after_op()
+
+
+def run_board_whole(program: BoardProgram, data: np.ndarray, transport: Transport,
+                    header: bytes, deadline: float, name: str,
+                    reduce: ReduceOp | None) -> None:
+    """``run_board`` for a program with ``whole`` takes on ``data``, host memory that needs
+    no staging (``BoardProgram.run_whole``)."""
+    try:
+        program.run_whole(transport, data, header, deadline, name, reduce)
+    except CommTimeout as err:
+        raise _on_board(err, program.schedule, transport.rank, name) from None
+
+
+def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> CommTimeout:
+    """A board wait's timeout, saying which schedule ran out of time."""
+    return CommTimeout(
+        f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "
+        "Check that every rank runs this op, or raise the timeout.",
+        rank=rank, op=name, peer=err.peer)
 
 
 _PROGRAMS: dict[int, tuple[Schedule, BoardProgram]] = {}  # id(schedule) -> (it, its program)

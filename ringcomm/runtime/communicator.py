@@ -55,7 +55,13 @@ from ..schedules import board as board_schedules
 from ..transport import board
 from ..transport.base import Transport
 from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .board_program import BoardProgram, board_header, board_program, run_board
+from .board_program import (
+    BoardProgram,
+    board_header,
+    board_program,
+    run_board,
+    run_board_whole,
+)
 from .context import OpContext, TraceEvent
 from .executor import run_schedule
 from .p2p import P2PEngine, P2POp
@@ -347,9 +353,15 @@ class Communicator:
             return True
         name = f"allreduce #{seq}"
         try:
-            run_board(plan.program, {"data": data}, self.transport,
-                      OpContext(plan.desc, name, data.dtype, time.monotonic() + self.timeout,
-                                plan.reduce), header=plan.header_of(seq))
+            if plan.program.whole is not None and type(data) is HostBuffer:
+                run_board_whole(plan.program, data.region(0, data.count), self.transport,
+                                plan.header_of(seq), time.monotonic() + self.timeout, name,
+                                plan.reduce)
+            else:
+                run_board(plan.program, {"data": data}, self.transport,
+                          OpContext(plan.desc, name, data.dtype,
+                                    time.monotonic() + self.timeout, plan.reduce),
+                          header=plan.header_of(seq))
         except CommError as err:
             self._fail(err, seq)
             self._p2p.fail_all(err)
