@@ -3,7 +3,8 @@
 A small async collective with nothing queued ahead of it runs at once on the caller's
 thread (``inline_bytes``, ``RINGCOMM_INLINE_BYTES``): it takes less than the two thread
 hand-offs the worker would cost. A large one goes to the worker, so the caller's own work
-overlaps it. Either way the result, the order of ops and the errors are the same: an
+overlaps it, where the host has a spare core for the worker; where it has not, every size
+runs on the caller's thread. Either way the result, the order of ops and the errors are the same: an
 inline op's error is raised by ``wait``, as the worker's would be.
 """
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from ringcomm import ArgumentError, CommTimeout
-from ringcomm.runtime.communicator import DEFAULT_INLINE_BYTES, inline_bytes
+from ringcomm.plan.topology import RankFacts, Topology
+from ringcomm.runtime.communicator import DEFAULT_INLINE_BYTES, EVERY_SIZE, inline_bytes
 from ringcomm.runtime.local import run_group
 
 LATE_S = 0.5
@@ -50,10 +52,32 @@ def test_a_small_async_op_runs_inline_and_returns_completed():
 
 
 @pytest.mark.timeout(30)
-def test_a_large_async_op_overlaps_the_callers_work():
-    returned, done, x = _late_peer(DEFAULT_INLINE_BYTES // 4 + 1)
+def test_a_large_async_op_overlaps_the_callers_work_given_a_spare_core():
+    returned, done, x = _late_peer(DEFAULT_INLINE_BYTES // 4 + 1,
+                                   inline=inline_bytes(spare_core=True))
     assert not done and returned < LATE_S / 2, returned
     assert np.all(x == 3.0)
+
+
+@pytest.mark.timeout(30)
+def test_without_a_spare_core_a_large_async_op_runs_inline_too():
+    returned, done, x = _late_peer(DEFAULT_INLINE_BYTES // 4 + 1,
+                                   inline=inline_bytes(spare_core=False))
+    assert done and returned >= LATE_S * 0.8, returned
+    assert np.all(x == 3.0)
+
+
+def test_a_spare_core_is_two_cores_per_rank_of_the_host():
+    def facts(host: str, cpus: int) -> RankFacts:
+        return RankFacts(host, host, tuple(range(cpus)), 1)
+
+    two_on_two = Topology((facts("a", 2), facts("a", 2)))
+    two_on_four = Topology((facts("a", 4), facts("a", 4)))
+    hosts = Topology((facts("a", 2), facts("b", 4), facts("b", 4)))  # 2 for 1, 4 for 2
+    assert [two_on_two.spare_core(r) for r in range(2)] == [False, False]
+    assert [two_on_four.spare_core(r) for r in range(2)] == [True, True]
+    assert [hosts.spare_core(r) for r in range(3)] == [True, True, True]
+    assert inline_bytes(spare_core=False) == EVERY_SIZE
 
 
 @pytest.mark.timeout(30)
@@ -80,6 +104,7 @@ def test_an_inline_async_ops_error_is_raised_by_wait_not_by_the_call():
 def test_inline_bytes_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("RINGCOMM_INLINE_BYTES", "4096")
     assert inline_bytes() == 4096
+    assert inline_bytes(spare_core=False) == 4096  # the setting wins
     monkeypatch.setenv("RINGCOMM_INLINE_BYTES", "-1")
     with pytest.raises(ArgumentError, match="RINGCOMM_INLINE_BYTES=-1 is negative"):
         inline_bytes()
@@ -115,7 +140,8 @@ dist.destroy_process_group()
 def test_torch_says_when_its_caller_waits_and_such_an_op_completes_in_the_call():
     """``dist.all_reduce(t)`` sets ``opts.asyncOp = False``: the backend then runs the op as
     a blocking call (no hand-off to the worker) and returns a completed Work, whatever its
-    size; with ``asyncOp`` True a large op still returns at once and overlaps."""
+    size; with ``asyncOp`` True a large op still returns at once and overlaps (as on a host
+    with a spare core: ``RINGCOMM_INLINE_BYTES`` at its default there)."""
     import os
     import subprocess
     import sys
@@ -125,7 +151,8 @@ def test_torch_says_when_its_caller_waits_and_such_an_op_completes_in_the_call()
     script = TORCH_PAIR.format(port=free_port(), late=LATE_S)
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ)) for r in range(2)]
+                              env=dict(os.environ, RINGCOMM_INLINE_BYTES=str(DEFAULT_INLINE_BYTES)))
+             for r in range(2)]
     outs = [p.communicate(timeout=80) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     sync, asyn = (line.split() for line in outs[0][0].splitlines())

@@ -88,7 +88,8 @@ SETTINGS: tuple[Setting, ...] = (
             "DEBUG: one line per op as well"),
     Setting("inline_bytes", Scope.LOCAL, "RINGCOMM_INLINE_BYTES", None,
             "async collectives up to this size per buffer run on the caller's thread when "
-            "nothing is queued (default 64 KiB; 0: always on the worker)"),
+            "nothing is queued (default 64 KiB where the host has two cores per rank, every "
+            "size where it has not; 0: always on the worker)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -92,6 +92,13 @@ class Topology:
         affinities)."""
         return len(set().union(*(self.ranks[r].cpus for r in ranks)))
 
+    def spare_core(self, rank: int) -> bool:
+        """Whether ``rank``'s host has two cores per rank: one for each rank and one for its
+        worker thread. Without, a worker competes for its own rank's core, and handing an op
+        to it costs more than the overlap gains."""
+        ranks = next(group for group in self.hosts if rank in group)
+        return self.host_cores(ranks) >= 2 * len(ranks)
+
     @cached_property
     def cores_per_rank(self) -> float:
         """Cores per rank on the most crowded host (at most 1): below 1 the ranks of a host
