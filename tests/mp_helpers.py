@@ -589,6 +589,7 @@ def job_peer_dies(rank: int, world: int, store: str, transport: str, victim: int
             f.write(comm.transport.ipc_dir or "")
         if when == "during":  # queues many ops and dies part-way through them
             x = np.ones(BIG, np.float32)
+            comm.inline_bytes = 0  # queued on the worker, even where cores are few
             for _ in range(100):
                 comm.allreduce(x, async_op=True)
             time.sleep(0.1)
