@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARGS = ["--collectives", "allreduce", "--backends", "ringcomm", "-n", "2", "4",
                 "-b", "8", "-e", "64M", "-f", "8"]
 
-Key = tuple[int, int]  # (world size, bytes)
+Key = tuple[str, int, int]  # (collective, world size, bytes)
 
 
 @contextlib.contextmanager
@@ -69,8 +69,9 @@ def run_bench(tree: Path, args: Sequence[str], out: Path) -> list[dict]:
 
 
 def times(rows: list[dict]) -> dict[Key, float]:
-    """Median time (us) of the automatic choice per (world size, bytes)."""
-    return {(r["world_size"], r["bytes"]): r["time_us"] for r in rows
+    """Median time (us) of the automatic choice per (collective, world size, bytes)."""
+    return {(r.get("collective", "allreduce"), r["world_size"], r["bytes"]): r["time_us"]
+            for r in rows
             if r.get("library") == "ringcomm" and r.get("algorithm") in (None, "auto")}
 
 
@@ -85,22 +86,27 @@ def compare(old_rounds: list[dict[Key, float]],
         new = [r[key] for r in new_rounds]
         noise = max(max(v) / min(v) for v in (old, new))
         ratio = statistics.median(new) / statistics.median(old)
-        out.append({"world_size": key[0], "bytes": key[1], "old_us": statistics.median(old),
+        out.append({"collective": key[0], "world_size": key[1], "bytes": key[2],
+                    "old_us": statistics.median(old),
                     "new_us": statistics.median(new), "new_over_old": ratio, "noise": noise,
                     "slower": ratio > noise, "old_rounds_us": old, "new_rounds_us": new})
     return out
 
 
 def show(rows: list[dict], old: str, new: str) -> None:
-    table = Table(title=f"allreduce, {new} against {old} (medians of interleaved rounds)")
-    for col in ("world", "bytes", f"{old} (us)", f"{new} (us)", "new/old", "noise",
-                "slower?"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["world_size"]), f"{r['bytes']:,}", f"{r['old_us']:,.1f}",
-                      f"{r['new_us']:,.1f}", f"{r['new_over_old']:.2f}x", f"{r['noise']:.2f}x",
-                      "[red]yes[/]" if r["slower"] else "no")
-    Console().print(table)
+    """One table per collective."""
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        table = Table(title=f"{collective}, {new} against {old} (medians of interleaved "
+                      "rounds)")
+        for col in ("world", "bytes", f"{old} (us)", f"{new} (us)", "new/old", "noise",
+                    "slower?"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            if r["collective"] == collective:
+                table.add_row(str(r["world_size"]), f"{r['bytes']:,}", f"{r['old_us']:,.1f}",
+                              f"{r['new_us']:,.1f}", f"{r['new_over_old']:.2f}x",
+                              f"{r['noise']:.2f}x", "[red]yes[/]" if r["slower"] else "no")
+        Console().print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -549,15 +549,18 @@ def test_hosts_run_end_to_end(tmp_path):
 def test_versions_calls_a_size_slower_only_beyond_the_noise_of_its_own_rounds():
     """The A/B comparison: each version's median over its rounds; the noise is the larger
     spread between rounds of one version; slower means new/old above that spread."""
-    old = [{(2, 8): 10.0, (2, 1024): 100.0}, {(2, 8): 12.0, (2, 1024): 100.0},
-           {(2, 8): 11.0, (2, 1024): 101.0}]
-    new = [{(2, 8): 12.5, (2, 1024): 130.0}, {(2, 8): 11.5, (2, 1024): 131.0},
-           {(2, 8): 13.0, (2, 1024): 129.0, (4, 8): 1.0}]  # a size only one run has: skipped
-    rows = {(r["world_size"], r["bytes"]): r for r in versions.compare(old, new)}
-    assert set(rows) == {(2, 8), (2, 1024)}
-    small, large = rows[(2, 8)], rows[(2, 1024)]
+    a, b, c, d = ("allreduce", 2, 8), ("allreduce", 2, 1024), ("allreduce", 4, 8), \
+        ("broadcast", 2, 8)
+    old = [{a: 10.0, b: 100.0, d: 5.0}, {a: 12.0, b: 100.0, d: 5.0}, {a: 11.0, b: 101.0, d: 5.0}]
+    new = [{a: 12.5, b: 130.0, d: 9.0}, {a: 11.5, b: 131.0, d: 9.0},
+           {a: 13.0, b: 129.0, c: 1.0, d: 9.0}]  # a size only one run has: skipped
+    rows = {(r["collective"], r["world_size"], r["bytes"]): r
+            for r in versions.compare(old, new)}
+    assert set(rows) == {a, b, d}  # collectives are kept apart, not mixed by size
+    small, large = rows[a], rows[b]
     assert small["old_us"] == 11.0 and small["new_us"] == 12.5
     assert math.isclose(small["noise"], 12.0 / 10.0) and math.isclose(small["new_over_old"],
                                                                       12.5 / 11.0)
+    assert rows[d]["slower"] and rows[d]["old_us"] == 5.0
     assert not small["slower"]  # 1.14x, within the 1.2x the old rounds differ by
     assert math.isclose(large["noise"], 131.0 / 129.0) and large["slower"]  # 1.30x > 1.02x
