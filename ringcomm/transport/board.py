@@ -109,7 +109,9 @@ class Board:
         self._mem[start: start + HEADER_SIZE] = header
         if payload is not None:
             values = payload if payload.ndim == 1 else payload.reshape(-1)
-            self._part(values.dtype, values.size, at)[number % 2][self.rank][...] = values
+            dtype, count = values.dtype, values.size
+            views = self._typed.get((dtype, count, at)) or self._part(dtype, count, at)
+            views[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
 
@@ -129,7 +131,8 @@ class Board:
     def payload(self, peer: int, dtype: np.dtype, count: int, at: int = 0) -> np.ndarray:
         """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current post, in
         place (valid until this rank's next post, after which the peer may overwrite it)."""
-        return self._part(dtype, count, at)[self.number % 2][peer]
+        views = self._typed.get((dtype, count, at)) or self._part(dtype, count, at)
+        return views[self.number % 2][peer]
 
     def _part(self, dtype: np.dtype, count: int, at: int) -> tuple[list[np.ndarray], ...]:
         """Elements ``at:at + count`` of every rank's slots, as ``_views`` has them."""
