@@ -143,6 +143,20 @@ def test_an_allgather_on_the_board_puts_every_block_in_its_place(world):
         assert {e.algorithm for e in trace} == {"board"}
 
 
+def test_an_empty_two_shot_allreduce_still_checks_the_others():
+    """No element to move, but a post and a header check all the same: a rank whose vector
+    is not empty finds out in the op instead of at the timeout."""
+    def fn(comm):
+        x = np.ones(0 if comm.rank == 0 else 4, np.float32)
+        comm.allreduce(x, algorithm="twoshot")
+
+    errors = run_group(2, fn, board=True, return_errors=True, timeout=10)
+    assert all(type(e).__name__ in ("DesyncError", "RemoteError") for e in errors), errors
+    assert any("elements" in str(e) for e in errors), errors
+    assert run_group(3, lambda comm: comm.allreduce(np.ones(0), algorithm="twoshot").size,
+                     board=True) == [0, 0, 0]
+
+
 def test_ranks_that_disagree_about_a_broadcasts_root_find_out_in_the_op():
     """Both ranks think they are the root: over links each only sends and returns; on the
     board each checks the other's header."""

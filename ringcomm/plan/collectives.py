@@ -217,7 +217,9 @@ class Collective:
         it the collective picks (broadcast by ``nbytes``; allreduce needs the caller's
         choice). ``hosts`` reaches the host-aware algorithms; ``send_counts`` and
         ``recv_counts`` give an all-to-all's uneven splits; ``piece`` is how many elements
-        one post on the shared board holds, for the algorithms that post in pieces."""
+        one post on the shared board holds, for the algorithms that post in pieces (0: all
+        of them in one post, for schedules that are printed or checked rather than run: a
+        communicator passes its board's size)."""
         name = algorithm
         if name is None:
             name = self._choose(nbytes) if self._choose else next(iter(self.algorithms))

@@ -74,8 +74,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
             "0 turns shared memory off; a pair uses it only where both ends offer it"),
     Setting("board", Scope.LOCAL, "RINGCOMM_BOARD", None,
-            "0 declines the shared board for small collectives among ranks of one host; a "
-            "group uses it only where every rank offers it (x86 only)"),
+            "0 declines the shared board (allreduces of every size, small broadcasts, "
+            "all-gathers and barriers among ranks of one host); a group uses it only where "
+            "every rank offers it (x86 only)"),
     Setting("mailbox", Scope.LOCAL, "RINGCOMM_MAILBOX", None,
             "1 lets small messages from local peers arrive through a shared-memory mailbox "
             "instead of the pipe (x86 only); either end may differ"),

@@ -7,7 +7,9 @@ what changes between its steps (which region this rank posts; which peer's post 
 from which element, and whether to copy it into a region, reduce it into one, or only
 check its header; whether that completes a reduction), and ``run`` does no more than that.
 The executor runs board schedules through it, and so does the communicator's short way for
-a blocking allreduce.
+a blocking allreduce; for the one-shot allreduce on host memory, the commonest small call,
+the short way takes ``run_whole``, the same posts and takes without the general runner's
+lookups.
 
 Every post of an op carries the op's header with the post's number within the op as its
 ``index``, so that ranks whose posts do not line up find out at the first take. A reduction

@@ -120,7 +120,7 @@ _SEQ = struct.Struct("<Q")  # a header's first field
 @dataclass(frozen=True, slots=True)
 class _BoardPlan:
     """A blocking allreduce on the board, ready to run again: everything about it but
-    the buffer and the sequence number (``Communicator._board_allreduce``)."""
+    the buffer and the sequence number (``Communicator._allreduce_now``)."""
 
     program: BoardProgram
     reduce: ReduceOp
@@ -259,11 +259,12 @@ class Communicator:
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``, ``board``)
-        forces one for this call, as ``RINGCOMM_ALGO`` (which must be the same on every
-        rank) does for all; by default a message that fits the shared board goes there
-        (where every rank shares one host), and the cost model picks the cheapest link
-        algorithm for the others (``ringcomm.plan.cost``). The automatic choice is a
+        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``, or on the
+        shared board ``board`` and ``twoshot``) forces one for this call, as
+        ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all. By default a
+        group whose ranks share one host runs every allreduce on the shared board (one-shot
+        up to ``one_shot_bytes``, two-shot above), and any other group takes the cost
+        model's cheapest link algorithm (``ringcomm.plan.cost``). The automatic choice is a
         function of the size, the dtype, the board that all ranks set up together, the
         settings agreed at init and the table of every rank's host and cores, so it is the
         same on every rank; a forced one that differs between ranks is caught at the first
@@ -281,8 +282,9 @@ class Communicator:
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:
         """The allreduce algorithm this communicator runs for ``nbytes`` of ``itemsize``-byte
-        elements: ``forced``, else the agreed ``RINGCOMM_ALGO``, else the cost model's
-        choice from the agreed settings and topology (the same on every rank)."""
+        elements: ``forced``, else the agreed ``RINGCOMM_ALGO``, else with a shared board
+        the one-shot or the two-shot by size, else the cost model's choice from the agreed
+        settings and topology (the same on every rank)."""
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
             if name in ON_BOARD:
@@ -326,12 +328,12 @@ class Communicator:
             if alone:
                 self._board_plans[key] = _ALONE
                 return self._allreduce_now(data, op)
-            name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize)
+            algorithm = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize)
             program = board_program(COLLECTIVES["allreduce"].schedule(
-                self.rank, self.world_size, data.count, self._segment(data), algorithm=name,
-                piece=board.SLOT_BYTES // data.dtype.itemsize))
+                self.rank, self.world_size, data.count, self._segment(data),
+                algorithm=algorithm, piece=board.SLOT_BYTES // data.dtype.itemsize))
             desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
-                                algorithm_code(name), reduce_code(rop), -1,
+                                algorithm_code(algorithm), reduce_code(rop), -1,
                                 self.segment_bytes, data.count)
             header = board_header(desc, self.rank, data.dtype.itemsize)
             if len(self._board_plans) >= 256:  # many sizes: keep the latest
@@ -603,11 +605,12 @@ class Communicator:
         inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
         with self._count_lock:
             # A collective with nothing ahead of it runs on the caller's thread when the
-            # caller waits for it anyway, or when it is small (``inline_bytes``): the order
-            # is the same, and two thread hand-offs (tens of microseconds each on a busy
-            # machine, more than a small op takes) are saved. A small async op then returns
-            # completed, its error (if any) kept for ``wait``. The worker cannot start
-            # anything meanwhile: its queue is empty and no receive is posted.
+            # caller waits for it anyway, or when it is no larger than ``inline_bytes``
+            # (64 KiB; every size where the host has no spare core for the worker): the
+            # order is the same, and two thread hand-offs (tens of microseconds each on a
+            # busy machine, more than a small op takes) are saved. Such an async op then
+            # returns completed, its error (if any) kept for ``wait``. The worker cannot
+            # start anything meanwhile: its queue is empty and no receive is posted.
             inline = inline and self._outstanding == 0 and not self._p2p.busy
             self._outstanding += 1
         if inline:

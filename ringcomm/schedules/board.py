@@ -1,21 +1,22 @@
-"""Collectives on the shared board: for small messages among ranks of one host.
+"""Collectives on the shared board, among the ranks of one host.
 
 Every rank posts its vector on the board (``ringcomm.transport.board``) and takes what it
 needs straight from the other ranks' posts: one copy in, one read of each part, and no
 message, where a tree or a ring pays a message (a system call and a wake-up) per round.
-Each rank reads all ``n`` parts, ``n`` times the bytes a ring reads, which is why only small
-messages go this way.
+In the one-shot ways below each rank reads all ``n`` parts, ``n`` times the bytes a ring
+reads, which is why only small messages go those ways; a larger allreduce goes two-shot.
 
-*Allreduce*: every rank folds the parts in rank order, ``((x0 op x1) op x2) ...``, so every
-rank gets the same bits whatever the rounding. Ranks 0 and 1 start from their own part and
-fold in the other of the two (the ops are commutative: ``x1 op x0`` is ``x0 op x1``); every
-other rank starts from a copy of rank 0's part and folds in the rest, its own part from the
-board, where it is the same as in its buffer.
+*Allreduce* (one-shot): every rank folds the parts in rank order, ``((x0 op x1) op x2)
+...``, so every rank gets the same bits whatever the rounding. Ranks 0 and 1 start from
+their own part and fold in the other of the two (the ops are commutative: ``x1 op x0`` is
+``x0 op x1``); every other rank starts from a copy of rank 0's part and folds in the rest,
+its own part from the board, where it is the same as in its buffer.
 
 *Two-shot allreduce* (larger messages, which ``n`` reads of everything would make dear):
-the vector goes in pieces of at most one post. For each piece every rank posts it, then
-reduces its own share of it (a chunk) from everyone's post, folding in rank order as
-above, posts that share of the result and takes every other rank's share: a reduce-scatter
+the vector goes in pieces of at most one post. For each piece every rank posts it (ranks 0
+and 1 all of it but their own chunk, which their fold starts from in place), then reduces
+its own share of it (a chunk) from everyone's post, folding in rank order as above, posts
+that share of the result and takes every other rank's share: a reduce-scatter
 and an all-gather through memory, each rank reading about ``2x`` the vector where the
 one-shot reads ``n x``. Each element is reduced by one rank only, so every rank still gets the
 same bits. (The one-shot and two-shot names are those of the custom all-reduce kernels that
@@ -50,7 +51,8 @@ def one_shot_bytes(world_size: int) -> int:
     Where every rank reads ``n`` parts the one-shot costs more with every rank, so the
     switch comes earlier in larger groups. Measured on two cores (float32; the two ways
     timed in turns): at 2 and 3 ranks the one-shot is ahead up to 512 KiB, at 4 up to 128
-    KiB."""
+    KiB. Larger groups were not measured here; they keep the 64 KiB the board's small
+    collectives use, where the one-shot's ``n`` reads are at most 64 KiB each."""
     return 512 << 10 if world_size <= 3 else 128 << 10 if world_size == 4 else 64 << 10
 
 
@@ -89,9 +91,10 @@ def allreduce_twoshot(rank: int, world_size: int, count: int, piece: int) -> Sch
     piece = piece or max(count, 1)
     steps = StepList()
     others = [peer for peer in range(world_size) if peer != rank]
-    for number, start in enumerate(range(0, count, piece)):
+    # an empty vector still posts once and checks every header, as the one-shot does
+    for piece_no, start in enumerate(range(0, count, piece) or [0]):
         size = min(piece, count - start)
-        where = f" (piece {number})" if count > piece else ""
+        where = f" (piece {piece_no})" if count > piece else ""
         chunks = Partition(size, world_size)
         at, length = _chunk(chunks, rank)
         mine = Region(DATA, start + at, length)
@@ -117,8 +120,9 @@ def allreduce_twoshot(rank: int, world_size: int, count: int, piece: int) -> Sch
                                   phase="fold" + where, round=peer)
         steps.post(mine, phase="share" + where)
         for peer in others:
-            offset, length = _chunk(chunks, peer)
-            steps.take(peer, Region(DATA, start + offset, length), phase="gather" + where)
+            their_at, their_length = _chunk(chunks, peer)
+            steps.take(peer, Region(DATA, start + their_at, their_length),
+                       phase="gather" + where)
     return steps.build("allreduce", "twoshot", rank, world_size)
 
 

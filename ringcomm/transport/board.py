@@ -1,37 +1,39 @@
-"""The shared board: small collectives among the ranks of one host, through memory they all
-map, with no message at all.
+"""The shared board: collectives among the ranks of one host, through memory they all map,
+with no message at all.
 
 Why: over links a small allreduce costs every rank one message per round (a header, a pipe
 write, a wake-up, a read, a header check), ``log2 n`` rounds or more, and at a few bytes
-that is all its time. On the board each rank copies its vector once into its own slot and
-reads every other rank's straight from theirs: no system call while ranks keep pace, and
-every rank reads everyone's part, so all of them fold the parts in the same order and get
-the same bits. MPICH's shared-memory collectives do the same for the same reason.
+that is all its time; a large one pays a message per segment and step. On the board each
+rank copies its part into its own slot and reads the others' straight from theirs: no
+system call while ranks keep pace, and what each rank reads it reads from the same posts,
+so folds in rank order give every rank the same bits. MPICH's shared-memory collectives do
+the same for the same reason.
 
-The protocol, for the ``k``-th post of every rank (every rank posts once per board op, and
-all ranks run the same ops in the same order, so their ``k`` agree):
+The protocol, for the ``k``-th post of every rank (all ranks run the same board ops in the
+same order, and an op makes the same number of posts on every rank, so their ``k`` agree):
 
-- a rank writes its header (the op descriptor, as a message would carry it) and its payload
-  into its slot ``k % 2``, then stores ``k`` as its ``posted`` count. Stores become visible
-  in program order (x86's TSO, ``shm_ring.stores_in_order``), so a reader that sees
-  ``posted >= k`` sees the slot filled;
+- a rank writes its header (the op descriptor, as a message would carry it, with the post's
+  number within the op as its ``index``) and its payload into its slot ``k % 2``, then
+  stores ``k`` as its ``posted`` count. Stores become visible in program order (x86's TSO,
+  ``shm_ring.stores_in_order``), so a reader that sees ``posted >= k`` sees the slot filled;
 - a reader waits until the poster's ``posted >= k``, compares the header with its own
-  (every rank's post of an op carries the same header but for the sender; ``DesyncError``
-  naming both ranks and what differs otherwise) and reads the payload in place;
-- each rank has two slots, so a rank may run one op ahead of the slowest: it writes slot
+  (every rank's post carries the same header but for the sender; ``DesyncError`` naming
+  both ranks and what differs otherwise) and reads the payload, or part of it, in place;
+- each rank has two slots, so a rank may run one post ahead of the slowest: it writes slot
   ``k % 2`` again at post ``k + 2`` only once every peer has posted ``k + 1``, which each
   does only after it has finished reading post ``k``.
+
+An op may make several posts (a large allreduce posts each piece, then its share of the
+result); a post may put its payload at an element of the slot other than the first, and a
+take may read part of a post.
 
 Waiting (spinning, then sleeping until a poster wakes the sleeper) belongs to the transport,
 which also watches the links meanwhile for a lost peer, an abort or a message that shows
 the ranks disagree; the board only says who has posted and who sleeps.
 
-An op may make several posts (a large allreduce posts each piece, then its share of the
-result); each is the next post under the rule above, and a take may read part of a post.
-
 Layout: per rank a 64-byte line (``posted``, ``sleeping``), then two slots, each a 64-byte
-line holding the header and ``SLOT_BYTES`` of payload. The pages of a slot are only touched
-once a post fills them, so a board whose ops stay small costs little memory.
+line holding the header and ``SLOT_BYTES`` of payload: about 2 MiB a rank, reserved when
+the board is made (so that a full ``/dev/shm`` shows at set-up, not as a fault mid-op).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Board:
         self._bytes = np.frombuffer(memory, np.uint8)  # not of _mem: that one is released
         self.rank = rank
         self.world_size = world_size
-        self.number = 0  # posts this rank has made: the board op it is in
+        self.number = 0  # posts this rank has made: the one it is in
         self._mine = rank * _RANK_BYTES
         self._peers = [peer for peer in range(world_size) if peer != rank]
         self._typed: dict[tuple[np.dtype, int, int], tuple[list[np.ndarray], ...]] = {}
@@ -116,14 +118,14 @@ class Board:
         self.number = number
 
     def header(self, peer: int, number: int | None = None) -> Header:
-        """The header of ``peer``'s post ``number`` (default: of this rank's current op),
-        once it has made it."""
+        """The header of ``peer``'s post ``number`` (default: the number of this rank's
+        latest post), once it has made it."""
         return Header.unpack_from(self._mem, self._slot(peer, number))
 
     def matches(self, peer: int, header: bytes) -> bool:
-        """Whether ``peer``'s post of the current op carries ``header`` (packed), its sender
-        aside: two slices of bytes compared, where unpacking and comparing takes several
-        times as long on every take."""
+        """Whether ``peer``'s post numbered as this rank's latest carries ``header``
+        (packed), its sender aside: two slices of bytes compared, where unpacking and
+        comparing takes several times as long on every take."""
         raw, at = self._raw, self._slot(peer)
         return (raw[at: at + _SENDER.start] == header[_BEFORE_SENDER]
                 and raw[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
@@ -135,7 +137,8 @@ class Board:
         return views[self.number % 2][peer]
 
     def _part(self, dtype: np.dtype, count: int, at: int) -> tuple[list[np.ndarray], ...]:
-        """Elements ``at:at + count`` of every rank's slots, as ``_views`` has them."""
+        """Elements ``at:at + count`` of every rank's slots, as ``_views`` has them, made
+        once (the callers look in ``_typed`` first themselves: this is their slow way)."""
         if not at:
             return self._views(dtype, count)
         views = self._typed.get((dtype, count, at))
