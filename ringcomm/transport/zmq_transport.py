@@ -242,7 +242,7 @@ class ZmqTransport(Transport):
                 board_memory = shm_ring.map_shared(path, board.size(n), create=True)
                 self._files.shm_paths.append(path)
             except OSError as err:
-                log.warning("rank 0: no shared board (%s); small collectives use the links",
+                log.warning("rank 0: no shared board (%s); collectives use the links",
                             err)
                 board_name = "-"
         endpoints.append(f"board {board_name if me == 0 else ('yes' if offer else '-')}")
@@ -299,7 +299,7 @@ class ZmqTransport(Transport):
                 board_memory = shm_ring.map_shared(
                     os.path.join(shm_ring.SHM_DIR, board_name), board.size(n), create=False)
             except (OSError, ValueError) as err:
-                log.warning("rank %d: cannot map the shared board (%s); small collectives use "
+                log.warning("rank %d: cannot map the shared board (%s); collectives use "
                             "the links", me, err)
         local_links = [link for link in links if isinstance(link, LocalLink)]
         if local_links:  # a pipe's reader sees end-of-file until its writer has opened it
