@@ -422,6 +422,7 @@ with netns.hosts(2, rate="100mbit") as hs:
         raise RuntimeError("boom")
     if sys.argv[1] == "exit":
         os._exit(3)  # no cleanup at all: what SIGKILL leaves
+    print("sleeping", flush=True)  # the test signals it now
     time.sleep(60)
 """
 
