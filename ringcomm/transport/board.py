@@ -112,7 +112,7 @@ class Board:
         if payload is not None:
             values = payload if payload.ndim == 1 else payload.reshape(-1)
             dtype, count = values.dtype, values.size
-            views = self._typed.get((dtype, count, at)) or self._part(dtype, count, at)
+            views = self._typed.get((dtype, count, at)) or self._views(dtype, count, at)
             views[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
@@ -133,46 +133,32 @@ class Board:
     def payload(self, peer: int, dtype: np.dtype, count: int, at: int = 0) -> np.ndarray:
         """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current post, in
         place (valid until this rank's next post, after which the peer may overwrite it)."""
-        views = self._typed.get((dtype, count, at)) or self._part(dtype, count, at)
+        views = self._typed.get((dtype, count, at)) or self._views(dtype, count, at)
         return views[self.number % 2][peer]
 
-    def _part(self, dtype: np.dtype, count: int, at: int) -> tuple[list[np.ndarray], ...]:
-        """Elements ``at:at + count`` of every rank's slots, as ``_views`` has them, made
-        once (the callers look in ``_typed`` first themselves: this is their slow way)."""
-        if not at:
-            return self._views(dtype, count)
-        views = self._typed.get((dtype, count, at))
-        if views is None:
-            if (at + count) * dtype.itemsize > SLOT_BYTES:
-                raise ValueError(f"a board post holds at most {SLOT_BYTES} B; elements "
-                                 f"{at}:{at + count} of {dtype} lie beyond it")
-            whole = self._views(dtype, SLOT_BYTES // dtype.itemsize)
-            views = self._typed[(dtype, count, at)] = tuple(
-                [rank[at: at + count] for rank in parity] for parity in whole)
-            self._trim()
-        return views
-
-    def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], ...]:
-        """Every rank's payload as ``count`` elements of ``dtype``, for each parity of post
-        numbers: made once per dtype and count."""
-        views = self._typed.get((dtype, count, 0))
-        if views is None:
+    def _views(self, dtype: np.dtype, count: int, at: int = 0) -> tuple[list[np.ndarray], ...]:
+        """Elements ``at:at + count`` of every rank's slot, as ``dtype``, for each parity of
+        post numbers: made on first use (callers look in ``_typed`` first, the quick way)."""
+        if (at + count) * dtype.itemsize > SLOT_BYTES:
+            raise ValueError(f"a board post holds at most {SLOT_BYTES} B; elements "
+                             f"{at}:{at + count} of {dtype} lie beyond it")
+        if at:  # a part of the whole slot's views
+            whole = SLOT_BYTES // dtype.itemsize
+            slots = self._typed.get((dtype, whole, 0)) or self._views(dtype, whole)
+            views = tuple([rank[at: at + count] for rank in parity] for parity in slots)
+        else:
             nbytes = count * dtype.itemsize
-            if nbytes > SLOT_BYTES:
-                raise ValueError(f"a board post holds at most {SLOT_BYTES} B, got {nbytes} B")
 
             def of(parity: int) -> list[np.ndarray]:
                 starts = (p * _RANK_BYTES + _LINE + parity * _SLOT + _LINE
                           for p in range(self.world_size))
-                return [self._bytes[at: at + nbytes].view(dtype) for at in starts]
+                return [self._bytes[start: start + nbytes].view(dtype) for start in starts]
 
-            views = self._typed[(dtype, count, 0)] = (of(0), of(1))
-            self._trim()
-        return views
-
-    def _trim(self) -> None:
+            views = (of(0), of(1))
+        self._typed[(dtype, count, at)] = views
         while len(self._typed) > 256:  # many sizes: keep the latest
             del self._typed[next(iter(self._typed))]
+        return views
 
     def _slot(self, peer: int, number: int | None = None) -> int:
         parity = (self.number if number is None else number) % 2
