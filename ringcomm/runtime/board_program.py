@@ -135,10 +135,11 @@ class BoardProgram:
         return now
 
 
-def board_header(desc: OpDescriptor, rank: int, itemsize: int) -> bytes:
-    """The header of ``rank``'s first post of the op ``desc`` describes, packed: the op's
-    block as its size, the same on every rank whatever each posts of it."""
-    return desc.outgoing(rank, rank, 0, desc.count * itemsize).pack()
+def board_header(desc: OpDescriptor, itemsize: int) -> bytes:
+    """The header of the first post of the op ``desc`` describes, packed: the op's block as
+    its size, and no sender (the slot says who posted), so that every rank posts the same
+    bytes whatever each posts of the block, and a take compares them in one go."""
+    return desc.outgoing(0, 0, 0, desc.count * itemsize).pack()
 
 
 def run_board(
@@ -153,7 +154,7 @@ def run_board(
     post's, packed (default: made from ``ctx``'s descriptor)."""
     schedule = program.schedule
     if header is None:
-        header = board_header(ctx.desc, transport.rank, ctx.dtype.itemsize)
+        header = board_header(ctx.desc, ctx.dtype.itemsize)
     used = [buffers[role] for role in program.roles]
     for buf in used:
         buf.before_op()

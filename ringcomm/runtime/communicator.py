@@ -335,7 +335,7 @@ class Communicator:
             desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
                                 algorithm_code(algorithm), reduce_code(rop), -1,
                                 self.segment_bytes, data.count)
-            header = board_header(desc, self.rank, data.dtype.itemsize)
+            header = board_header(desc, data.dtype.itemsize)
             if len(self._board_plans) >= 256:  # many sizes: keep the latest
                 del self._board_plans[next(iter(self._board_plans))]
             plan = self._board_plans[key] = _BoardPlan(program, rop, desc, header)

@@ -31,6 +31,12 @@ from .header import Header, OpKind, check
 from .link import ControlPlane, Link, SendHandle, Wait, remote_error
 
 
+def board_wait(op: str, deadline: float, header: bytes, peer: int) -> Wait:
+    """The state of a wait for ``peer``'s post of the op whose board header is ``header``:
+    what its messages and probes are compared with."""
+    return Wait(op, deadline, Header.unpack(header)._replace(sender=peer))
+
+
 class Transport:
     """Links from ``rank`` to every other rank of a group (``links[rank]`` is None), and the
     control plane that carries aborts and probes."""
@@ -150,11 +156,8 @@ class Transport:
         one post ahead of the slowest)."""
         board = self.board
         assert board is not None, "post needs a transport with a board"
-        behind = board.behind()
-        if behind:
-            wait = Wait(op, deadline, Header.unpack(header))
-            for peer in behind:
-                self._board_wait(peer, board.number, wait)
+        for peer in board.behind():
+            self._board_wait(peer, board.number, op, deadline, header)
         board.post(header, payload, at)
         self._posted()
 
@@ -165,17 +168,20 @@ class Transport:
         rank's own ``header`` (packed; every rank's post carries the same but the sender)."""
         board = self.board
         assert board is not None, "take needs a transport with a board"
-        if board.posted(peer) < board.number:
-            expected = Header.unpack(header)._replace(sender=peer)
-            self._board_wait(peer, board.number, Wait(op, deadline, expected))
+        number = board.number
+        if board.posted(peer) < number:
+            self._board_wait(peer, number, op, deadline, header)
         if not board.matches(peer, header):
-            check(Header.unpack(header)._replace(sender=peer), board.header(peer),
+            check(board_wait(op, deadline, header, peer).expected, board.header(peer),
                   rank=self.rank, op=op)
         return board.payload(peer, dtype, count, at)
 
-    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
-        """Return once ``peer`` has made ``number`` posts; raise as a receive would (the
-        deadline, a lost peer, an abort, a message showing that the ranks disagree)."""
+    def _board_wait(self, peer: int, number: int, op: str, deadline: float,
+                    header: bytes) -> None:
+        """Return once ``peer`` has made ``number`` posts of the op whose board header is
+        ``header`` (packed); raise as a receive would (the deadline, a lost peer, an abort,
+        a message showing that the ranks disagree). Most waits end within moments, so the
+        ``Wait`` (``board_wait``) is made only once the wait goes on."""
         raise NotImplementedError(f"{type(self).__name__} has no shared board")
 
     def _posted(self) -> None:  # noqa: B027 - optional hook

@@ -13,12 +13,13 @@ The protocol, for the ``k``-th post of every rank (all ranks run the same board 
 same order, and an op makes the same number of posts on every rank, so their ``k`` agree):
 
 - a rank writes its header (the op descriptor, as a message would carry it, with the post's
-  number within the op as its ``index``) and its payload into its slot ``k % 2``, then
+  number within the op as its ``index``; the same bytes on every rank, as the slot says
+  who posted) and its payload into its slot ``k % 2``, then
   stores ``k`` as its ``posted`` count. Stores become visible in program order (x86's TSO,
   ``shm_ring.stores_in_order``), so a reader that sees ``posted >= k`` sees the slot filled;
 - a reader waits until the poster's ``posted >= k``, compares the header with its own
-  (every rank's post carries the same header but for the sender; ``DesyncError`` naming
-  both ranks and what differs otherwise) and reads the payload, or part of it, in place;
+  (one comparison of bytes; ``DesyncError`` naming both ranks and what differs otherwise)
+  and reads the payload, or part of it, in place;
 - each rank has two slots, so a rank may run one post ahead of the slowest: it writes slot
   ``k % 2`` again at post ``k + 2`` only once every peer has posted ``k + 1``, which each
   does only after it has finished reading post ``k``.
@@ -53,9 +54,6 @@ _LINE = 64
 _SLOT = _LINE + SLOT_BYTES
 _RANK_BYTES = _LINE + 2 * _SLOT
 _WORD = struct.Struct("<Q")
-# the header's sender field, the one part of it that differs between the ranks' posts
-_SENDER = slice(28, 32)
-_BEFORE_SENDER, _AFTER_SENDER = slice(0, _SENDER.start), slice(_SENDER.stop, HEADER_SIZE)
 
 
 def size(world_size: int) -> int:
@@ -119,16 +117,15 @@ class Board:
 
     def header(self, peer: int, number: int | None = None) -> Header:
         """The header of ``peer``'s post ``number`` (default: the number of this rank's
-        latest post), once it has made it."""
-        return Header.unpack_from(self._mem, self._slot(peer, number))
+        latest post), once it has made it, with ``peer`` as its sender."""
+        return Header.unpack_from(self._mem, self._slot(peer, number))._replace(sender=peer)
 
     def matches(self, peer: int, header: bytes) -> bool:
         """Whether ``peer``'s post numbered as this rank's latest carries ``header``
-        (packed), its sender aside: two slices of bytes compared, where unpacking and
-        comparing takes several times as long on every take."""
-        raw, at = self._raw, self._slot(peer)
-        return (raw[at: at + _SENDER.start] == header[_BEFORE_SENDER]
-                and raw[at + _SENDER.stop: at + HEADER_SIZE] == header[_AFTER_SENDER])
+        (packed): one slice of bytes compared, where unpacking and comparing takes several
+        times as long on every take."""
+        at = peer * _RANK_BYTES + _LINE + (self.number % 2) * _SLOT
+        return self._raw[at: at + HEADER_SIZE] == header
 
     def payload(self, peer: int, dtype: np.dtype, count: int, at: int = 0) -> np.ndarray:
         """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current post, in

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
-WIRE_VERSION = 5  # bumped whenever the header, the framing or the board changes; agreed at init
+WIRE_VERSION = 6  # bumped whenever the header, the framing or the board changes; agreed at init
 _FORMAT = struct.Struct("<QQQIIIiBBBBB3x")  # Header's fields, then the version
 SIZE = _FORMAT.size
 

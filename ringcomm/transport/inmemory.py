@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CommTimeout
-from .base import Transport
+from .base import Transport, board_wait
 from .board import Board, size
 from .header import Header
 from .link import ControlPlane, Link, Wait, remote_error
@@ -124,7 +124,9 @@ class InMemoryTransport(Transport):
         if network.board_memory is not None:
             self.board = Board(network.board_memory, rank, network.world_size)
 
-    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
+    def _board_wait(self, peer: int, number: int, op: str, deadline: float,
+                    header: bytes) -> None:
+        wait = board_wait(op, deadline, header, peer)
         board, posted = self.board, self._network.board_posted
         assert board is not None
         aborts = self._network.mailboxes[self.rank].aborts

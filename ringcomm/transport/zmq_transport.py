@@ -36,7 +36,7 @@ import zmq
 
 from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
 from . import board, mailbox, shm_ring
-from .base import Transport
+from .base import Transport, board_wait
 from .files import TransportFiles, ipc_base, sweep_litter
 from .link import Link, Wait
 from .local_link import LocalLink
@@ -335,11 +335,17 @@ class ZmqTransport(Transport):
             self._pipe_peer[link.pipe_in.fd] = link.peer
         return poller
 
-    def _board_wait(self, peer: int, number: int, wait: Wait) -> None:
+    def _board_wait(self, peer: int, number: int, op: str, deadline: float,
+                    header: bytes) -> None:
         """Spin (yielding the CPU on every turn) for ``spin_s``, then sleep in ``poll`` until
         a poster rings this rank's doorbell; look at the links and the control plane every
         few turns meanwhile, and ask the peer which op it is in after ``STALL_PROBE_S``."""
         posted, control = self.board.posted, self.control  # type: ignore[union-attr]
+        for _ in range(_WATCH_EVERY if self.spin_s else 0):  # the commonest wait: a moment
+            os.sched_yield()
+            if posted(peer) >= number:
+                return
+        wait = board_wait(op, deadline, header, peer)
         started = time.monotonic()
         spin_until, probe_at = started + self.spin_s, started + STALL_PROBE_S
         turn = 0
