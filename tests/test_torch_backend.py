@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch_jobs import Ranks, free_port
+from torch_jobs import ONE_BITS, Ranks, free_port
 
 import ringcomm
 from ringcomm import torch_backend
@@ -139,6 +139,22 @@ def test_sizes_that_differ_by_a_little_fail_in_the_call_itself_on_every_rank(ran
     for r in res:
         if r["type"] == "RemoteError":
             assert "failed and aborted the group: DesyncError" in r["msg"]
+
+
+@pytest.mark.timeout(60)
+def test_the_short_way_reduces_the_tensor_it_is_given(ranks):
+    """The blocking all_reduce of a contiguous CPU tensor reuses a view per address, size
+    and dtype: a tensor that shares an address with an earlier one but is another part of
+    the storage, another dtype or a negated view is still reduced as itself."""
+    for rank, got in enumerate(ranks.run("job_short_way", 2)):
+        total = got["total"]
+        assert got["parts"] == [i * total for i in range(8)] + [
+            i * (rank + 1.0) for i in range(8, 12)]  # the rest of the storage untouched
+        assert got["other dtype"] == [2 * ONE_BITS + 1] * 4  # added as int32
+        assert got["negated"] == ([-1.0] * 3, [1.0] * 3)  # max of -(r + 1) is -1
+        assert got["fresh 1.0"] == [float(total)] * 16
+        assert got["fresh 2.0"] == [2.0 * total] * 16
+        assert not got["kept alive"], "a reduced tensor stays alive after its last reference"
 
 
 @pytest.mark.timeout(60)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -670,3 +671,50 @@ def job_size_mismatch(rank: int, world: int, port: int, file: str, **_: Any) -> 
             return {"type": type(err).__name__, "msg": str(err), "peer": err.peer,
                     "elapsed": time.monotonic() - start}
         return {"type": None, "right": bool((t == world * (world + 1) / 2).all())}
+
+
+ONE_BITS = 0x3F800000  # 1.0 as a float32's bits
+
+
+def job_short_way(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
+    """``dist.all_reduce(t)`` on tensors that share an address with one reduced before (the
+    short way keeps a view per address, size and dtype): other parts of one storage, the
+    same memory as another dtype, a negated view (whose MAX is not the memory's), a tensor
+    made where a freed one was; and the views keep no tensor alive."""
+    import gc
+    import weakref
+
+    got: dict[str, Any] = {}
+    with group(rank, world, port, file):
+        total = sum(r + 1 for r in range(world))
+        base = torch.arange(12.0) * (rank + 1)
+        dist.all_reduce(base[0:4])
+        dist.all_reduce(base[4:8])
+        got["parts"] = base.tolist()
+        f = torch.zeros(4)
+        dist.all_reduce(f)
+        ints = f.view(torch.int32)
+        ints.fill_(ONE_BITS + rank)  # as floats: 1.0 and its neighbours, whose sum differs
+        dist.all_reduce(ints)
+        got["other dtype"] = ints.tolist()
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)  # now known by its address
+        t.fill_(rank + 1)
+        negated = torch._neg_view(t)
+        dist.all_reduce(negated, op=dist.ReduceOp.MAX)
+        got["negated"] = (negated.tolist(), t.tolist())
+        for value in (1.0, 2.0):
+            fresh = torch.full((16,), value * (rank + 1))
+            dist.all_reduce(fresh)
+            got[f"fresh {value}"] = fresh.tolist()
+            del fresh
+        memory = np.ones(8, np.float32)  # the tensor's storage holds it while it lives
+        alive = weakref.ref(memory)
+        gone = torch.from_numpy(memory)
+        del memory
+        dist.all_reduce(gone)
+        del gone
+        gc.collect()
+        got["kept alive"] = alive() is not None
+        got["total"] = total
+    return got

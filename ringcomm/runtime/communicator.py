@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -125,10 +125,15 @@ class _BoardPlan:
     program: BoardProgram
     reduce: ReduceOp
     desc: OpDescriptor  # of sequence number 0
-    header: bytes  # this rank's post's, packed, for sequence number 0
+    header: bytes  # the post's, packed, for sequence number 0
+
+    after_seq: bytes = field(init=False)  # the header but its first field
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "after_seq", self.header[_SEQ.size:])
 
     def header_of(self, seq: int) -> bytes:
-        return _SEQ.pack(seq) + self.header[_SEQ.size:]
+        return _SEQ.pack(seq) + self.after_seq
 
 
 # the plan of every allreduce in a group of one: the result is the input (checked once)
@@ -342,8 +347,8 @@ class Communicator:
         if self.trace is not None or log.isEnabledFor(logging.DEBUG):  # the general way
             return False  # keeps a trace and logs a line per op
         with self._count_lock:
-            if self._outstanding or self._p2p.busy or self._closed or \
-                    self._failure is not None:
+            if self._outstanding or self._closed or self._failure is not None or \
+                    self._p2p.busy:
                 return False
             self._outstanding += 1
         seq = next(self._seq)

@@ -23,6 +23,7 @@ reductions take the dtypes the core reduces.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -31,13 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..bootstrap.rendezvous import _reachable_host, init
 from ..bootstrap.store import TorchStore
-from ..core.arrays import HostBuffer
+from ..core.arrays import HostBuffer, as_buffer
 from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
 from ..runtime.work import Work as CommWork
@@ -52,8 +54,6 @@ _CORE_DTYPES = {
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 }
-# the core dtypes numpy has: a tensor of one is viewed by ``Tensor.numpy`` as it is
-_NUMPY_DTYPES = _CORE_DTYPES - {torch.bfloat16}
 _OPS = {
     ReduceOp.SUM: "sum",
     ReduceOp.AVG: "avg",
@@ -65,6 +65,8 @@ _OPS = {
     ReduceOp.BXOR: "bxor",
 }
 _OPS_BY_CODE = {kind.value: name for kind, name in _OPS.items()}  # hashing torch's enum is slow
+_SUM = ReduceOp.SUM
+_STRIDED = torch.strided
 
 
 # --------------------------------------------------------------------------- work
@@ -215,16 +217,22 @@ class FinishedWork(_Handle):
     """The torch handle of ops that ran to their end on the caller's thread: a blocking call
     (``dist.all_reduce(t)``) or a small one with nothing queued. Most callers only ``wait``,
     so it holds no event, lock or future; ``get_future()`` makes a completed one when asked
-    (through ``then(_unwrap)`` for an error, as ``RingcommWork`` does)."""
+    (through ``then(_unwrap)`` for an error, as ``RingcommWork`` does). Made on every
+    blocking call, so what most handles share is a class default, not set each time."""
+
+    _error: BaseException | None = None
+    _source = -1
+    _future: torch.futures.Future | None = None
 
     def __init__(self, name: str, result: Any, error: BaseException | None = None,
                  source: int = -1) -> None:
-        super().__init__()
+        dist.Work.__init__(self)
         self._name = name
         self._result = result
-        self._error = error
-        self._source = source
-        self._future: torch.futures.Future | None = None
+        if error is not None:
+            self._error = error
+        if source != -1:
+            self._source = source
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._error is not None:
@@ -338,10 +346,45 @@ class _Staging:
         return self.finish if self.copies else None
 
 
+class _HostViews:
+    """Host buffers over CPU tensors' memory, for the short way of a blocking call: made
+    once per address, size and dtype (viewing a tensor as numpy and checking it costs more
+    than a small op's exchange). A view is made from the address, so it keeps no tensor
+    alive, and is used only for a tensor of that address, size and dtype, the caller having
+    checked that it is a contiguous CPU tensor: exactly the memory the view covers."""
+
+    _LIMIT = 64  # views kept (the latest); a program reduces a few tensors over and over
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int, torch.dtype], HostBuffer] = {}
+
+    def of(self, t: torch.Tensor) -> HostBuffer:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        view = self._views.get(key)
+        if view is None:
+            view = self._make(t, key)
+        return view
+
+    def _make(self, t: torch.Tensor, key: tuple[int, int, torch.dtype]) -> HostBuffer:
+        address, count, dtype = key
+        host = as_buffer(torch.empty(0, dtype=dtype), name="tensor").dtype  # numpy's name
+        if count:
+            memory = (ctypes.c_byte * (count * host.itemsize)).from_address(address)
+            view = HostBuffer(np.frombuffer(memory, host), "tensor")
+        else:
+            view = HostBuffer(np.empty(0, host), "tensor")
+        if len(self._views) >= self._LIMIT:
+            self._views.pop(next(iter(self._views)), None)
+        self._views[key] = view
+        return view
+
+
 def _reduce_op(opts: Any) -> str:
     if opts is None:
         return "sum"
     red = opts.reduceOp
+    if red == _SUM:  # the commonest, told at a third of the cost of the lookup below
+        return "sum"
     name = _OPS_BY_CODE.get(getattr(red, "op", red).value)
     if name is not None:
         return name
@@ -380,6 +423,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         # (rank, size): a constructor torch has and its stub does not list
         super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
         self.comm = comm
+        self._views = _HostViews()
         self._group_name = ""
         self._group_desc = ""
 
@@ -473,13 +517,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
-            if (t.is_cpu and t.dtype in _CORE_DTYPES and t.layout == torch.strided
-                    and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
-                x: Any = t
-                if t.dtype in _NUMPY_DTYPES and not t.requires_grad:  # checked just above
-                    x = HostBuffer(t.numpy().reshape(-1) if t.dim() != 1 else t.numpy(),
-                                   "tensor")
-                return self._now("allreduce", self.comm.allreduce, tensors, x, op)
+            if (t.layout is _STRIDED and t.is_cpu and t.is_contiguous() and not t.is_conj()
+                    and not t.is_neg() and t.dtype in _CORE_DTYPES):
+                return self._now("allreduce", self.comm.allreduce, tensors,
+                                 self._views.of(t), op)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         stage = _Staging()
