@@ -278,8 +278,10 @@ class TorchCPUKind(HostKind):
 
 
 # Asked newest first, so a kind registered later can take a type that an earlier one
-# refuses (a torch CUDA kind, tensors that the torch CPU kind turns away).
-_KINDS: list[ArrayKind] = [TorchCPUKind(), NumpyKind()]
+# refuses (a torch CUDA kind, tensors that the torch CPU kind turns away). A plain numpy
+# array is host memory: ``as_buffer`` takes it without asking.
+_NUMPY = NumpyKind()
+_KINDS: list[ArrayKind] = [TorchCPUKind(), _NUMPY]
 
 
 def register(kind: ArrayKind) -> None:
@@ -300,10 +302,12 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
     in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``. A
     ``Buffer`` already made (by a layer above that has checked its array) is taken as it is.
     """
-    if type(x) is HostBuffer or isinstance(x, Buffer):  # the first test is the quick one
-        return x
     if not (reads or writable):
         raise ValueError("a buffer that the op neither reads nor writes has no use")
+    if type(x) is np.ndarray:  # the commonest, which no other kind takes: no more asking
+        return HostBuffer(_NUMPY.flat_view(x, name, writable), name)
+    if type(x) is HostBuffer or isinstance(x, Buffer):  # the first test is the quick one
+        return x
     for kind in _KINDS:
         if kind.owns(x):
             return kind.buffer(x, name, writable, reads)
