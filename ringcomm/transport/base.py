@@ -165,7 +165,7 @@ class Transport:
              op: str, at: int = 0) -> np.ndarray:
         """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current board
         post, in place (valid until this rank's next post), once it is posted with this
-        rank's own ``header`` (packed; every rank's post carries the same but the sender)."""
+        rank's own ``header`` (packed; every rank's post of an op carries the same bytes)."""
         board = self.board
         assert board is not None, "take needs a transport with a board"
         number = board.number
