@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARGS = ["--collectives", "allreduce", "--backends", "ringcomm", "-n", "2", "4",
                 "-b", "8", "-e", "64M", "-f", "8"]
 
-Key = tuple[str, int, int]  # (collective, world size, bytes)
+Key = tuple[str, str, int, int]  # (collective, path, world size, bytes)
+PATHS = ("ringcomm", "ringcomm/torch")  # the direct API and torch.distributed's
 
 
 @contextlib.contextmanager
@@ -69,10 +70,12 @@ def run_bench(tree: Path, args: Sequence[str], out: Path) -> list[dict]:
 
 
 def times(rows: list[dict]) -> dict[Key, float]:
-    """Median time (us) of the automatic choice per (collective, world size, bytes)."""
-    return {(r.get("collective", "allreduce"), r["world_size"], r["bytes"]): r["time_us"]
+    """Median time (us) of the automatic choice per (collective, path, world size, bytes),
+    for each way ringcomm was timed (``PATHS``: each compared with itself only)."""
+    return {(r.get("collective", "allreduce"), r["library"], r["world_size"], r["bytes"]):
+            r["time_us"]
             for r in rows
-            if r.get("library") == "ringcomm" and r.get("algorithm") in (None, "auto")}
+            if r.get("library") in PATHS and r.get("algorithm") in (None, "auto")}
 
 
 def compare(old_rounds: list[dict[Key, float]],
@@ -86,7 +89,8 @@ def compare(old_rounds: list[dict[Key, float]],
         new = [r[key] for r in new_rounds]
         noise = max(max(v) / min(v) for v in (old, new))
         ratio = statistics.median(new) / statistics.median(old)
-        out.append({"collective": key[0], "world_size": key[1], "bytes": key[2],
+        out.append({"collective": key[0], "path": key[1], "world_size": key[2],
+                    "bytes": key[3],
                     "old_us": statistics.median(old),
                     "new_us": statistics.median(new), "new_over_old": ratio, "noise": noise,
                     "slower": ratio > noise, "old_rounds_us": old, "new_rounds_us": new})
@@ -94,15 +98,15 @@ def compare(old_rounds: list[dict[Key, float]],
 
 
 def show(rows: list[dict], old: str, new: str) -> None:
-    """One table per collective."""
-    for collective in dict.fromkeys(r["collective"] for r in rows):
-        table = Table(title=f"{collective}, {new} against {old} (medians of interleaved "
-                      "rounds)")
+    """One table per collective and path."""
+    for collective, path in dict.fromkeys((r["collective"], r["path"]) for r in rows):
+        table = Table(title=f"{collective} ({path}), {new} against {old} (medians of "
+                      "interleaved rounds)")
         for col in ("world", "bytes", f"{old} (us)", f"{new} (us)", "new/old", "noise",
                     "slower?"):
             table.add_column(col, justify="right")
         for r in rows:
-            if r["collective"] == collective:
+            if (r["collective"], r["path"]) == (collective, path):
                 table.add_row(str(r["world_size"]), f"{r['bytes']:,}", f"{r['old_us']:,.1f}",
                               f"{r['new_us']:,.1f}", f"{r['new_over_old']:.2f}x",
                               f"{r['noise']:.2f}x", "[red]yes[/]" if r["slower"] else "no")

@@ -549,18 +549,32 @@ def test_hosts_run_end_to_end(tmp_path):
 def test_versions_calls_a_size_slower_only_beyond_the_noise_of_its_own_rounds():
     """The A/B comparison: each version's median over its rounds; the noise is the larger
     spread between rounds of one version; slower means new/old above that spread."""
-    a, b, c, d = ("allreduce", 2, 8), ("allreduce", 2, 1024), ("allreduce", 4, 8), \
-        ("broadcast", 2, 8)
-    old = [{a: 10.0, b: 100.0, d: 5.0}, {a: 12.0, b: 100.0, d: 5.0}, {a: 11.0, b: 101.0, d: 5.0}]
-    new = [{a: 12.5, b: 130.0, d: 9.0}, {a: 11.5, b: 131.0, d: 9.0},
-           {a: 13.0, b: 129.0, c: 1.0, d: 9.0}]  # a size only one run has: skipped
-    rows = {(r["collective"], r["world_size"], r["bytes"]): r
+    a, b, c, d = ("allreduce", "ringcomm", 2, 8), ("allreduce", "ringcomm", 2, 1024), \
+        ("allreduce", "ringcomm", 4, 8), ("broadcast", "ringcomm", 2, 8)
+    t = ("allreduce", "ringcomm/torch", 2, 8)
+    old = [{a: 10.0, b: 100.0, d: 5.0, t: 20.0}, {a: 12.0, b: 100.0, d: 5.0, t: 20.0},
+           {a: 11.0, b: 101.0, d: 5.0, t: 20.0}]
+    new = [{a: 12.5, b: 130.0, d: 9.0, t: 30.0}, {a: 11.5, b: 131.0, d: 9.0, t: 30.0},
+           {a: 13.0, b: 129.0, c: 1.0, d: 9.0, t: 30.0}]  # a size only one run has: skipped
+    rows = {(r["collective"], r["path"], r["world_size"], r["bytes"]): r
             for r in versions.compare(old, new)}
-    assert set(rows) == {a, b, d}  # collectives are kept apart, not mixed by size
+    assert set(rows) == {a, b, d, t}  # collectives and paths are kept apart, not mixed
     small, large = rows[a], rows[b]
     assert small["old_us"] == 11.0 and small["new_us"] == 12.5
     assert math.isclose(small["noise"], 12.0 / 10.0) and math.isclose(small["new_over_old"],
                                                                       12.5 / 11.0)
     assert rows[d]["slower"] and rows[d]["old_us"] == 5.0
+    assert rows[t]["slower"] and rows[t]["new_over_old"] == 1.5  # the torch path's own
     assert not small["slower"]  # 1.14x, within the 1.2x the old rounds differ by
     assert math.isclose(large["noise"], 131.0 / 129.0) and large["slower"]  # 1.30x > 1.02x
+
+
+def test_versions_times_each_way_ringcomm_was_timed_apart():
+    """Rows of the direct API and of the torch path at one size stay two entries; forced
+    algorithms and other libraries are left out."""
+    rows = [{"collective": "allreduce", "library": lib, "algorithm": algo, "world_size": 2,
+             "bytes": 8, "time_us": us}
+            for lib, algo, us in (("ringcomm", "auto", 7.0), ("ringcomm/torch", "auto", 9.0),
+                                  ("ringcomm", "ring", 30.0), ("gloo", None, 100.0))]
+    assert versions.times(rows) == {("allreduce", "ringcomm", 2, 8): 7.0,
+                                    ("allreduce", "ringcomm/torch", 2, 8): 9.0}
