@@ -181,7 +181,7 @@ def print_table(rows: list[dict], console: Any) -> None:
     table = Table(title="DDP training step (median over repetitions, slowest rank)",
                   title_justify="left", show_edge=False, pad_edge=False)
     for name in ("model", "world", "params", "grads (MiB)", "backend", "DDP", "step (ms)",
-                 "min (ms)", "vs gloo", "vs torch's", "max diff"):
+                 "min (ms)", "vs gloo", "added vs gloo's", "vs torch's", "max diff"):
         table.add_column(name, justify="left" if name in ("model", "backend", "DDP")
                          else "right")
 
@@ -194,13 +194,52 @@ def print_table(rows: list[dict], console: Any) -> None:
 
     for r in rows:
         impl = r.get("ddp")
+        added = added_ratio(rows, r["model"], r["world_size"], impl) \
+            if impl and r["backend"] == "ringcomm" else None
         table.add_row(r["model"], str(r["world_size"]), f"{r['params']:,}",
                       f"{r['grad_MiB']:.1f}", r["backend"], impl or "-",
                       f"{r['step_ms']:.2f}", f"{r['min_step_ms']:.2f}",
                       ratio(r, backend="gloo", ddp=impl) if impl else "-",
+                      "-" if added is None else f"{added:.2f}x",
                       ratio(r, backend=r["backend"], ddp="torch") if impl == "ours" else "-",
                       "-" if r["max_weight_diff"] is None else f"{r['max_weight_diff']:.1e}")
     console.print(table)
+
+
+def added_ratio(rows: list[dict], model: str, world: int, ddp: str = "torch") -> float | None:
+    """The time DDP adds over the local step with ringcomm, over the time it adds with Gloo
+    (``(ringcomm - local) / (gloo - local)``, DDP implementation ``ddp``); None where a row
+    is missing."""
+    def step(backend: str, impl: str | None) -> float | None:
+        return next((r["step_ms"] for r in rows if r["model"] == model
+                     and r["world_size"] == world and r["backend"] == backend
+                     and r.get("ddp") == impl), None)
+
+    local, ours, gloo = step("local", None), step("ringcomm", ddp), step("gloo", ddp)
+    if local is None or ours is None or gloo is None or gloo <= local:
+        return None
+    return (ours - local) / (gloo - local)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's DDP table: per model and world size, the step times and the added-time
+    ratio of ringcomm to Gloo under torch's DDP."""
+    def cell(model: str, world: int, backend: str, impl: str | None) -> str:
+        found = [r["step_ms"] for r in rows if r["model"] == model and
+                 r["world_size"] == world and r["backend"] == backend and r.get("ddp") == impl]
+        return f"{found[0]:.2f}" if found else "-"
+
+    lines = ["| model | world | local (ms) | ringcomm, torch's DDP (ms) | Gloo, torch's DDP (ms) "
+             "| added: ringcomm / Gloo | ringcomm, our DDP (ms) | Gloo, our DDP (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, world in dict.fromkeys((r["model"], r["world_size"]) for r in rows):
+        ratio = added_ratio(rows, model, world)
+        lines.append(" | ".join([
+            f"| {model}", str(world), cell(model, world, "local", None),
+            cell(model, world, "ringcomm", "torch"), cell(model, world, "gloo", "torch"),
+            "-" if ratio is None else f"{ratio:.2f}x", cell(model, world, "ringcomm", "ours"),
+            cell(model, world, "gloo", "ours")]) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -470,7 +470,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                    help="only these sizes in the markdown tables (e.g. 8 64K 1M)")
     args = p.parse_args(argv)
-    rows = json.loads(args.json.read_text())["rows"]
+    saved = json.loads(args.json.read_text())
+    rows = saved["rows"]
+    if saved.get("benchmark") == "ringcomm bench ddp":  # a training run: its own table
+        from . import ddp_step
+
+        if args.markdown:
+            print(ddp_step.markdown(rows))
+        else:
+            ddp_step.print_table(rows, Console(width=None if sys.stdout.isatty() else 180))
+        return
     if args.markdown:
         print(markdown(rows, None if args.sizes is None else set(args.sizes)))
         return

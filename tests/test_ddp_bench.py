@@ -29,3 +29,30 @@ def test_quick_run_times_both_ddps_on_both_backends_and_their_weights_agree(tmp_
         assert 0 < r["min_step_ms"] <= r["step_ms"] < 10_000, r
         if r["ddp"] is not None:  # same start, same batches: the same weights everywhere
             assert r["max_weight_diff"] < 1e-5, r
+
+
+def test_the_added_time_ratio_and_the_readme_table_come_from_the_saved_rows(tmp_path):
+    """``python -m ringcomm_bench.report ddp.json --markdown`` prints the README's table, with
+    (ringcomm - local) / (gloo - local) per model and world size; '-' where a row is
+    missing."""
+    from ringcomm_bench import ddp_step
+
+    def row(model: str, world: int, backend: str, ddp: str | None, ms: float) -> dict:
+        return {"model": model, "world_size": world, "backend": backend, "ddp": ddp,
+                "step_ms": ms}
+
+    rows = [row("mlp", 2, "local", None, 6.0), row("mlp", 2, "ringcomm", "torch", 8.0),
+            row("mlp", 2, "gloo", "torch", 14.0), row("mlp", 2, "ringcomm", "ours", 9.0),
+            row("mlp", 2, "gloo", "ours", 12.0), row("mlp", 4, "local", None, 10.0),
+            row("mlp", 4, "ringcomm", "torch", 12.0)]
+    assert ddp_step.added_ratio(rows, "mlp", 2) == 2.0 / 8.0
+    assert ddp_step.added_ratio(rows, "mlp", 2, "ours") == 3.0 / 6.0
+    assert ddp_step.added_ratio(rows, "mlp", 4) is None  # no Gloo row
+    saved = tmp_path / "ddp.json"
+    saved.write_text(json.dumps({"benchmark": "ringcomm bench ddp", "rows": rows}))
+    proc = subprocess.run([sys.executable, "-m", "ringcomm_bench.report", str(saved),
+                           "--markdown"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "| mlp | 2 | 6.00 | 8.00 | 14.00 | 0.25x | 9.00 | 12.00 |" in lines
+    assert "| mlp | 4 | 10.00 | 12.00 | - | - | - | - |" in lines
