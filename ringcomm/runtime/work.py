@@ -23,16 +23,11 @@ class Work:
         self._timeout = timeout
         self.source: int | None = None
 
-    @classmethod
-    def finished(cls, name: str, timeout: float, result: Any = None, *,
+    @staticmethod
+    def finished(name: str, timeout: float, result: Any = None, *,
                  error: BaseException | None = None) -> Work:
         """The handle of an op that already ran (on the caller's thread)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-        return cls(future, name, timeout)
+        return _Finished(name, timeout, result, error)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the op is done and return its result; raise its error if it failed.
@@ -63,3 +58,33 @@ class Work:
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"
         return f"<Work {self.name} {state}>"
+
+
+class _Finished(Work):
+    """The handle of an op that already ran: its result or its error, and no future (making
+    one, with its lock and condition, costs more than a small op)."""
+
+    def __init__(self, name: str, timeout: float, result: Any,
+                 error: BaseException | None) -> None:
+        self.name = name
+        self._timeout = timeout
+        self.source = None
+        self._result = result
+        self._error = error
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        fn(self)
+
+    def __repr__(self) -> str:
+        return f"<Work {self.name} done>"

@@ -286,11 +286,33 @@ def _movable(dtype: torch.dtype) -> int:
     return 1 if dtype in _CORE_DTYPES else torch.empty(0, dtype=dtype).element_size()
 
 
-class _Staging:
-    """Buffers of one call, and the copies back into the caller's tensors once it is done."""
+def _in_place(t: Any) -> bool:
+    """Whether the communicator can work on ``t``'s memory as it is: a contiguous CPU tensor
+    of a dtype the core knows, not a conjugate or negated view."""
+    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.dtype in _CORE_DTYPES)
 
-    def __init__(self) -> None:
+
+class _Staging:
+    """Buffers of one call, and the copies back into the caller's tensors once it is done.
+
+    ``views``: the process group's host views, for a call that blocks until the op is done
+    (the caller holds its tensors meanwhile; a view by address keeps none alive, so an op
+    that outlives the call takes tensors)."""
+
+    def __init__(self, views: _HostViews | None = None) -> None:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.views = views
+
+    def host(self, t: torch.Tensor, what: str, *, reduce: bool = False, write: bool = False,
+             read: bool = True) -> Any:
+        """``buffer`` for a caller that only hands it to the communicator: a blocking call's
+        tensor that can be used in place comes as the host view of its memory (a tensor
+        would be checked and viewed again there)."""
+        if self.views is not None and _in_place(t):
+            return self.views.of(t)
+        return self.buffer(t, what, reduce=reduce, write=write, read=read)
 
     def buffer(self, t: torch.Tensor, what: str, *, reduce: bool = False,
                write: bool = False, read: bool = True) -> torch.Tensor:
@@ -473,6 +495,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return CommWork.finished(name, self.comm.timeout, error=err)
         return CommWork.finished(name, self.comm.timeout, result)
 
+    def _staging(self, opts: Any) -> _Staging:
+        """The staging of a call: with the host views where the call blocks until its op is
+        done (``opts.asyncOp`` False), which is what lets it use them."""
+        return _Staging(None if getattr(opts, "asyncOp", True) else self._views)
+
     def _work(self, name: str, parts: Sequence[CommWork], result: Any,
               stage: _Staging | None = None) -> dist.Work:
         """The torch handle of ``parts``: a ``FinishedWork`` when all of them already ran (on
@@ -517,14 +544,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
-            if (t.layout is _STRIDED and t.is_cpu and t.is_contiguous() and not t.is_conj()
-                    and not t.is_neg() and t.dtype in _CORE_DTYPES):
+            if _in_place(t):
                 return self._now("allreduce", self.comm.allreduce, tensors,
                                  self._views.of(t), op)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
-        stage = _Staging()
-        bufs = [stage.buffer(t, f"tensors[{i}]", reduce=True, write=True)
+        stage = self._staging(opts)
+        bufs = [stage.host(t, f"tensors[{i}]", reduce=True, write=True)
                 for i, t in enumerate(tensors)]
         parts = [self._start(opts, self.comm.allreduce, b, op) for b in bufs]
         return self._work("allreduce", parts, tensors, stage)
@@ -547,8 +573,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce(  # type: ignore[override]  # c10d's form, see above
             self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        stage = _Staging()
-        buf = stage.buffer(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
+        stage = self._staging(opts)
+        buf = stage.host(_one(tensors, "tensors"), "tensor", reduce=True, write=True)
         part = self._start(opts, self.comm.reduce, buf, root=opts.rootRank, op=_reduce_op(opts))
         return self._work("reduce", [part], tensors, stage)
 
@@ -558,15 +584,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         out, inputs = _one(output_tensors, "output_tensors"), _one(input_lists, "input_lists")
         self._check_world(inputs, "input_list")
         _same(inputs, "input_list", out.numel(), out.dtype)
-        stage = _Staging()
+        stage = self._staging(opts)
         src = stage.cat(inputs, "input_list", reduce=True)
-        dst = stage.buffer(out, "output", reduce=True, write=True, read=False)
+        dst = stage.host(out, "output", reduce=True, write=True, read=False)
         part = self._start(opts, self.comm.reduce_scatter, dst, src, _reduce_op(opts))
         return self._work("reduce_scatter", [part], output_tensors, stage)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         part = self._reduce_scatter_tensor(stage, output, input, _reduce_op(opts))
         return self._work("reduce_scatter_tensor", [part], [output], stage)
 
@@ -575,7 +601,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
-        stage, op = _Staging(), _reduce_op(opts)
+        stage, op = self._staging(opts), _reduce_op(opts)
         parts = [self._reduce_scatter_tensor(stage, o, i, op)
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("reduce_scatter_tensor_coalesced", parts, outputs, stage)
@@ -586,17 +612,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                input: torch.Tensor, op: str) -> CommWork:  # noqa: A002
         self._check_numel(input, output.numel() * self.comm.world_size, "input",
                           "world_size * output.numel()")
-        src = stage.buffer(input, "input", reduce=True)
-        dst = stage.buffer(output, "output", reduce=True, write=True, read=False)
+        src = stage.host(input, "input", reduce=True)
+        dst = stage.host(output, "output", reduce=True, write=True, read=False)
         return self.comm.reduce_scatter(dst, src, op, async_op=True)
 
     # -- data movement
     def broadcast(  # type: ignore[override]  # c10d's form, see above
             self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         root = opts.rootRank
         is_root = self.comm.rank == root
-        bufs = [stage.buffer(t, f"tensors[{i}]", write=not is_root, read=is_root)
+        bufs = [stage.host(t, f"tensors[{i}]", write=not is_root, read=is_root)
                 for i, t in enumerate(tensors)]
         parts = [self._start(opts, self.comm.broadcast, b, root=root) for b in bufs]
         return self._work("broadcast", parts, tensors, stage)
@@ -617,7 +643,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         part = self._all_gather_tensor(stage, output, input)
         return self._work("all_gather_into_tensor", [part], [output], stage)
 
@@ -626,7 +652,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         parts = [self._all_gather_tensor(stage, o, i)
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("all_gather_into_tensor_coalesced", parts, outputs, stage)
@@ -637,8 +663,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
                            input: torch.Tensor) -> CommWork:  # noqa: A002
         self._check_numel(output, input.numel() * self.comm.world_size, "output",
                           "world_size * input.numel()")
-        src = stage.buffer(input, "input")
-        dst = stage.buffer(output, "output", write=True, read=False)
+        src = stage.host(input, "input")
+        dst = stage.host(output, "output", write=True, read=False)
         return self.comm.allgather(dst, src, async_op=True)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
@@ -680,7 +706,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def scatter(  # type: ignore[override]  # c10d's form, see above
             self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
             opts: Any) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         root = opts.rootRank
         out = _one(output_tensors, "output_tensors")
         src = None
@@ -689,7 +715,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             self._check_world(inputs, "scatter_list")
             _same(inputs, "scatter_list", out.numel(), out.dtype)
             src = stage.cat(inputs, "scatter_list")
-        dst = stage.buffer(out, "output", write=True, read=False)
+        dst = stage.host(out, "output", write=True, read=False)
         part = self._start(opts, self.comm.scatter, dst, src, root=root)
         return self._work("scatter", [part], output_tensors, stage)
 
