@@ -392,7 +392,7 @@ class _HostViews:
         host = as_buffer(torch.empty(0, dtype=dtype), name="tensor").dtype  # numpy's name
         if count:
             memory = (ctypes.c_byte * (count * host.itemsize)).from_address(address)
-            view = HostBuffer(np.frombuffer(memory, host), "tensor")
+            view = HostBuffer(np.frombuffer(memoryview(memory), host), "tensor")
         else:
             view = HostBuffer(np.empty(0, host), "tensor")
         if len(self._views) >= self._LIMIT:

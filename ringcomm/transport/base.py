@@ -34,7 +34,12 @@ from .link import ControlPlane, Link, SendHandle, Wait, remote_error
 def board_wait(op: str, deadline: float, header: bytes, peer: int) -> Wait:
     """The state of a wait for ``peer``'s post of the op whose board header is ``header``:
     what its messages and probes are compared with."""
-    return Wait(op, deadline, Header.unpack(header)._replace(sender=peer))
+    return Wait(op, deadline, _expected(header, peer))
+
+
+def _expected(header: bytes, peer: int) -> Header:
+    """What ``peer``'s post (or message) of the op whose board header is ``header`` says."""
+    return Header.unpack(header)._replace(sender=peer)
 
 
 class Transport:
@@ -172,8 +177,7 @@ class Transport:
         if board.posted(peer) < number:
             self._board_wait(peer, number, op, deadline, header)
         if not board.matches(peer, header):
-            check(board_wait(op, deadline, header, peer).expected, board.header(peer),
-                  rank=self.rank, op=op)
+            check(_expected(header, peer), board.header(peer), rank=self.rank, op=op)
         return board.payload(peer, dtype, count, at)
 
     def _board_wait(self, peer: int, number: int, op: str, deadline: float,

@@ -133,8 +133,8 @@ class InMemoryTransport(Transport):
         with posted:
             while board.posted(peer) < number:
                 if aborts:
-                    header, text = aborts[0]
-                    raise remote_error(header, text, self.rank, wait.op)
+                    notice, text = aborts[0]
+                    raise remote_error(notice, text, self.rank, wait.op)
                 left = wait.deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"rank {peer} did not post its part of this op in time",
