@@ -280,6 +280,12 @@ def _check(t: Any, what: str, *, reduce: bool = False) -> None:
                             f"use one of: {supported}")
 
 
+def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a buffer holding ``dtype``'s data: itself, or bytes where the core does
+    not know it."""
+    return dtype if dtype in _CORE_DTYPES else torch.uint8
+
+
 def _movable(dtype: torch.dtype) -> int:
     """Elements of the buffer per element of ``dtype``: 1, or its size when the core does
     not know the dtype and moves its bytes."""
@@ -337,9 +343,16 @@ class _Staging:
         t = t.detach().resolve_conj().resolve_neg()
         return t.to("cpu", memory_format=torch.contiguous_format, copy=True)
 
-    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A fresh flat buffer of ``numel`` elements of ``like``'s (buffer) dtype."""
-        return torch.empty(numel, dtype=like.dtype)
+    @staticmethod
+    def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh flat buffer of ``numel`` elements of ``dtype`` (a buffer's dtype)."""
+        return torch.empty(numel, dtype=dtype)
+
+    @staticmethod
+    def fresh(buf: torch.Tensor) -> Any:
+        """What the communicator takes for a ``scratch`` buffer: a host buffer over it (its
+        numpy view keeps it alive), without the checks a caller's tensor needs."""
+        return buf if buf.dtype == torch.bfloat16 else HostBuffer(buf.numpy(), "scratch")
 
     def cat(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False
             ) -> torch.Tensor:
@@ -362,7 +375,7 @@ class _Staging:
             for dst, src in self.copies:
                 if src.dtype != dst.dtype:  # bytes of a dtype the core does not know
                     src = src.view(dst.dtype)
-                dst.copy_(src.reshape(dst.shape))
+                dst.copy_(src if dst.dim() == 1 else src.reshape(dst.shape))
 
     def finisher(self) -> Callable[[], None] | None:
         return self.finish if self.copies else None
@@ -389,7 +402,7 @@ class _HostViews:
 
     def _make(self, t: torch.Tensor, key: tuple[int, int, torch.dtype]) -> HostBuffer:
         address, count, dtype = key
-        host = as_buffer(torch.empty(0, dtype=dtype), name="tensor").dtype  # numpy's name
+        host = _numpy_dtype(dtype)
         if count:
             memory = (ctypes.c_byte * (count * host.itemsize)).from_address(address)
             view = HostBuffer(np.frombuffer(memoryview(memory), host), "tensor")
@@ -399,6 +412,17 @@ class _HostViews:
             self._views.pop(next(iter(self._views)), None)
         self._views[key] = view
         return view
+
+
+_NUMPY_NAMES: dict[torch.dtype, np.dtype] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's name for a core dtype (``ml_dtypes``' for bfloat16), as the core views it."""
+    host = _NUMPY_NAMES.get(dtype)
+    if host is None:
+        host = _NUMPY_NAMES[dtype] = as_buffer(torch.empty(0, dtype=dtype), name="t").dtype
+    return host
 
 
 def _reduce_op(opts: Any) -> str:
@@ -630,15 +654,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather(  # type: ignore[override]  # c10d's form, see above
             self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
             opts: Any = None) -> dist.Work:
-        stage = _Staging()
+        stage = self._staging(opts)
         parts = []
         for i, (outputs, inp) in enumerate(zip(output_lists, input_list, strict=True)):
             self._check_world(outputs, f"output_lists[{i}]")
             _same(outputs, f"output_lists[{i}]", inp.numel(), inp.dtype)
-            src = stage.buffer(inp, f"input_list[{i}]")
-            dst = stage.scratch(src.numel() * self.comm.world_size, src)
+            src = stage.host(inp, f"input_list[{i}]")
+            dst = stage.scratch(inp.numel() * _movable(inp.dtype) * self.comm.world_size,
+                                _buffer_dtype(inp.dtype))
             stage.split_back(dst, outputs)
-            parts.append(self._start(opts, self.comm.allgather, dst, src))
+            parts.append(self._start(opts, self.comm.allgather, stage.fresh(dst), src))
         return self._work("allgather", parts, output_lists, stage)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
@@ -681,7 +706,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 _same([o], f"output_tensor_lists[{r}][{i}]", t.numel(), t.dtype)
         stage = _Staging()
         src = stage.cat(input_list, "input_tensor_list")
-        dst = stage.scratch(src.numel() * self.comm.world_size, src)
+        dst = stage.scratch(src.numel() * self.comm.world_size, src.dtype)
         stage.split_back(dst, [o for outputs in output_lists for o in outputs])
         part = self.comm.allgather(dst, src, async_op=True)
         return self._work("allgather_coalesced", [part], output_lists, stage)
@@ -698,7 +723,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             outputs = _one(output_lists, "output_tensors")
             self._check_world(outputs, "gather_list")
             _same(outputs, "gather_list", inp.numel(), inp.dtype)
-            dst = stage.scratch(src.numel() * self.comm.world_size, src)
+            dst = stage.scratch(src.numel() * self.comm.world_size, src.dtype)
             stage.split_back(dst, outputs)
         part = self._start(opts, self.comm.gather, dst, src, root=root)
         return self._work("gather", [part], output_lists, stage)
@@ -734,7 +759,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         scale = _movable(dtype)
         src = stage.cat(input_tensors, "input_tensor_list")
-        dst = stage.scratch(sum(t.numel() for t in output_tensors) * scale, src)
+        dst = stage.scratch(sum(t.numel() for t in output_tensors) * scale, src.dtype)
         stage.split_back(dst, output_tensors)
         part = self._start(opts, self.comm.alltoall, dst, src,
                            in_splits=[t.numel() * scale for t in input_tensors],
