@@ -475,6 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     if saved.get("benchmark") == "ringcomm bench ddp":  # a training run: its own table
         from . import ddp_step
 
+        if args.sizes is not None or args.plot_dir is not None:
+            p.error(f"{args.json} holds a DDP run: --sizes and --plot-dir apply to the "
+                    "collective sweeps' files")
+
         if args.markdown:
             print(ddp_step.markdown(rows))
         else:

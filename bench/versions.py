@@ -5,7 +5,9 @@
 Checks out ``OLD`` and ``NEW`` (commits; ``NEW`` defaults to the working tree) into temporary
 worktrees and runs ``ringcomm bench`` from each in turn, round after round (old, new, old,
 new...), so both see the same machine: a busy spell hits both, not one. Each run's rows are
-its per-size medians; a version's time at a size is the median over its rounds.
+its per-size medians; a version's time at a size is the median over its rounds. Each way
+ringcomm was timed (the direct API, and ``ringcomm/torch``: both by default) is compared
+with itself.
 
 The noise row says how much a version differs from itself: at each size, the largest ratio
 between two rounds of the same version. A size counts as slower only where new/old exceeds
@@ -30,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ARGS = ["--collectives", "allreduce", "--backends", "ringcomm", "-n", "2", "4",
-                "-b", "8", "-e", "64M", "-f", "8"]
+DEFAULT_ARGS = ["--collectives", "allreduce", "--backends", "ringcomm", "ringcomm/torch",
+                "-n", "2", "4", "-b", "8", "-e", "64M", "-f", "8"]
 
 Key = tuple[str, str, int, int]  # (collective, path, world size, bytes)
 PATHS = ("ringcomm", "ringcomm/torch")  # the direct API and torch.distributed's

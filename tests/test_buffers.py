@@ -348,3 +348,20 @@ def test_an_op_that_fails_leaves_device_memory_as_it_was():
 def test_fake_device_allreduce_over_real_processes(cluster):
     logs = cluster.run(3, "job_fake_device_allreduce", transport="ipc", timeout=45)
     assert logs == [[["wait", "to_host", "from_host", "record"]] * 2] * 3
+
+
+def test_a_registered_kind_that_claims_numpy_arrays_gets_them(monkeypatch):
+    """Plain numpy arrays skip the kinds' questions only while no registered kind claims
+    them: a later kind can take a type an earlier one takes."""
+    from ringcomm.core import arrays
+
+    class Claiming(arrays.NumpyKind):
+        def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Any:
+            return ("claimed", name)
+
+    monkeypatch.setattr(arrays, "_KINDS", list(arrays._KINDS))
+    monkeypatch.setattr(arrays, "_numpy_first", True)
+    x = np.zeros(3, np.float32)
+    assert isinstance(arrays.as_buffer(x), arrays.HostBuffer)
+    arrays.register(Claiming())
+    assert arrays.as_buffer(x, name="x") == ("claimed", "x")

@@ -158,6 +158,16 @@ def test_the_short_way_reduces_the_tensor_it_is_given(ranks):
 
 
 @pytest.mark.timeout(60)
+def test_a_blocking_call_that_raises_leaves_no_op_running_on_its_memory(ranks):
+    """The short way lends the communicator a view of the caller's memory that keeps
+    nothing alive; a blocking call must not return or raise while an op still uses it."""
+    for got in ranks.run("job_blocking_call_leaves_nothing_running", 2):
+        assert got["raised"] == "ValueError"
+        assert got["idle"], "an op of the call still runs after it raised"
+        assert got["gathered"] == [1.0, 2.0]  # the first pair's op ran to its end
+
+
+@pytest.mark.timeout(60)
 def test_destroy_leaves_nothing_behind_and_reinit_works(ranks):
     assert ranks.run("job_reinit", 2) == [{"left": []}] * 2
 

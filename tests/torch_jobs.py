@@ -718,3 +718,33 @@ def job_short_way(rank: int, world: int, port: int, file: str, **_: Any) -> dict
         got["kept alive"] = alive() is not None
         got["total"] = total
     return got
+
+
+def job_blocking_call_leaves_nothing_running(rank: int, world: int, port: int, file: str,
+                                             **_: Any) -> dict:
+    """A blocking coalesced all-gather whose second pair is bad raises; the first pair's op,
+    which used the caller's memory, must have finished by then (async ops go to the worker
+    here: RINGCOMM_INLINE_BYTES=0), or freeing the output would leave it writing freed
+    memory."""
+    os.environ["RINGCOMM_INLINE_BYTES"] = "0"
+    try:
+        with group(rank, world, port, file):
+            pg = dist.distributed_c10d._get_default_group()
+            n = 1 << 18
+            inp = torch.full((n,), float(rank + 1))
+            out = torch.zeros(n * world)
+            opts = dist.distributed_c10d.AllgatherOptions()
+            opts.asyncOp = False
+            if rank == 1:
+                time.sleep(0.5)  # rank 0's first op waits for this rank meanwhile
+            try:
+                pg.allgather_into_tensor_coalesced([out], [inp, inp], opts)
+                raised = None
+            except ValueError as err:  # the lists differ in length
+                raised = type(err).__name__
+            idle = pg.comm.idle
+            gathered = sorted(set(out.tolist()))
+            dist.barrier()
+            return {"raised": raised, "idle": idle, "gathered": gathered}
+    finally:
+        del os.environ["RINGCOMM_INLINE_BYTES"]

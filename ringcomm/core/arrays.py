@@ -279,14 +279,18 @@ class TorchCPUKind(HostKind):
 
 # Asked newest first, so a kind registered later can take a type that an earlier one
 # refuses (a torch CUDA kind, tensors that the torch CPU kind turns away). A plain numpy
-# array is host memory: ``as_buffer`` takes it without asking.
+# array goes to the numpy kind without asking the others while no registered kind claims
+# numpy arrays (``_numpy_first``).
 _NUMPY = NumpyKind()
 _KINDS: list[ArrayKind] = [TorchCPUKind(), _NUMPY]
+_numpy_first = True
 
 
 def register(kind: ArrayKind) -> None:
     """Accept ``kind``'s arrays from now on, in every communicator."""
+    global _numpy_first
     _KINDS.insert(0, kind)
+    _numpy_first = _numpy_first and not kind.owns(np.empty(0))
 
 
 def kinds() -> tuple[ArrayKind, ...]:
@@ -302,12 +306,14 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
     in). Anything no kind takes is refused with an ``ArgumentError`` naming ``name``. A
     ``Buffer`` already made (by a layer above that has checked its array) is taken as it is.
     """
+    if type(x) is HostBuffer:
+        return x
+    if type(x) is np.ndarray and _numpy_first and (reads or writable):  # the commonest
+        return HostBuffer(_NUMPY.flat_view(x, name, writable), name)
+    if isinstance(x, Buffer):
+        return x
     if not (reads or writable):
         raise ValueError("a buffer that the op neither reads nor writes has no use")
-    if type(x) is np.ndarray:  # the commonest, which no other kind takes: no more asking
-        return HostBuffer(_NUMPY.flat_view(x, name, writable), name)
-    if type(x) is HostBuffer or isinstance(x, Buffer):  # the first test is the quick one
-        return x
     for kind in _KINDS:
         if kind.owns(x):
             return kind.buffer(x, name, writable, reads)

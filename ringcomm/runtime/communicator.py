@@ -641,6 +641,13 @@ class Communicator:
     def _small(self, op: _Collective) -> bool:
         return all(b.nbytes <= self.inline_bytes for b in op.buffers.values())
 
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is queued or in flight here (no op for the worker, no receive
+        posted): a blocking op started now on this thread runs on it from start to end, so
+        memory lent only for the call (a view that keeps nothing alive) is safe to use."""
+        return self._outstanding == 0 and not self._p2p.busy
+
     def _op_done(self) -> None:
         with self._count_lock:
             self._outstanding -= 1

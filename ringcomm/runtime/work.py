@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CommTimeout
+
+log = logging.getLogger("ringcomm")
 
 
 class Work:
@@ -62,7 +65,8 @@ class Work:
 
 class _Finished(Work):
     """The handle of an op that already ran: its result or its error, and no future (making
-    one, with its lock and condition, costs more than a small op)."""
+    one, with its lock and condition, costs more than a small op). It sets every field
+    ``Work.__init__`` sets but the future."""
 
     def __init__(self, name: str, timeout: float, result: Any,
                  error: BaseException | None) -> None:
@@ -84,7 +88,10 @@ class _Finished(Work):
         return self._error
 
     def add_done_callback(self, fn: Callable[[Work], None]) -> None:
-        fn(self)
+        try:  # as a future does: a failing callback is logged, not raised to the caller
+            fn(self)
+        except Exception:  # noqa: BLE001
+            log.exception("a done-callback of %s raised", self.name)
 
     def __repr__(self) -> str:
         return f"<Work {self.name} done>"

@@ -303,9 +303,10 @@ def _in_place(t: Any) -> bool:
 class _Staging:
     """Buffers of one call, and the copies back into the caller's tensors once it is done.
 
-    ``views``: the process group's host views, for a call that blocks until the op is done
-    (the caller holds its tensors meanwhile; a view by address keeps none alive, so an op
-    that outlives the call takes tensors)."""
+    ``views``: the process group's host views, for a call whose ops run on the caller's
+    thread from start to end before it returns (the caller holds its tensors meanwhile; a
+    view by address keeps none alive, so an op that may outlive the call, queued for the
+    worker or started async, takes tensors)."""
 
     def __init__(self, views: _HostViews | None = None) -> None:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -388,10 +389,11 @@ class _HostViews:
     alive, and is used only for a tensor of that address, size and dtype, the caller having
     checked that it is a contiguous CPU tensor: exactly the memory the view covers."""
 
-    _LIMIT = 64  # views kept (the latest); a program reduces a few tensors over and over
+    _LIMIT = 64  # views kept (the latest made); a program reduces a few tensors over and over
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, int, torch.dtype], HostBuffer] = {}
+        self._lock = threading.Lock()  # misses only: threads may share a process group
 
     def of(self, t: torch.Tensor) -> HostBuffer:
         key = (t.data_ptr(), t.numel(), t.dtype)
@@ -408,9 +410,10 @@ class _HostViews:
             view = HostBuffer(np.frombuffer(memoryview(memory), host), "tensor")
         else:
             view = HostBuffer(np.empty(0, host), "tensor")
-        if len(self._views) >= self._LIMIT:
-            self._views.pop(next(iter(self._views)), None)
-        self._views[key] = view
+        with self._lock:
+            if len(self._views) >= self._LIMIT:
+                self._views.pop(next(iter(self._views)), None)
+            self._views[key] = view
         return view
 
 
@@ -520,9 +523,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return CommWork.finished(name, self.comm.timeout, result)
 
     def _staging(self, opts: Any) -> _Staging:
-        """The staging of a call: with the host views where the call blocks until its op is
-        done (``opts.asyncOp`` False), which is what lets it use them."""
-        return _Staging(None if getattr(opts, "asyncOp", True) else self._views)
+        """The staging of a call: with the host views where its ops will run on this thread
+        from start to end (``opts.asyncOp`` False, every op of it started through ``_start``,
+        and nothing queued before them: ``Communicator.idle``), which is what lets it use
+        them."""
+        blocking = not getattr(opts, "asyncOp", True)
+        return _Staging(self._views if blocking and self.comm.idle else None)
 
     def _work(self, name: str, parts: Sequence[CommWork], result: Any,
               stage: _Staging | None = None) -> dist.Work:
@@ -568,7 +574,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
-            if _in_place(t):
+            if _in_place(t) and self.comm.idle:  # runs here, start to end: see _Staging
                 return self._now("allreduce", self.comm.allreduce, tensors,
                                  self._views.of(t), op)
         if any(t.is_sparse for t in tensors):
@@ -617,7 +623,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> dist.Work:
         stage = self._staging(opts)
-        part = self._reduce_scatter_tensor(stage, output, input, _reduce_op(opts))
+        part = self._reduce_scatter_tensor(opts, stage, output, input, _reduce_op(opts))
         return self._work("reduce_scatter_tensor", [part], [output], stage)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # see above
@@ -626,19 +632,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
         stage, op = self._staging(opts), _reduce_op(opts)
-        parts = [self._reduce_scatter_tensor(stage, o, i, op)
+        parts = [self._reduce_scatter_tensor(opts, stage, o, i, op)
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("reduce_scatter_tensor_coalesced", parts, outputs, stage)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
-    def _reduce_scatter_tensor(self, stage: _Staging, output: torch.Tensor,
+    def _reduce_scatter_tensor(self, opts: Any, stage: _Staging, output: torch.Tensor,
                                input: torch.Tensor, op: str) -> CommWork:  # noqa: A002
         self._check_numel(input, output.numel() * self.comm.world_size, "input",
                           "world_size * output.numel()")
         src = stage.host(input, "input", reduce=True)
         dst = stage.host(output, "output", reduce=True, write=True, read=False)
-        return self.comm.reduce_scatter(dst, src, op, async_op=True)
+        return self._start(opts, self.comm.reduce_scatter, dst, src, op)
 
     # -- data movement
     def broadcast(  # type: ignore[override]  # c10d's form, see above
@@ -669,7 +675,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> dist.Work:
         stage = self._staging(opts)
-        part = self._all_gather_tensor(stage, output, input)
+        part = self._all_gather_tensor(opts, stage, output, input)
         return self._work("all_gather_into_tensor", [part], [output], stage)
 
     _allgather_base = all_gather_single
@@ -678,19 +684,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
         stage = self._staging(opts)
-        parts = [self._all_gather_tensor(stage, o, i)
+        parts = [self._all_gather_tensor(opts, stage, o, i)
                  for o, i in zip(outputs, inputs, strict=True)]
         return self._work("all_gather_into_tensor_coalesced", parts, outputs, stage)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
-    def _all_gather_tensor(self, stage: _Staging, output: torch.Tensor,
+    def _all_gather_tensor(self, opts: Any, stage: _Staging, output: torch.Tensor,
                            input: torch.Tensor) -> CommWork:  # noqa: A002
         self._check_numel(output, input.numel() * self.comm.world_size, "output",
                           "world_size * input.numel()")
         src = stage.host(input, "input")
         dst = stage.host(output, "output", write=True, read=False)
-        return self.comm.allgather(dst, src, async_op=True)
+        return self._start(opts, self.comm.allgather, dst, src)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None

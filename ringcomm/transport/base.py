@@ -184,8 +184,8 @@ class Transport:
                     header: bytes) -> None:
         """Return once ``peer`` has made ``number`` posts of the op whose board header is
         ``header`` (packed); raise as a receive would (the deadline, a lost peer, an abort,
-        a message showing that the ranks disagree). Most waits end within moments, so the
-        ``Wait`` (``board_wait``) is made only once the wait goes on."""
+        a message showing that the ranks disagree). Most waits end within moments, so a
+        transport may make the ``Wait`` (``board_wait``) only once the wait goes on."""
         raise NotImplementedError(f"{type(self).__name__} has no shared board")
 
     def _posted(self) -> None:  # noqa: B027 - optional hook
