@@ -284,6 +284,14 @@ class Communicator:
             COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, rop, count=data.count,
             segment=self.segment_bytes, algorithm=name), async_op)
 
+    @_names_bad_input
+    def allreduce_now(self, x: Any, op: str = "sum") -> bool:
+        """``allreduce(x, op)`` if it can run on this thread from start to end at once (the
+        short way: a group on one host's board, nothing queued, no trace kept); else False,
+        having done nothing. For a caller lending memory only for the call: a view that
+        keeps nothing alive must not reach an op that might outlive it."""
+        return self._allreduce_now(as_buffer(x, name="x"), op)
+
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:
         """The allreduce algorithm this communicator runs for ``nbytes`` of ``itemsize``-byte

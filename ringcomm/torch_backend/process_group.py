@@ -553,16 +553,6 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 error = err
         return FinishedWork(name, result if error is None else None, error, source)
 
-    def _now(self, name: str, method: Callable[..., Any], result: Any, *args: Any) -> FinishedWork:
-        """Run a communicator op to its end on this thread, for a caller that waits at
-        once; its failure is raised by ``wait``, as an async op's would be."""
-        try:
-            method(*args, async_op=False)
-        except ArgumentError:
-            raise
-        except CommError as err:
-            return FinishedWork(name, None, _torch_style(err, self.comm.timeout))
-        return FinishedWork(name, result)
 
     # torch's stub gives ProcessGroup's collectives the overloads of its Python API; c10d
     # calls a backend written in Python with (tensors..., opts) only. The overrides below
@@ -574,9 +564,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
-            if _in_place(t) and self.comm.idle:  # runs here, start to end: see _Staging
-                return self._now("allreduce", self.comm.allreduce, tensors,
-                                 self._views.of(t), op)
+            if _in_place(t):  # a view of its memory: the op runs here, start to end, or not
+                try:
+                    if self.comm.allreduce_now(self._views.of(t), op):
+                        return FinishedWork("allreduce", tensors)
+                except ArgumentError:
+                    raise
+                except CommError as err:  # raised by wait, as an async op's would be
+                    return FinishedWork("allreduce", None,
+                                        _torch_style(err, self.comm.timeout))
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         stage = self._staging(opts)
