@@ -908,3 +908,31 @@ def job_board_p2p_while_waiting(rank: int, world: int, store: str, transport: st
             comm.recv(got, src=1)
         return {"sum": x.tolist(), "recv": bool(rank != 0 or np.array_equal(got, payload)),
                 "board": comm.transport.board is not None}
+
+
+def job_allreduce_now(rank: int, world: int, store: str, transport: str, board: bool = True,
+                      **_: Any) -> dict:
+    """``allreduce_now``: the short way or nothing. With nothing queued it reduces on the
+    board (and does nothing without one); with an async op queued before it (rank 1 joins
+    that op late, and async ops go to the worker here), it must not run ahead of it."""
+    env = {"RINGCOMM_INLINE_BYTES": "0", "RINGCOMM_BOARD": None if board else "0"}
+    with _rank_environment(env, None):
+        comm = init(rank, world, store, transport, timeout=30.0)
+    with comm:
+        x = np.full(3, float(rank))
+        ran = comm.allreduce_now(x)
+        if not ran:
+            comm.allreduce(x)  # every rank did nothing: keep them in step
+        first = (ran, x.tolist())
+        jumped = None
+        if rank == 0:
+            queued = comm.allreduce(np.ones(2), async_op=True)
+            jumped = comm.allreduce_now(np.zeros(3))  # must find the queued op ahead of it
+            queued.wait()
+        else:
+            time.sleep(0.3)
+            comm.allreduce(np.ones(2))
+        y = np.full(3, float(rank))
+        comm.allreduce(y)
+        return {"board": comm.transport.board is not None, "first": first, "jumped": jumped,
+                "after": y.tolist()}

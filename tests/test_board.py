@@ -255,6 +255,21 @@ def test_a_rank_that_declines_the_board_leaves_every_rank_on_the_links(cluster):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("board", [True, False])
+def test_allreduce_now_is_the_short_way_or_nothing(cluster, board):
+    """On the board it reduces at once, but never ahead of an op queued before it (the torch
+    backend lends it views of tensors that keep nothing alive); without a board it does
+    nothing."""
+    res = cluster.run(2, "job_allreduce_now", transport="ipc", board=board)
+    total = float(sum(range(2)))
+    for x in res:
+        assert x["board"] is board
+        assert x["first"] == (board, [total] * 3)
+        assert x["after"] == [total] * 3
+    assert res[0]["jumped"] is False
+
+
+@pytest.mark.timeout(60)
 def test_ranks_on_tcp_have_no_board(cluster):
     res = cluster.run(2, "job_board", transport="tcp")
     assert [x["board"] for x in res] == [False, False]
