@@ -35,7 +35,8 @@ CALLS = {
     "barrier": lambda comm, b, op, root: comm.barrier(),
 }
 # the communicator's public methods that are not collectives
-NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm"}
+NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
+                   "allreduce_now"}  # allreduce's short way, not a collective of its own
 
 
 def contribution(rank: int, size: int, dtype: str) -> np.ndarray:
