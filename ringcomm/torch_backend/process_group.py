@@ -14,11 +14,13 @@ through the c10d store torch hands the backend (one key prefix per group), so ev
 method torch has works, and each ``new_group`` gets a communicator of its own.
 
 Buffers: a contiguous CPU tensor of a dtype the core knows is used in place (a zero-copy
-view). Anything else (non-contiguous, CUDA, a conjugate view) is copied into a contiguous
-CPU tensor, and results are copied back when the op completes, on the communicator's
-thread, before the op's ``Work`` reports completion. Ops that only move data (broadcast,
-all-gather, all-to-all, gather, scatter, send/recv) take any dtype by moving its bytes;
-reductions take the dtypes the core reduces.
+view; for a call whose ops run on the caller's thread from start to end, such as
+``dist.all_reduce(t)``, a host view of its memory made once per address, size and dtype,
+``_HostViews``). Anything else (non-contiguous, CUDA, a conjugate view) is copied into a
+contiguous CPU tensor, and results are copied back when the op completes, on the
+communicator's thread, before the op's ``Work`` reports completion. Ops that only move
+data (broadcast, all-gather, all-to-all, gather, scatter, send/recv) take any dtype by
+moving its bytes; reductions take the dtypes the core reduces.
 """
 
 from __future__ import annotations
@@ -552,7 +554,6 @@ class RingcommProcessGroup(dist.ProcessGroup):
             except Exception as err:  # noqa: BLE001 - reported through wait() and the future
                 error = err
         return FinishedWork(name, result if error is None else None, error, source)
-
 
     # torch's stub gives ProcessGroup's collectives the overloads of its Python API; c10d
     # calls a backend written in Python with (tensors..., opts) only. The overrides below
