@@ -206,16 +206,22 @@ def print_table(rows: list[dict], console: Any) -> None:
     console.print(table)
 
 
+def step_ms(rows: list[dict], model: str, world: int, backend: str,
+            ddp: str | None) -> float | None:
+    """The step time of ``model`` at ``world`` on ``backend`` under DDP implementation
+    ``ddp`` (None: the local step); None where the run has no such row."""
+    return next((r["step_ms"] for r in rows if r["model"] == model
+                 and r["world_size"] == world and r["backend"] == backend
+                 and r.get("ddp") == ddp), None)
+
+
 def added_ratio(rows: list[dict], model: str, world: int, ddp: str = "torch") -> float | None:
     """The time DDP adds over the local step with ringcomm, over the time it adds with Gloo
     (``(ringcomm - local) / (gloo - local)``, DDP implementation ``ddp``); None where a row
     is missing."""
-    def step(backend: str, impl: str | None) -> float | None:
-        return next((r["step_ms"] for r in rows if r["model"] == model
-                     and r["world_size"] == world and r["backend"] == backend
-                     and r.get("ddp") == impl), None)
-
-    local, ours, gloo = step("local", None), step("ringcomm", ddp), step("gloo", ddp)
+    local = step_ms(rows, model, world, "local", None)
+    ours = step_ms(rows, model, world, "ringcomm", ddp)
+    gloo = step_ms(rows, model, world, "gloo", ddp)
     if local is None or ours is None or gloo is None or gloo <= local:
         return None
     return (ours - local) / (gloo - local)
@@ -225,9 +231,8 @@ def markdown(rows: list[dict]) -> str:
     """The README's DDP table: per model and world size, the step times and the added-time
     ratio of ringcomm to Gloo under torch's DDP."""
     def cell(model: str, world: int, backend: str, impl: str | None) -> str:
-        found = [r["step_ms"] for r in rows if r["model"] == model and
-                 r["world_size"] == world and r["backend"] == backend and r.get("ddp") == impl]
-        return f"{found[0]:.2f}" if found else "-"
+        ms = step_ms(rows, model, world, backend, impl)
+        return "-" if ms is None else f"{ms:.2f}"
 
     lines = ["| model | world | local (ms) | ringcomm, torch's DDP (ms) | Gloo, torch's DDP (ms) "
              "| added: ringcomm / Gloo | ringcomm, our DDP (ms) | Gloo, our DDP (ms) |",

@@ -356,7 +356,7 @@ class Communicator:
             return False  # keeps a trace and logs a line per op
         with self._count_lock:
             if self._outstanding or self._closed or self._failure is not None or \
-                    self._p2p.busy:
+                    self._p2p.busy:  # ``idle`` spelled out: the hottest path
                 return False
             self._outstanding += 1
         seq = next(self._seq)
@@ -624,7 +624,7 @@ class Communicator:
             # busy machine, more than a small op takes) are saved. Such an async op then
             # returns completed, its error (if any) kept for ``wait``. The worker cannot
             # start anything meanwhile: its queue is empty and no receive is posted.
-            inline = inline and self._outstanding == 0 and not self._p2p.busy
+            inline = inline and self.idle
             self._outstanding += 1
         if inline:
             assert not isinstance(item, P2POp)  # only collectives run inline
