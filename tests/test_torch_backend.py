@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch_jobs import ONE_BITS, Ranks, free_port
 
@@ -183,6 +184,42 @@ def test_ddp_gradients_equal_one_process_on_the_full_batch(ranks, world):
     three SGD steps; no_sync; the fp16 compression hook (to fp16 precision); a branch used
     in one step only; and Join with a different number of batches per rank."""
     done = ranks.run("job_ddp", world, timeout=110)
+    assert done == [["plain", "find_unused_parameters", "static_graph",
+                     "gradient_as_bucket_view", "small buckets", "no_sync",
+                     "fp16_compress_hook", "unused branch", "Join"]] * world
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@pytest.mark.timeout(60)
+def test_another_default_device_leaves_the_group_on_the_host(ranks):
+    world = 3
+    total = sum(r + 1 for r in range(world))
+    for rank, got in enumerate(ranks.run("job_another_default_device", world)):
+        assert got == {
+            "all_reduce": [1.0 * total, 5.0 * total, 9.0 * total],
+            "broadcast": [20.0, 23.0, 21.0, 24.0, 22.0, 25.0],
+            "group's broadcast": [20.0, 23.0, 21.0, 24.0, 22.0, 25.0],
+            "all_gather": [[float(r)] * 2 for r in range(world)],
+            "reduce_scatter": [world * 2.0 * rank, world * (2.0 * rank + 1)],
+        }, rank
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (the ranks share GPU 0)")
+
+
+@needs_cuda
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_tensors_give_the_values_cpu_tensors_give(ranks, world):
+    """Every collective of ``test_every_collective_gives_checked_values`` and every DDP
+    mode of ``test_ddp_gradients_equal_one_process_on_the_full_batch`` again, on CUDA
+    tensors: staged through host memory, the results land on the GPU, in the tensors given."""
+    checks = ranks.run("job_on_cuda", world, timeout=200, inner="job_collectives")
+    assert len(set(checks)) == 1 and checks[0] > 70, checks
+    done = ranks.run("job_on_cuda", world, timeout=200, inner="job_ddp")
     assert done == [["plain", "find_unused_parameters", "static_graph",
                      "gradient_as_bucket_view", "small buckets", "no_sync",
                      "fp16_compress_hook", "unused branch", "Join"]] * world

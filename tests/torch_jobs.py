@@ -132,10 +132,11 @@ class Ranks:
                 if p is not None and p.is_alive():
                     p.kill()
             raise
-        for r in range(world):
-            status, value, tb = results[r]
-            if status == "err":
-                raise AssertionError(f"{job} failed on rank {r}: {value}\n{tb}")
+        failed = [r for r in range(world) if results[r][0] == "err"]
+        if failed:  # every rank's error: the first may only be a peer's leaving
+            said = "\n".join(f"rank {r}: {results[r][1]}" for r in failed)
+            raise AssertionError(f"{job} failed on ranks {failed}:\n{said}\n"
+                                 + "\n".join(results[r][2] for r in failed))
         return [results[r][1] for r in range(world)]
 
 
@@ -217,7 +218,9 @@ def job_collectives(rank: int, world: int, port: int, file: str, how: str = "tcp
             for dtype in dtypes:
                 t = vals(rank, 11, dtype)
                 dist.all_reduce(t, op=op)
-                want = ref([vals(r, 11, dtype) for r in ranks]).to(dtype)
+                # the expected values come from the CPU: on CUDA, torch divides by a
+                # number as a multiplication by its inverse, which can round differently
+                want = ref([vals(r, 11, dtype).cpu() for r in ranks]).to(dtype).to(t.device)
                 ok(t, want, f"all_reduce {op} {dtype}")
         m = torch.arange(24.0).reshape(4, 6) * (rank + 1)
         col = m[:, 1]  # non-contiguous: results must land in m
@@ -545,9 +548,14 @@ class Net(nn.Module):
 
 
 def _data(steps: int, world: int, per_rank: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same batches on every rank and every device (drawn on the CPU, then moved to
+    the default device: ``job_on_cuda`` makes that CUDA)."""
     g = torch.Generator().manual_seed(1234)
-    return [(torch.randn(world * per_rank, 6, generator=g, dtype=torch.float64),
-             torch.randn(world * per_rank, 3, generator=g, dtype=torch.float64))
+    device = torch.get_default_device()
+    return [(torch.randn(world * per_rank, 6, generator=g, dtype=torch.float64,
+                         device="cpu").to(device),
+             torch.randn(world * per_rank, 3, generator=g, dtype=torch.float64,
+                         device="cpu").to(device))
             for _ in range(steps)]
 
 
@@ -656,6 +664,56 @@ def job_ddp(rank: int, world: int, port: int, file: str, **_: Any) -> list[str]:
         _close(list(ddp.module.parameters()), list(ref.parameters()), "Join")
         done.append("Join")
     return done
+
+
+def job_on_cuda(rank: int, inner: str, **kwargs: Any) -> Any:
+    """The job named ``inner`` with CUDA as torch's default device, so that every tensor it
+    makes (its inputs, outputs and expected values, DDP's model and batches) lives on the GPU; its
+    checks compare tensors with ``torch.equal``, which refuses tensors of two devices, so a
+    result that left the GPU fails them too. All ranks share GPU 0: the process group
+    stages CUDA tensors through host memory and needs no GPU of its own per rank."""
+    torch.set_default_device("cuda")
+    try:
+        assert torch.empty(1).is_cuda
+        result = globals()[inner](rank=rank, **kwargs)
+        torch.cuda.synchronize()
+        return result
+    finally:
+        torch.set_default_device(None)
+
+
+def job_another_default_device(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
+    """A program may make another device torch's default (``torch.set_default_device``);
+    the buffers the group makes for tensors it cannot use in place stay on the host all
+    the same. "meta" here, a device whose tensors hold no data."""
+    cpu = torch.device("cpu")
+    got: dict[str, Any] = {}
+    with group(rank, world, port, file):
+        torch.set_default_device("meta")
+        try:
+            m = torch.arange(12.0, device=cpu).reshape(3, 4) * (rank + 1)
+            dist.all_reduce(m[:, 1])  # a column: not contiguous, so staged
+            got["all_reduce"] = m[:, 1].tolist()
+            b = (torch.arange(6, device=cpu) + 10 * rank).reshape(2, 3).t()
+            dist.broadcast(b, src=world - 1)
+            got["broadcast"] = b.flatten().tolist()
+            outs = [torch.empty(2, device=cpu) for _ in range(world)]
+            dist.all_gather(outs, torch.full((2,), float(rank), device=cpu))
+            got["all_gather"] = [o.tolist() for o in outs]
+            out = torch.empty(2, device=cpu)
+            dist.reduce_scatter_tensor(out, torch.arange(2.0 * world, device=cpu))
+            got["reduce_scatter"] = out.tolist()
+            # the group's own methods, called directly: no torch function mode is left
+            # aside on the way (torch 2.11's dist.broadcast left it in place, 2.13's not)
+            pg = dist.distributed_c10d._get_default_group()
+            b = (torch.arange(6, device=cpu) + 10 * rank).reshape(2, 3).t()
+            opts = dist.BroadcastOptions()
+            opts.rootRank = world - 1
+            pg.broadcast([b], opts).wait()
+            got["group's broadcast"] = b.flatten().tolist()
+        finally:
+            torch.set_default_device(None)
+    return got
 
 
 def job_size_mismatch(rank: int, world: int, port: int, file: str, **_: Any) -> dict:

@@ -69,6 +69,9 @@ _OPS = {
 _OPS_BY_CODE = {kind.value: name for kind, name in _OPS.items()}  # hashing torch's enum is slow
 _SUM = ReduceOp.SUM
 _STRIDED = torch.strided
+# where every buffer the group makes lives: said each time, since a program may have made
+# another device torch's default (torch.set_default_device)
+_HOST = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- work
@@ -291,7 +294,7 @@ def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
 def _movable(dtype: torch.dtype) -> int:
     """Elements of the buffer per element of ``dtype``: 1, or its size when the core does
     not know the dtype and moves its bytes."""
-    return 1 if dtype in _CORE_DTYPES else torch.empty(0, dtype=dtype).element_size()
+    return 1 if dtype in _CORE_DTYPES else torch.empty(0, dtype=dtype, device=_HOST).element_size()
 
 
 def _in_place(t: Any) -> bool:
@@ -342,14 +345,14 @@ class _Staging:
     @staticmethod
     def _copy_of(t: torch.Tensor, read: bool) -> torch.Tensor:
         if not read:
-            return torch.empty(t.shape, dtype=t.dtype)
+            return torch.empty(t.shape, dtype=t.dtype, device=_HOST)
         t = t.detach().resolve_conj().resolve_neg()
         return t.to("cpu", memory_format=torch.contiguous_format, copy=True)
 
     @staticmethod
     def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A fresh flat buffer of ``numel`` elements of ``dtype`` (a buffer's dtype)."""
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device=_HOST)
 
     @staticmethod
     def fresh(buf: torch.Tensor) -> Any:
@@ -426,7 +429,8 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """numpy's name for a core dtype (``ml_dtypes``' for bfloat16), as the core views it."""
     host = _NUMPY_NAMES.get(dtype)
     if host is None:
-        host = _NUMPY_NAMES[dtype] = as_buffer(torch.empty(0, dtype=dtype), name="t").dtype
+        empty = torch.empty(0, dtype=dtype, device=_HOST)
+        host = _NUMPY_NAMES[dtype] = as_buffer(empty, name="t").dtype
     return host
 
 
@@ -796,7 +800,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         comm, rank = self.comm, self.comm.rank
         limit = timeout.total_seconds() if timeout is not None else comm.timeout
         ms = int(limit * 1000)
-        token = torch.zeros(1, dtype=torch.uint8)
+        token = torch.zeros(1, dtype=torch.uint8, device=_HOST)
         if rank != 0:
             for work in (comm.send(token, 0, _MONITORED_TAG, async_op=True),
                          comm.recv(token, 0, _MONITORED_TAG, async_op=True)):
@@ -817,7 +821,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                   f"Ranks that passed it: {done}", rank=0,
                                   op="monitored_barrier")
             try:
-                comm.recv(torch.zeros(1, dtype=torch.uint8), src, _MONITORED_TAG,
+                comm.recv(torch.zeros(1, dtype=torch.uint8, device=_HOST), src, _MONITORED_TAG,
                           async_op=True).wait(max(left, 0.0))
                 passed.append(src)
             except CommTimeout as err:
@@ -858,15 +862,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         world = self.comm.world_size
         sparse = t.coalesce()
         indices, values = sparse.indices(), sparse.values()
-        counts = torch.zeros(world, dtype=torch.int64)
-        self.comm.allgather(counts, torch.tensor([indices.shape[1]]))
+        counts = torch.zeros(world, dtype=torch.int64, device=_HOST)
+        self.comm.allgather(counts, torch.tensor([indices.shape[1]], device=_HOST))
         most = int(counts.max())
-        mine_i = torch.zeros((indices.shape[0], most), dtype=torch.int64)
+        mine_i = torch.zeros((indices.shape[0], most), dtype=torch.int64, device=_HOST)
         mine_i[:, : indices.shape[1]] = indices
-        mine_v = torch.zeros((most, *values.shape[1:]), dtype=values.dtype)
+        mine_v = torch.zeros((most, *values.shape[1:]), dtype=values.dtype, device=_HOST)
         mine_v[: values.shape[0]] = values
-        all_i = torch.empty((world, *mine_i.shape), dtype=torch.int64)
-        all_v = torch.empty((world, *mine_v.shape), dtype=values.dtype)
+        all_i = torch.empty((world, *mine_i.shape), dtype=torch.int64, device=_HOST)
+        all_v = torch.empty((world, *mine_v.shape), dtype=values.dtype, device=_HOST)
         self.comm.allgather(all_i, mine_i)
         self.comm.allgather(all_v, mine_v)
         idx = torch.cat([all_i[r, :, : int(counts[r])] for r in range(world)], dim=1)
