@@ -16,7 +16,9 @@ Repetitions take turns (in a new shuffled order each time),
 each ``--steps`` steps of forward, backward (with DDP's all-reduces) and SGD; a
 repetition's time is the slowest rank's, and the step time is the median over
 repetitions. The ``local`` row runs the same step without DDP: the compute alone, the
-floor for both backends.
+floor for both backends. The ``none`` row runs torch's DDP with a comm hook that returns at
+once: DDP's own cost (its buckets' copies, its hooks), the same on any backend, with no
+communication at all; *beyond DDP's own* compares what each backend adds over that row.
 
 Every replica sees the same batches, so after the run the weights trained by every DDP
 replica must agree (up to the order of floating-point additions); ``max diff`` is the
@@ -40,6 +42,7 @@ from .common import RankFailed, free_port, launch, machine_info, turn_order
 
 MODELS = ("mlp", "convnet")
 BACKENDS = ("ringcomm", "gloo")
+NO_COMM = "none"  # the backend name of torch's DDP with a hook that communicates nothing
 DDPS = ("torch", "ours")  # torch.nn.parallel.DistributedDataParallel, ddp.DistributedDataParallel
 
 
@@ -66,6 +69,17 @@ def build_model(kind: str) -> tuple[Any, Any]:
         return (torch.randn(batch, *shape, generator=g),
                 torch.randint(0, 10, (batch,), generator=g))
     return model, batch_for
+
+
+def _no_communication(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP comm hook that communicates nothing: the bucket, as it is, at once. (Without
+    annotations: DDP refuses a hook whose annotations are not its own types, and this
+    module's are strings.)"""
+    import torch
+
+    done: Any = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def rank_main(rank: int, world: int, report: Any, args: argparse.Namespace) -> None:
@@ -124,6 +138,10 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
         for impl in args.ddp:
             replicas[name, impl] = _Replica(
                 wrappers[impl](copy.deepcopy(base), process_group=groups[name]), batches)
+    if "torch" in args.ddp:  # DDP's own cost: its hook answers at once, nothing is sent
+        alone = TorchDDP(copy.deepcopy(base), process_group=groups["gloo"])
+        alone.register_comm_hook(None, _no_communication)
+        replicas[NO_COMM, "torch"] = _Replica(alone, batches)
     names = list(replicas)
     for replica in replicas.values():
         for _ in range(args.warmup):
@@ -141,9 +159,11 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
             times[name].append(float(elapsed))
         if rank == 0:
             report("progress", (kind, rep))
-    # same batches, same start, same number of steps: the DDP replicas must agree
-    flat = [torch.cat([p.detach().reshape(-1) for p in replica.model.parameters()])
-            for name, replica in replicas.items() if name[1] is not None]
+    # same batches, same start, same number of steps: the DDP replicas must agree (but the
+    # one that communicates nothing, whose ranks each follow their own gradients)
+    synced = [name for name in replicas if name[1] is not None and name[0] != NO_COMM]
+    flat = [torch.cat([p.detach().reshape(-1) for p in replicas[name].model.parameters()])
+            for name in synced]
     diff = torch.tensor([max(float((f - flat[0]).abs().max()) for f in flat)],
                         dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
@@ -152,7 +172,7 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
         "model": kind, "world_size": world, "backend": name, "ddp": impl, "params": params,
         "grad_MiB": params * 4 / 2**20, "step_ms": statistics.median(t) * 1e3,
         "min_step_ms": min(t) * 1e3, "rep_step_ms": [v * 1e3 for v in t],
-        "max_weight_diff": float(diff) if impl is not None else None,
+        "max_weight_diff": float(diff) if (name, impl) in synced else None,
         "steps": args.steps, "reps": args.reps, "warmup": args.warmup,
     } for (name, impl), t in times.items()]
 
@@ -181,7 +201,8 @@ def print_table(rows: list[dict], console: Any) -> None:
     table = Table(title="DDP training step (median over repetitions, slowest rank)",
                   title_justify="left", show_edge=False, pad_edge=False)
     for name in ("model", "world", "params", "grads (MiB)", "backend", "DDP", "step (ms)",
-                 "min (ms)", "vs gloo", "added vs gloo's", "vs torch's", "max diff"):
+                 "min (ms)", "vs gloo", "added vs gloo's", "beyond DDP's own", "vs torch's",
+                 "max diff"):
         table.add_column(name, justify="left" if name in ("model", "backend", "DDP")
                          else "right")
 
@@ -192,15 +213,21 @@ def print_table(rows: list[dict], console: Any) -> None:
                       and all(o.get(k) == v for k, v in match.items())), None)
         return f"{r['step_ms'] / other['step_ms']:.2f}x" if other and other is not r else "-"
 
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for r in rows:
         impl = r.get("ddp")
-        added = added_ratio(rows, r["model"], r["world_size"], impl) \
-            if impl and r["backend"] == "ringcomm" else None
+        ours = impl and r["backend"] == "ringcomm"
+        added = added_ratio(rows, r["model"], r["world_size"], impl) if ours else None
+        beyond = added_ratio(rows, r["model"], r["world_size"], over=NO_COMM) \
+            if ours and impl == "torch" else None  # the DDP-alone row is torch's DDP
+        compared = impl and r["backend"] != NO_COMM
         table.add_row(r["model"], str(r["world_size"]), f"{r['params']:,}",
                       f"{r['grad_MiB']:.1f}", r["backend"], impl or "-",
                       f"{r['step_ms']:.2f}", f"{r['min_step_ms']:.2f}",
-                      ratio(r, backend="gloo", ddp=impl) if impl else "-",
-                      "-" if added is None else f"{added:.2f}x",
+                      ratio(r, backend="gloo", ddp=impl) if compared else "-",
+                      shown(added), shown(beyond),
                       ratio(r, backend=r["backend"], ddp="torch") if impl == "ours" else "-",
                       "-" if r["max_weight_diff"] is None else f"{r['max_weight_diff']:.1e}")
     console.print(table)
@@ -215,35 +242,44 @@ def step_ms(rows: list[dict], model: str, world: int, backend: str,
                  and r.get("ddp") == ddp), None)
 
 
-def added_ratio(rows: list[dict], model: str, world: int, ddp: str = "torch") -> float | None:
+def added_ratio(rows: list[dict], model: str, world: int, ddp: str = "torch",
+                over: str = "local") -> float | None:
     """The time DDP adds over the local step with ringcomm, over the time it adds with Gloo
-    (``(ringcomm - local) / (gloo - local)``, DDP implementation ``ddp``); None where a row
-    is missing."""
-    local = step_ms(rows, model, world, "local", None)
+    (``(ringcomm - local) / (gloo - local)``, DDP implementation ``ddp``); with
+    ``over=NO_COMM``, over the step of torch's DDP that communicates nothing instead of the
+    local one: what each backend adds beyond DDP's own cost. None where a row is missing."""
+    floor = step_ms(rows, model, world, "local", None) if over == "local" else \
+        step_ms(rows, model, world, over, "torch")
     ours = step_ms(rows, model, world, "ringcomm", ddp)
     gloo = step_ms(rows, model, world, "gloo", ddp)
-    if local is None or ours is None or gloo is None or gloo <= local:
+    if floor is None or ours is None or gloo is None or gloo <= floor:
         return None
-    return (ours - local) / (gloo - local)
+    return (ours - floor) / (gloo - floor)
 
 
 def markdown(rows: list[dict]) -> str:
     """The README's DDP table: per model and world size, the step times and the added-time
-    ratio of ringcomm to Gloo under torch's DDP."""
+    ratios of ringcomm to Gloo under torch's DDP (over the local step, and beyond DDP's own
+    cost)."""
     def cell(model: str, world: int, backend: str, impl: str | None) -> str:
         ms = step_ms(rows, model, world, backend, impl)
         return "-" if ms is None else f"{ms:.2f}"
 
-    lines = ["| model | world | local (ms) | ringcomm, torch's DDP (ms) | Gloo, torch's DDP (ms) "
-             "| added: ringcomm / Gloo | ringcomm, our DDP (ms) | Gloo, our DDP (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines = ["| model | world | local (ms) | DDP alone (ms) | ringcomm, torch's DDP (ms) "
+             "| Gloo, torch's DDP (ms) | added: ringcomm / Gloo | beyond DDP's own: ringcomm "
+             "/ Gloo | ringcomm, our DDP (ms) | Gloo, our DDP (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for model, world in dict.fromkeys((r["model"], r["world_size"]) for r in rows):
-        ratio = added_ratio(rows, model, world)
         lines.append(" | ".join([
             f"| {model}", str(world), cell(model, world, "local", None),
+            cell(model, world, NO_COMM, "torch"),
             cell(model, world, "ringcomm", "torch"), cell(model, world, "gloo", "torch"),
-            "-" if ratio is None else f"{ratio:.2f}x", cell(model, world, "ringcomm", "ours"),
-            cell(model, world, "gloo", "ours")]) + " |")
+            shown(added_ratio(rows, model, world)),
+            shown(added_ratio(rows, model, world, over=NO_COMM)),
+            cell(model, world, "ringcomm", "ours"), cell(model, world, "gloo", "ours")]) + " |")
     return "\n".join(lines)
 
 
