@@ -316,6 +316,10 @@ def job_collectives(rank: int, world: int, port: int, file: str, how: str = "tcp
         want = [(torch.arange(sum(j + 1 for j in ranks) * 2.0).reshape(-1, 2) + 1000 * j)
                 [sum(range(1, rank + 1)): sum(range(1, rank + 2))] for j in ranks]
         ok(y, torch.cat(want), "all_to_all_single uneven")
+        x16 = x.to(torch.int32).to(torch.uint16)  # a dtype moved as bytes: splits in bytes
+        y16 = torch.empty(sum(out_splits), 2, dtype=torch.uint16)
+        dist.all_to_all_single(y16, x16, out_splits, in_splits)
+        ok(y16.int(), torch.cat(want).int(), "all_to_all_single uneven, as bytes")
         dist.barrier()
         # objects
         objs: list[Any] = [None] * world

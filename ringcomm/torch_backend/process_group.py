@@ -356,8 +356,9 @@ class _Staging:
 
     @staticmethod
     def fresh(buf: torch.Tensor) -> Any:
-        """What the communicator takes for a ``scratch`` buffer: a host buffer over it (its
-        numpy view keeps it alive), without the checks a caller's tensor needs."""
+        """What the communicator takes for a buffer this group made (``scratch``, ``cat``): a
+        host buffer over it (its numpy view keeps it alive), without the checks a caller's
+        tensor needs."""
         return buf if buf.dtype == torch.bfloat16 else HostBuffer(buf.numpy(), "scratch")
 
     def cat(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False
@@ -768,7 +769,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         src = stage.cat(input_tensors, "input_tensor_list")
         dst = stage.scratch(sum(t.numel() for t in output_tensors) * scale, src.dtype)
         stage.split_back(dst, output_tensors)
-        part = self._start(opts, self.comm.alltoall, dst, src,
+        part = self._start(opts, self.comm.alltoall, stage.fresh(dst), stage.fresh(src),
                            in_splits=[t.numel() * scale for t in input_tensors],
                            out_splits=[t.numel() * scale for t in output_tensors])
         return self._work("all_to_all", [part], output_tensors, stage)
@@ -777,11 +778,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> dist.Work:
         """Splits count rows (sizes along dim 0); empty splits mean equal ones."""
-        stage = _Staging()
-        src = stage.buffer(input, "input")
-        dst = stage.buffer(output, "output", write=True, read=False)
-        in_splits = self._rows(input, input_split_sizes, src.numel(), "input")
-        out_splits = self._rows(output, output_split_sizes, dst.numel(), "output")
+        stage = self._staging(opts)
+        src = stage.host(input, "input")
+        dst = stage.host(output, "output", write=True, read=False)
+        in_splits = self._rows(input, input_split_sizes, "input")
+        out_splits = self._rows(output, output_split_sizes, "output")
         part = self._start(opts, self.comm.alltoall, dst, src, in_splits=in_splits,
                            out_splits=out_splits)
         return self._work("all_to_all_single", [part], [output], stage)
@@ -890,10 +891,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ArgumentError(f"{what} has {t.numel()} elements but must have {wantn} = "
                                 f"{want}")
 
-    def _rows(self, t: torch.Tensor, splits: Sequence[int], numel: int, what: str
-              ) -> list[int] | None:
+    def _rows(self, t: torch.Tensor, splits: Sequence[int], what: str) -> list[int] | None:
         """Row splits of ``t`` (dim 0) as element counts of its flat buffer; None: equal."""
         rows = t.shape[0] if t.dim() > 0 else 1
+        numel = t.numel() * _movable(t.dtype)
         if not splits:
             if rows % self.comm.world_size:
                 raise ArgumentError(f"{what} has {rows} rows, not divisible by the "
