@@ -201,6 +201,9 @@ def test_another_default_device_leaves_the_group_on_the_host(ranks):
             "all_reduce": [1.0 * total, 5.0 * total, 9.0 * total],
             "broadcast": [20.0, 23.0, 21.0, 24.0, 22.0, 25.0],
             "group's broadcast": [20.0, 23.0, 21.0, 24.0, 22.0, 25.0],
+            "group's all_gather": [[float(r)] * 2 for r in range(world)],
+            "group's all_to_all": [float(10 * j + rank) for j in range(world)],
+            "group's sparse all_reduce": [float(r + 1) for r in range(world)],
             "all_gather": [[float(r)] * 2 for r in range(world)],
             "reduce_scatter": [world * 2.0 * rank, world * (2.0 * rank + 1)],
         }, rank

@@ -715,6 +715,17 @@ def job_another_default_device(rank: int, world: int, port: int, file: str, **_:
             opts.rootRank = world - 1
             pg.broadcast([b], opts).wait()
             got["group's broadcast"] = b.flatten().tolist()
+            outs = [torch.empty(2, device=cpu) for _ in range(world)]  # into a buffer of its own
+            pg.allgather([outs], [torch.full((2,), float(rank), device=cpu)],
+                         dist.distributed_c10d.AllgatherOptions()).wait()
+            got["group's all_gather"] = [o.tolist() for o in outs]
+            outs = [torch.empty(1, device=cpu) for _ in range(world)]
+            ins = [torch.full((1,), float(10 * rank + j), device=cpu) for j in range(world)]
+            pg.alltoall(outs, ins, dist.distributed_c10d.AllToAllOptions()).wait()
+            got["group's all_to_all"] = [o.item() for o in outs]
+            sparse = torch.sparse_coo_tensor([[rank]], [rank + 1.0], (world,), device=cpu)
+            pg.allreduce([sparse], dist.AllreduceOptions()).wait()
+            got["group's sparse all_reduce"] = sparse.to_dense().tolist()
         finally:
             torch.set_default_device(None)
     return got

@@ -876,7 +876,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self.comm.allgather(all_v, mine_v)
         idx = torch.cat([all_i[r, :, : int(counts[r])] for r in range(world)], dim=1)
         val = torch.cat([all_v[r, : int(counts[r])] for r in range(world)])
-        total = torch.sparse_coo_tensor(idx, val, sparse.shape).coalesce()
+        total = torch.sparse_coo_tensor(idx, val, sparse.shape, device=_HOST).coalesce()
         with torch.no_grad():
             t.copy_(total)
         return self._work("sparse allreduce", [], [t])
