@@ -294,7 +294,7 @@ def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
 def _movable(dtype: torch.dtype) -> int:
     """Elements of the buffer per element of ``dtype``: 1, or its size when the core does
     not know the dtype and moves its bytes."""
-    return 1 if dtype in _CORE_DTYPES else torch.empty(0, dtype=dtype, device=_HOST).element_size()
+    return 1 if dtype in _CORE_DTYPES else dtype.itemsize
 
 
 def _in_place(t: Any) -> bool:
