@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 from ._support import configure_logging  # noqa: E402 - stdlib only
 from ._version import __version__ as __version__  # noqa: E402 - written in one place
+from .core import config as _config  # noqa: E402 - stdlib only
 
 # names loaded on first use (PEP 562) -> the module that defines them
 _LAZY = {"Communicator": "runtime.communicator", "Work": "runtime.work",
@@ -104,8 +105,21 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _debug_level() -> str | None:
+    """``RINGCOMM_DEBUG`` from the settings table; a value it refuses is warned about and
+    ignored, since an import must not fail over a log level."""
+    reading = _config.read("debug")
+    if reading.problem is not None:
+        import warnings
+
+        warnings.warn(f"RINGCOMM_DEBUG={reading.raw!r} {reading.problem}; ignored",
+                      stacklevel=3)
+    level: str | None = reading.value
+    return level
+
+
 _register_torch_backend()
-configure_logging()
+configure_logging(_debug_level())
 
 __all__ = [
     "ArgumentError",

@@ -60,28 +60,17 @@ def import_core(module: str) -> ModuleType:
             f"(`pip install ringcomm` pulls in all its dependencies)", name=top) from err
 
 
-DEBUG_LEVELS = ("WARN", "WARNING", "INFO", "DEBUG")
-
-
-def configure_logging() -> None:
-    """``RINGCOMM_DEBUG=INFO|DEBUG`` (like ``NCCL_DEBUG``): the ``ringcomm`` logger at that
-    level, printing to stderr unless the program configured a handler of its own. INFO: one
-    line per rank when a group starts (host, links, agreed settings, versions); DEBUG: one
-    line per op as well (op, bytes, algorithm, time)."""
+def configure_logging(level: str | None) -> None:
+    """``RINGCOMM_DEBUG=INFO|DEBUG`` (like ``NCCL_DEBUG``; read through the settings table):
+    the ``ringcomm`` logger at ``level``, printing to stderr unless the program configured a
+    handler of its own. INFO: one line per rank when a group starts (host, links, agreed
+    settings, versions); DEBUG: one line per op as well (op, bytes, algorithm, time)."""
     import logging
-    import os
 
-    value = os.environ.get("RINGCOMM_DEBUG", "").strip().upper()
-    if not value:
-        return
-    if value not in DEBUG_LEVELS:
-        import warnings
-
-        warnings.warn(f"RINGCOMM_DEBUG={value!r} is not one of INFO, DEBUG or WARN; ignored",
-                      stacklevel=2)
+    if not level:
         return
     logger = logging.getLogger("ringcomm")
-    logger.setLevel("WARNING" if value == "WARN" else value)
+    logger.setLevel(level)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("ringcomm %(levelname)s: %(message)s"))

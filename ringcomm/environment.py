@@ -54,7 +54,8 @@ def report() -> str:
             continue
         value = os.environ.get(s.env)
         shown = repr(value) if value is not None else "unset"
-        lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning}")
+        lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning} (default: "
+                     f"{s.shown_default})")
     others = sorted(k for k in os.environ if k.startswith("RINGCOMM_")
                     and k not in {s.env for s in SETTINGS})
     lines += [f"  {k} = {os.environ[k]!r}" for k in others]

@@ -107,14 +107,16 @@ def test_ranks_with_different_cpu_affinity_choose_the_same_algorithm(cluster, tm
     assert all(all(x["right"]) for x in res), res
 
 
-def test_every_setting_the_library_reads_is_classified():
-    """Each RINGCOMM_* variable read anywhere in ringcomm/ has a row in the table."""
+def test_every_setting_is_read_through_its_row_of_the_table():
+    """No module reads a RINGCOMM_* variable itself: each is parsed by its row of the table
+    (``ringcomm.core.config``), which every variable of the table has, with a default that
+    its help shows."""
     root = Path(__file__).resolve().parent.parent / "ringcomm"
-    read = set()
-    for path in root.rglob("*.py"):
-        read |= set(re.findall(r"environ(?:\.get)?[\(\[]\s*\"(RINGCOMM_\w+)\"", path.read_text()))
-    table = {s.env for s in SETTINGS if s.env}
-    assert read and read <= table, read - table
+    read = {path.relative_to(root).as_posix(): found for path in root.rglob("*.py")
+            if (found := re.findall(r"environ(?:\.get)?[\(\[]\s*\"(RINGCOMM_\w+)\"",
+                                    path.read_text()))}
+    assert not read, f"read outside the settings table: {read}"
+    assert all(s.parse is not None and s.shown_default for s in SETTINGS if s.env)
     assert {s.scope for s in SETTINGS} == set(Scope)
 
 

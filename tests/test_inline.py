@@ -106,7 +106,7 @@ def test_inline_bytes_comes_from_the_environment(monkeypatch):
     assert inline_bytes() == 4096
     assert inline_bytes(spare_core=False) == 4096  # the setting wins
     monkeypatch.setenv("RINGCOMM_INLINE_BYTES", "-1")
-    with pytest.raises(ArgumentError, match="RINGCOMM_INLINE_BYTES=-1 is negative"):
+    with pytest.raises(ArgumentError, match="RINGCOMM_INLINE_BYTES='-1' is negative"):
         inline_bytes()
     monkeypatch.delenv("RINGCOMM_INLINE_BYTES")
     assert inline_bytes() == DEFAULT_INLINE_BYTES

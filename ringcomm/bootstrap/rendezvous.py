@@ -30,9 +30,10 @@ from typing import Any
 
 from .._support import check_platform
 from .._version import __version__
+from ..core import config
 from ..errors import ArgumentError, CommError, StoreError
 from ..plan.settings import agree, propose
-from ..runtime.communicator import Communicator, env_int
+from ..runtime.communicator import Communicator
 from ..transport.zmq_transport import ZmqTransport
 from .link_probe import measure_remote
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
@@ -181,6 +182,17 @@ def _seconds(timeout: Any) -> float:
     return float(timeout)
 
 
+def env_int(name: str) -> int | None:
+    """A launcher's integer variable (``RANK``, ``WORLD_SIZE``), None where unset."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ArgumentError(f"environment variable {name}={value!r} is not an integer") from None
+
+
 def _master_address() -> str:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
@@ -216,10 +228,10 @@ def _reachable_host(address: str | None) -> str:
     of the first interface named in ``RINGCOMM_SOCKET_IFNAME`` that has one, else the local
     end of a route to the store host (loopback when the store is local). ``init(host=)``
     comes before all of these (the caller passes it instead of asking here)."""
-    forced = os.environ.get("RINGCOMM_IFADDR")
+    forced: str | None = config.value("host")
     if forced:
         return forced
-    ifname = os.environ.get("RINGCOMM_SOCKET_IFNAME", "")
+    ifname: str = config.value("socket_ifname") or ""
     if ifname.replace(",", "").strip():  # names no interface: as if unset
         return _interface_address(ifname)
     if not address:

@@ -34,6 +34,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ..core.algorithms import ALGORITHMS
 from ..schedules import ALLREDUCE, allreduce_schedule, board, direct, ring, rooted
 from ..schedules.schedule import Schedule
 from ..transport.header import OpKind
@@ -67,6 +68,16 @@ class Algorithm:
     summary: str  # one line for people (``ringcomm schedule --help``)
     build: Builder
     label: str = ""  # the word ``ringcomm schedule`` appends to the collective's name
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algorithm {self.name!r} has no row in the registry of "
+                             "algorithms (ringcomm.core.algorithms): add one")
+
+    @property
+    def engine(self) -> str:
+        """The engine that runs it (``links`` or ``board``), as the registry says."""
+        return ALGORITHMS[self.name].engine
 
     @property
     def word(self) -> str:
@@ -256,16 +267,6 @@ def _spread(n: int) -> float:
 
 
 _DATA = (Role("data"),)
-_ALLREDUCE_SUMMARIES = {
-    "ring": "ring reduce-scatter then ring all-gather, pipelined in segments",
-    "tree": "binary tree: reduce up, broadcast down, pipelined",
-    "dbtree": "double binary tree: each tree carries half",
-    "hd": "recursive halving then doubling (Rabenseifner)",
-    "rd": "recursive doubling: log2 n exchanges of everything (small messages)",
-    "hier": "two levels: reduce inside each host, allreduce among the hosts' leaders, "
-            "broadcast inside each host",
-}
-
 # Not candidates of the cost model (``ALLREDUCE``): the communicator takes them for the
 # sizes they serve, where its group has a board (``Communicator.allreduce_algorithm``).
 _BOARD_ALLREDUCE = (
@@ -280,7 +281,7 @@ _BOARD_ALLREDUCE = (
 _TABLE = (
     Collective(
         "allreduce", OpKind.ALLREDUCE, reduces=True, rooted=False, roles=_DATA,
-        algorithms=_algorithms(*(_allreduce_algorithm(name, _ALLREDUCE_SUMMARIES[name])
+        algorithms=_algorithms(*(_allreduce_algorithm(name, ALGORITHMS[name].summary)
                                  for name in ALLREDUCE), *_BOARD_ALLREDUCE),
         busbw_factor=lambda n: 2 * (n - 1) / n, _reference=_allreduce,
         _choose=_needs_algorithm),

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from ..core import config
 from ..schedules import ALLREDUCE, HOST_AWARE, allreduce_schedule
 from ..schedules.schedule import Kind, Schedule
 
@@ -92,9 +93,9 @@ class Profile:
 
 
 def profile_path() -> Path:
-    env = os.environ.get("RINGCOMM_PROFILE")
-    if env:
-        return Path(env)
+    forced: str | None = config.value("profile")
+    if forced:
+        return Path(forced)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ringcomm" / \
         "profile.json"
 

@@ -1,98 +1,31 @@
-"""Settings, classified: what may differ between ranks, and what the ranks agree on at init.
+"""Settings agreed: what ranks must share, and how they come to share it at init.
 
-Every ``RINGCOMM_*`` variable and ``init`` argument is in one of three classes:
-
-- *must match*: a rank-local difference would make ranks run different schedules, so it
-  is an ``ArgumentError`` at init on every rank, naming the setting, the values and the
-  ranks (a forced algorithm, the transport, the ringcomm and wire-format versions);
-- *agreed*: rank 0's value is published and used by every rank (the segment size and the
-  cost model's constants, which a tuned profile on one host would otherwise change there
-  only);
-- *local*: legitimately per rank (its address, its timeout, how long it spins).
-
-At init every rank publishes its proposal (its must-match and agreed values) and its facts
-(``topology.RankFacts``) under one store key, reads everyone's, and checks. The result, the
-same on every rank, is a ``Settings`` and a ``Topology``: everything a communicator decides
-(which algorithm, which segment size) is a function of these two and the op, so every rank
-decides the same by construction.
+The table of every setting (its class, default and parser) is ``ringcomm.core.config``,
+re-exported here; this module is the agreement built on it. At init every rank publishes
+its proposal (its must-match and agreed values) and its facts (``topology.RankFacts``)
+under one store key, reads everyone's, and checks. The result, the same on every rank, is a
+``Settings`` and a ``Topology``: everything a communicator decides (which engine, which
+algorithm, which segment size) is a function of these two and the op, so every rank decides
+the same by construction.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from .._version import __version__ as VERSION
+from ..core import config
+from ..core.config import BY_NAME, SETTINGS, Scope, Setting
 from ..errors import ArgumentError, StoreError, StoreTimeout
-from ..schedules import ALLREDUCE
 from ..transport.header import WIRE_VERSION
 from . import cost
 from .topology import RankFacts, Topology
 
-
-class Scope(Enum):
-    MUST_MATCH = "must match"
-    AGREED = "agreed"
-    LOCAL = "local"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One knob: its name in the agreement, where a user sets it, and what it does."""
-
-    name: str
-    scope: Scope
-    env: str | None
-    argument: str | None
-    meaning: str
-
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting("version", Scope.MUST_MATCH, None, None, "the ringcomm version"),
-    Setting("wire", Scope.MUST_MATCH, None, None, "the wire format (header layout) version"),
-    Setting("algorithm", Scope.MUST_MATCH, "RINGCOMM_ALGO", None,
-            "forces one allreduce algorithm (ring, tree, dbtree, hd, rd, hier) for every call"),
-    Setting("transport", Scope.MUST_MATCH, "RINGCOMM_TRANSPORT", "transport",
-            "ipc, tcp or auto (ipc and shared memory on a host, tcp across)"),
-    Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
-            "bytes per message segment; default: the profile's tuned size, else 2 MiB"),
-    Setting("profile", Scope.AGREED, "RINGCOMM_PROFILE", None,
-            "the cost model's constants from `ringcomm tune` (default path "
-            "~/.cache/ringcomm/profile.json)"),
-    Setting("timeout", Scope.LOCAL, None, "timeout", "seconds an op may take on this rank"),
-    Setting("host", Scope.LOCAL, "RINGCOMM_IFADDR", "host",
-            "the address other hosts reach this rank at"),
-    Setting("socket_ifname", Scope.LOCAL, "RINGCOMM_SOCKET_IFNAME", None,
-            "interface name(s), comma-separated, first with an IPv4 address wins: the "
-            "address other hosts reach this rank at, when init(host=) and RINGCOMM_IFADDR "
-            "are unset"),
-    Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
-            "0 turns shared memory off; a pair uses it only where both ends offer it"),
-    Setting("board", Scope.LOCAL, "RINGCOMM_BOARD", None,
-            "0 declines the shared board (allreduces of every size, small broadcasts, "
-            "all-gathers and barriers among ranks of one host); a group uses it only where "
-            "every rank offers it (x86 only)"),
-    Setting("mailbox", Scope.LOCAL, "RINGCOMM_MAILBOX", None,
-            "1 lets small messages from local peers arrive through a shared-memory mailbox "
-            "instead of the pipe (x86 only); either end may differ"),
-    Setting("shm_bytes", Scope.LOCAL, "RINGCOMM_SHM_BYTES", None,
-            "capacity of this rank's outgoing shared-memory rings (published to its peers)"),
-    Setting("spin_us", Scope.LOCAL, "RINGCOMM_SPIN_US", None,
-            "microseconds a receive polls before it sleeps"),
-    Setting("debug", Scope.LOCAL, "RINGCOMM_DEBUG", None,
-            "INFO: one line per rank at start-up (host, links, agreed settings, versions); "
-            "DEBUG: one line per op as well"),
-    Setting("inline_bytes", Scope.LOCAL, "RINGCOMM_INLINE_BYTES", None,
-            "async collectives up to this size per buffer run on the caller's thread when "
-            "nothing is queued (default 64 KiB where the host has two cores per rank, every "
-            "size where it has not; 0: always on the worker)"),
-)
-_BY_NAME = {s.name: s for s in SETTINGS}
+__all__ = ["SETTINGS", "Scope", "Setting", "Settings", "agree", "propose"]
 
 
 @dataclass(frozen=True)
@@ -131,14 +64,8 @@ class Settings:
 
 def propose(*, segment_bytes: int | None = None, transport: str | None = None) -> dict[str, Any]:
     """This rank's values of every must-match and agreed setting, checked for sense."""
-    algorithm = os.environ.get("RINGCOMM_ALGO") or None
-    if algorithm is not None:
-        algorithm = algorithm.lower()
-        if algorithm not in ALLREDUCE:
-            raise ArgumentError(
-                f"RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']!r} is not an allreduce algorithm; "
-                f"use one of {', '.join(ALLREDUCE)}, or unset it for the automatic choice")
-    mode = (transport or os.environ.get("RINGCOMM_TRANSPORT") or "auto").lower()
+    algorithm: str | None = config.value("algorithm")
+    mode = (transport or config.value("transport")).lower()
     if mode not in ("auto", "ipc", "tcp"):
         raise ArgumentError(f"transport {mode!r} is unknown (from RINGCOMM_TRANSPORT or "
                             "transport=); use auto, ipc or tcp")
@@ -226,7 +153,7 @@ def _check_match(values: list[dict[str, Any]], rank: int) -> None:
             seen.setdefault(json.dumps(v.get(name)), []).append(r)
         if len(seen) == 1:
             continue
-        setting = _BY_NAME[name]
+        setting = BY_NAME[name]
         where = " or ".join(x for x in (setting.env, setting.argument and
                                         f"init({setting.argument}=)") if x)
         parts = "; ".join(f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} "

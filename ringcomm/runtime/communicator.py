@@ -26,7 +26,6 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import os
 import queue
 import struct
 import sys
@@ -38,7 +37,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from ..core import config
 from ..core.arrays import Buffer, HostBuffer, as_buffer, concatenate
+from ..core.config import DEFAULT_INLINE_BYTES
 from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
 from ..errors import (
     ArgumentError,
@@ -784,17 +785,6 @@ class Communicator:
         return counts
 
 
-def env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ArgumentError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-DEFAULT_INLINE_BYTES = 64 * 1024
 EVERY_SIZE = sys.maxsize
 
 
@@ -807,10 +797,7 @@ def inline_bytes(spare_core: bool = True) -> int:
     worker would take turns with its own rank on one core, so every size runs inline: DDP's
     step at world size 2 on two cores, 11.1 ms with its buckets handed to the worker, takes
     9.1 ms so (7.1 MiB of gradients)."""
-    value = env_int("RINGCOMM_INLINE_BYTES")
+    value: int | None = config.value("inline_bytes")
     if value is None:
         return DEFAULT_INLINE_BYTES if spare_core else EVERY_SIZE
-    if value < 0:
-        raise ArgumentError(f"RINGCOMM_INLINE_BYTES={value} is negative; use 0 (never) or a "
-                            f"number of bytes (default {DEFAULT_INLINE_BYTES})")
     return value

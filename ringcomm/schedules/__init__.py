@@ -1,11 +1,10 @@
 """Algorithms generate schedules; they never send a byte. See ``schedule.py`` for the model."""
 
+from ..core.algorithms import ALLREDUCE_ON_BOARD, ALLREDUCE_OVER_LINKS
 from . import board, dbtree, direct, halving_doubling, hier, recursive_doubling, ring, rooted, tree
 from .schedule import Kind, Region, Schedule, Step
 
-# Every allreduce algorithm: name -> schedule(rank, world_size, count, segment). Those in
-# HOST_AWARE also take the ranks of each host (``hosts=``; default: all on one host).
-ALLREDUCE = {
+_ALLREDUCE_BUILDERS = {
     "ring": ring.allreduce,
     "tree": tree.allreduce,
     "dbtree": dbtree.allreduce,
@@ -13,10 +12,14 @@ ALLREDUCE = {
     "rd": recursive_doubling.allreduce,
     "hier": hier.allreduce,
 }
+# Every allreduce algorithm over links, in the registry's order (``ringcomm.core.algorithms``):
+# name -> schedule(rank, world_size, count, segment). Those in HOST_AWARE also take the
+# ranks of each host (``hosts=``; default: all on one host).
+ALLREDUCE = {name: _ALLREDUCE_BUILDERS[name] for name in ALLREDUCE_OVER_LINKS}
 HOST_AWARE = frozenset({"hier"})
 # The allreduce algorithms of the shared board (ranks of one host): not priced by the cost
 # model, taken by size where a group has a board (``board.one_shot_bytes``).
-ON_BOARD = ("board", "twoshot")
+ON_BOARD = ALLREDUCE_ON_BOARD
 
 
 def allreduce_schedule(name: str, rank: int, world_size: int, count: int, segment: int,

@@ -39,12 +39,12 @@ the board is made (so that a full ``/dev/shm`` shows at set-up, not as a fault m
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Any
 
 import numpy as np
 
+from ..core import config
 from .header import SIZE as HEADER_SIZE
 from .header import Header
 from .shm_ring import fence, stores_in_order
@@ -64,8 +64,7 @@ def size(world_size: int) -> int:
 def wanted() -> bool:
     """Whether this rank offers to use a board: ``RINGCOMM_BOARD`` (default on), where
     stores become visible in order. A group uses one only if every rank offers."""
-    value = os.environ.get("RINGCOMM_BOARD", "1").strip().lower()
-    return value not in ("0", "false", "no", "off", "") and stores_in_order()
+    return bool(config.value("board")) and stores_in_order()
 
 
 class Board:

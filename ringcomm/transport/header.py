@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
+from ..core.algorithms import WIRE_CODES, WIRE_NAMES
 from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
@@ -45,10 +46,10 @@ class OpKind(IntEnum):
     ABORT = 255  # a rank failed; the payload is its error message
 
 
-# The wire codes of the schedules' algorithm names (``Schedule.algorithm``); 0 is none.
-ALGORITHMS = ("-", "ring", "tree", "dbtree", "hd", "rd", "chain", "binomial", "direct",
-              "pairwise", "dissemination", "hier", "board", "twoshot")
-ALGORITHM_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
+# The wire codes of the schedules' algorithm names (``Schedule.algorithm``), from the registry
+# of algorithms; 0 is none.
+ALGORITHMS = WIRE_NAMES
+ALGORITHM_CODES = WIRE_CODES
 _REDUCE_NAMES = {op.code + 1: name for name, op in REDUCE_OPS.items()}  # 0: no reduction
 
 
@@ -56,8 +57,8 @@ def algorithm_code(name: str) -> int:
     try:
         return ALGORITHM_CODES[name]
     except KeyError:
-        raise ValueError(f"algorithm {name!r} has no wire code: add it to "
-                         "ringcomm.transport.header.ALGORITHMS") from None
+        raise ValueError(f"algorithm {name!r} has no wire code: add its row to "
+                         "ringcomm.core.algorithms") from None
 
 
 def reduce_code(op: ReduceOp | None) -> int:

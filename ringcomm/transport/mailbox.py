@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from ..core import config
 from .header import SIZE as HEADER_SIZE
 from .shm_ring import SHM_DIR, fence, map_shared, stores_in_order
 
-DEFAULT = "0"  # RINGCOMM_MAILBOX when unset (see ``wanted``)
 SLOTS = 16
 PAYLOAD_BYTES = 8 << 10  # the largest payload a slot holds inline
 _PREFIX = 16  # stamp u64, tag u8, padding
@@ -55,8 +55,7 @@ def wanted() -> bool:
     """Whether this rank takes small messages through mailboxes: ``RINGCOMM_MAILBOX``
     (default off), where ``supported``. Each rank decides for its own incoming messages;
     a sender uses a peer's mailbox where the peer made one, the pipe otherwise."""
-    value = os.environ.get("RINGCOMM_MAILBOX", DEFAULT).strip().lower()
-    return value not in ("0", "false", "no", "off", "") and supported()
+    return bool(config.value("mailbox")) and supported()
 
 
 def mailbox_name(ring_name: str) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from ..core import config
 from ..errors import ArgumentError, CommError, CommTimeout, PeerLostError
 from . import board, mailbox, shm_ring
 from .base import Transport, board_wait
@@ -46,7 +47,6 @@ from .zmq_control import STALL_PROBE_S, ZmqControl
 
 log = logging.getLogger("ringcomm")
 
-DEFAULT_SPIN_US = 50  # a receive polls this long before it sleeps; RINGCOMM_SPIN_US overrides
 _WATCH_EVERY = 16  # a board wait that spins looks at the links and control plane this often
 _DOZE_MS = 20  # the longest a board wait sleeps between looks at the board
 
@@ -55,28 +55,16 @@ def spin_seconds() -> float:
     """How long a receive polls without sleeping before it blocks in ``poll``. Waking a
     process that sleeps costs tens of microseconds (more on a virtual machine, whose idle
     CPU halts); a message that arrives within the spin is taken at once. The spin yields the
-    CPU on every turn, so ranks that share a core still run. ``RINGCOMM_SPIN_US`` sets it
-    (0 turns it off)."""
-    env = os.environ.get("RINGCOMM_SPIN_US")
-    if env is None or env == "":
-        return DEFAULT_SPIN_US / 1e6
-    try:
-        value = float(env)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1e6:
-        raise ArgumentError(f"RINGCOMM_SPIN_US={env!r} is not a number of microseconds "
-                            "from 0 to 1000000; unset it for the default "
-                            f"({DEFAULT_SPIN_US})")
-    return value / 1e6
+    CPU on every turn, so ranks that share a core still run (``RINGCOMM_SPIN_US``)."""
+    return float(config.value("spin_us")) / 1e6
 
 
 def shm_ring_bytes(local_peers: int) -> int:
     """Capacity of each shared-memory ring: room for many segments, less per ring when a
-    rank has many local peers. ``RINGCOMM_SHM_BYTES`` overrides it."""
-    env = os.environ.get("RINGCOMM_SHM_BYTES")
-    if env:
-        return int(env)
+    rank has many local peers (``RINGCOMM_SHM_BYTES`` sets it)."""
+    forced: int | None = config.value("shm_bytes")
+    if forced:
+        return forced
     return max(8 << 20, min(32 << 20, (256 << 20) // max(1, local_peers)))
 
 
@@ -145,12 +133,12 @@ class ZmqTransport(Transport):
     ) -> None:
         if len(hosts) != world_size:
             raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
-        mode = (mode or os.environ.get("RINGCOMM_TRANSPORT", "auto")).lower()
+        mode = (mode or config.value("transport")).lower()
         if mode not in ("auto", "ipc", "tcp"):
             raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
         self.mode = mode
         if shm is None:
-            shm = os.environ.get("RINGCOMM_SHM", "1").lower() not in ("0", "false", "no", "off")
+            shm = bool(config.value("shm"))
         self.shm = shm and shm_ring.available()
         self.spin_s = spin_seconds()
         self._sockets = _Sockets(io_threads)

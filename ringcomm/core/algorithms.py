@@ -1,0 +1,70 @@
+"""The registry of algorithm names: one row per algorithm, the one list every other list of
+names comes from.
+
+An algorithm's name travels on the wire (a header carries its code, so ranks that run
+different algorithms raise ``DesyncError``), is forced by ``RINGCOMM_ALGO`` and
+``algorithm=``, is printed by ``ringcomm schedule`` and named in traces and errors. Kept in
+one table, a new algorithm is one row here plus its schedule builder in the table of
+collectives (``ringcomm.plan.collectives``), which refuses a builder whose name has no row.
+
+Each row says which engine runs it (``links``: messages between pairs of ranks; ``board``:
+the shared memory of one host's ranks) and whether the cost model prices it as an
+allreduce candidate. A row's wire code is its position: rows are only ever appended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+LINKS = "links"  # the link executor: messages over each pair's link
+BOARD = "board"  # the shared board: posts and takes in memory all local ranks map
+
+
+@dataclass(frozen=True)
+class AlgorithmName:
+    """One algorithm as everything outside its schedule builder knows it."""
+
+    name: str
+    engine: str  # LINKS or BOARD
+    allreduce: bool  # a candidate allreduce of the cost model (and of RINGCOMM_ALGO)
+    summary: str
+
+
+# In wire order: code = position + 1 (0 means no algorithm). Append only.
+_ROWS = (
+    AlgorithmName("ring", LINKS, True,
+                  "ring reduce-scatter then ring all-gather, pipelined in segments"),
+    AlgorithmName("tree", LINKS, True, "binary tree: reduce up, broadcast down, pipelined"),
+    AlgorithmName("dbtree", LINKS, True, "double binary tree: each tree carries half"),
+    AlgorithmName("hd", LINKS, True, "recursive halving then doubling (Rabenseifner)"),
+    AlgorithmName("rd", LINKS, True,
+                  "recursive doubling: log2 n exchanges of everything (small messages)"),
+    AlgorithmName("chain", LINKS, False, "a pipelined chain from or towards the root"),
+    AlgorithmName("binomial", LINKS, False, "a binomial tree from the root"),
+    AlgorithmName("direct", LINKS, False, "each block straight to or from the root"),
+    AlgorithmName("pairwise", LINKS, False, "pairwise exchange of blocks"),
+    AlgorithmName("dissemination", LINKS, False, "log2(n) rounds of empty messages"),
+    AlgorithmName("hier", LINKS, True,
+                  "two levels: reduce inside each host, allreduce among the hosts' leaders, "
+                  "broadcast inside each host"),
+    AlgorithmName("board", BOARD, False,
+                  "one post per rank on the shared board, every rank reads every post"),
+    AlgorithmName("twoshot", BOARD, False,
+                  "on the shared board, piece by piece: each rank folds its chunk from "
+                  "everyone's post, then takes everyone's folded chunk"),
+)
+
+ALGORITHMS = MappingProxyType({row.name: row for row in _ROWS})
+WIRE_NAMES: tuple[str, ...] = ("-", *(row.name for row in _ROWS))  # code -> name
+WIRE_CODES = MappingProxyType({name: code for code, name in enumerate(WIRE_NAMES)})
+
+# The allreduce algorithms that run over links, in the order the cost model tries them,
+# and those of the shared board (taken by size where a group has one, never priced).
+ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allreduce)
+ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
+
+
+def engine_of(name: str) -> str:
+    """The engine that runs algorithm ``name``."""
+    return ALGORITHMS[name].engine
