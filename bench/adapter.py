@@ -13,6 +13,9 @@ from typing import Any
 
 from ringcomm.plan import cost
 from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.plan.select import Group, Selector
+from ringcomm.plan.settings import Settings
+from ringcomm.plan.topology import Topology
 from ringcomm.schedules import ALLREDUCE, ON_BOARD
 
 
@@ -59,7 +62,16 @@ def schedules_for(collective: str, n: int, count: int, itemsize: int, seg: int) 
     if spec is None or collective == "allreduce":  # allreduce: the cost model's own replay
         raise ValueError(f"no schedule replay for collective {collective!r}")
     block = spec.block(count, n)
-    return [spec.schedule(r, n, block, seg, nbytes=block * itemsize) for r in range(n)]
+    algorithm = _selector(n, seg * itemsize).choose(collective, block * itemsize,
+                                                    itemsize).algorithm
+    return [spec.schedule(r, n, block, seg, algorithm=algorithm) for r in range(n)]
+
+
+@lru_cache(maxsize=64)
+def _selector(n: int, segment_bytes: int) -> Selector:
+    """The choices of a group of ``n`` ranks over links (the cost model does not price the
+    shared board), as the communicator's selector makes them."""
+    return Selector(Group(n, False, Settings(), Topology.single_host(n), segment_bytes))
 
 
 @lru_cache(maxsize=1024)

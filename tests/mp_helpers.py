@@ -48,9 +48,9 @@ def free_port() -> int:
 
 def transport_pair(mode: str = "ipc", shm: bool = True,
                    hosts: tuple[str, str] = ("h", "h")) -> list:
-    """Two connected ZmqTransports (ranks 0 and 1 of this process), made in threads."""
+    """Two connected GroupTransports (ranks 0 and 1 of this process), made in threads."""
     from ringcomm.bootstrap.store import StoreClient, StoreServer
-    from ringcomm.transport.zmq_transport import ZmqTransport
+    from ringcomm.transport.group import GroupTransport
 
     port = free_port()
     server = StoreServer("127.0.0.1", port)
@@ -59,7 +59,7 @@ def transport_pair(mode: str = "ipc", shm: bool = True,
     def make(rank: int) -> None:
         client = StoreClient(f"127.0.0.1:{port}", timeout=10)
         try:
-            made[rank] = ZmqTransport(rank, 2, client, hosts=list(hosts), mode=mode, shm=shm,
+            made[rank] = GroupTransport(rank, 2, client, hosts=list(hosts), mode=mode, shm=shm,
                                       timeout=10)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)

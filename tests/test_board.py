@@ -340,7 +340,8 @@ def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read():
     from ringcomm.transport.inmemory import InMemoryNetwork
 
     net = InMemoryNetwork(2, board=True)
-    fast, slow = net.transport(0), net.transport(1)
+    fast, slow = net.transport(0).board, net.transport(1).board
+    assert fast is not None and slow is not None
     header = [Header(n, 8, 2, 0, 0, 0, -1, int(OpKind.ALLREDUCE), 0).pack() for n in range(4)]
     deadline = time.monotonic() + 10
     fast.post(header[1], np.full(2, 1.0), deadline, "op 1")

@@ -20,6 +20,7 @@ import torch
 
 from ringcomm import ArgumentError, DesyncError, RemoteError
 from ringcomm.core.arrays import (
+    HOST_ONLY,
     HostBuffer,
     NumpyKind,
     StagedBuffer,
@@ -278,13 +279,13 @@ def test_a_staged_buffer_waits_only_for_work_issued_before_the_op():
     afterwards is a race the fake device reports, as a real device would corrupt data."""
     stream = FakeStream("user")
     x = FakeDeviceArray(np.ones(4), stream=stream)
-    buf = as_buffer(x)
+    buf = as_buffer(x).staged_for(HOST_ONLY)
     assert type(buf) is StagedBuffer
     x.fill_async(2.0)  # launched after the op was issued
     with pytest.raises(RuntimeError, match="unfinished"):
         buf.before_op()
     y = FakeDeviceArray(np.ones(4), stream=stream)  # issued after all of the stream's work
-    buf = as_buffer(y)
+    buf = as_buffer(y).staged_for(HOST_ONLY)
     buf.before_op()
     np.testing.assert_array_equal(buf.region(0, 4), 1.0)
     assert buf.region(0, 4).ctypes.data == buf.address  # host memory, a mirror

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from ringcomm import cli
-from ringcomm.plan.collectives import COLLECTIVES, SMALL_BROADCAST_BYTES
+from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.plan.select import SMALL_BROADCAST_BYTES, Group, Selector
+from ringcomm.plan.settings import Settings
+from ringcomm.plan.topology import Topology
 from ringcomm.runtime.communicator import Communicator
 from ringcomm.runtime.local import run_group
 from ringcomm.schedules import HOST_AWARE
@@ -36,7 +39,8 @@ CALLS = {
 }
 # the communicator's public methods that are not collectives
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
-                   "allreduce_now"}  # allreduce's short way, not a collective of its own
+                   "allreduce_now",  # allreduce's short way, not a collective of its own
+                   "choose", "describe", "wrapped"}
 
 
 def contribution(rank: int, size: int, dtype: str) -> np.ndarray:
@@ -158,11 +162,12 @@ def test_every_algorithm_builds_a_schedule_of_its_own_names():
             assert algorithm in ALGORITHM_CODES
 
 
-def test_broadcast_chooses_by_size_and_allreduce_needs_a_choice():
-    broadcast = COLLECTIVES["broadcast"]
-    small = broadcast.schedule(0, 3, 100, 8, nbytes=SMALL_BROADCAST_BYTES)
-    large = broadcast.schedule(0, 3, 100, 8, nbytes=SMALL_BROADCAST_BYTES + 1)
-    assert (small.algorithm, large.algorithm) == ("binomial", "chain")
+def test_broadcast_is_chosen_by_size_and_allreduce_needs_a_choice():
+    selector = Selector(Group(3, False, Settings(), Topology.single_host(3), 1 << 20))
+    small = selector.choose("broadcast", SMALL_BROADCAST_BYTES)
+    large = selector.choose("broadcast", SMALL_BROADCAST_BYTES + 1)
+    assert (small.engine, small.algorithm, large.algorithm) == ("links", "binomial", "chain")
+    assert COLLECTIVES["broadcast"].schedule(0, 3, 100, 8).algorithm == "chain"  # main one
     assert COLLECTIVES["gather"].schedule(0, 3, 4, 2).algorithm == "direct"
     with pytest.raises(ValueError, match="pass algorithm="):
         COLLECTIVES["allreduce"].schedule(0, 2, 4, 2)

@@ -13,7 +13,7 @@ import pytest
 
 from ringcomm import ArgumentError, tune
 from ringcomm.plan import cost
-from ringcomm.runtime.executor import TraceEvent
+from ringcomm.engines.context import TraceEvent
 from ringcomm.runtime.local import run_group
 from ringcomm.schedules import ALLREDUCE, Region
 from ringcomm.schedules.schedule import StepList

@@ -24,10 +24,14 @@ ALLOWED = {
     "core": {BASE},
     "schedules": {BASE, "core"},
     "transport": {BASE, "core"},
+    "engines": {BASE, "core", "schedules", "transport"},
+    "observe": {BASE, "core", "schedules", "transport", "engines"},
     "plan": {BASE, "core", "schedules", "transport"},
-    "runtime": {BASE, "core", "schedules", "transport", "plan"},
-    "bootstrap": {BASE, "core", "schedules", "transport", "plan", "runtime"},
-    "torch_backend": {BASE, "core", "schedules", "transport", "plan", "runtime", "bootstrap"},
+    "runtime": {BASE, "core", "schedules", "transport", "engines", "observe", "plan"},
+    "bootstrap": {BASE, "core", "schedules", "transport", "engines", "observe", "plan",
+                  "runtime"},
+    "torch_backend": {BASE, "core", "schedules", "transport", "engines", "observe", "plan",
+                      "runtime", "bootstrap"},
 }
 
 

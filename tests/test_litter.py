@@ -27,7 +27,7 @@ import ringcomm
 from ringcomm.bootstrap.store import StoreClient, StoreServer
 from ringcomm.transport import files, shm_ring
 from ringcomm.transport.files import ipc_base
-from ringcomm.transport.zmq_transport import ZmqTransport
+from ringcomm.transport.group import GroupTransport
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -171,10 +171,10 @@ def test_close_and_the_finalizer_remove_once_and_close_tolerates_names_already_g
     a, b = transport_pair()
     try:
         # rank 0 made the board and removed its name once b had mapped it
-        boards = [p for p in a._files.shm_paths if p.endswith("-board")]
+        boards = [p for p in a.setup.files.shm_paths if p.endswith("-board")]
         assert len(boards) == 1 and not os.path.exists(boards[0]), boards
         assert a.board is not None and b.board is not None
-        paths = [p for p in a._files.shm_paths if p not in boards]
+        paths = [p for p in a.setup.files.shm_paths if p not in boards]
         assert len(paths) == 3, paths  # its ring to b, b's to it, its mailbox from b
         assert not os.path.exists(paths[2]), "b maps a's mailbox at set-up and removes its name"
         assert os.path.basename(paths[0]).startswith(f"ringcomm-{os.getpid()}-"), paths
@@ -327,7 +327,7 @@ def test_a_transport_whose_set_up_fails_closes_without_hanging():
         store = StoreClient(server.address, timeout=5)
         try:
             with pytest.raises(Exception) as info:  # zmq's error: the address is not ours
-                ZmqTransport(0, 2, store, hosts=["a", "b"], host="198.51.100.7", timeout=3)
+                GroupTransport(0, 2, store, hosts=["a", "b"], host="198.51.100.7", timeout=3)
             assert "198.51.100.7" in str(info.value) or "ssign" in str(info.value), info.value
         finally:
             store.close()

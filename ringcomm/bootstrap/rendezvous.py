@@ -34,7 +34,7 @@ from ..core import config
 from ..errors import ArgumentError, CommError, StoreError
 from ..plan.settings import agree, propose
 from ..runtime.communicator import Communicator
-from ..transport.zmq_transport import ZmqTransport
+from ..transport.group import GroupTransport
 from .link_probe import measure_remote
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
 
@@ -109,15 +109,15 @@ def init(
         settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal,
                                    failure=failure)
         assert host is not None  # found above, or agree raised the failure on every rank
-        chans = ZmqTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
+        chans = GroupTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout)
     except BaseException:
         for close in closers:
             close()
         raise
-    def connect(members: tuple[int, ...], tag: str) -> ZmqTransport:
+    def connect(members: tuple[int, ...], tag: str) -> GroupTransport:
         """Channels among ``members`` for ``comm.split``, set up through the same store."""
-        return ZmqTransport(members.index(rank), len(members), PrefixStore(tag, scoped),
+        return GroupTransport(members.index(rank), len(members), PrefixStore(tag, scoped),
                             hosts=[topology.ranks[m].host for m in members], host=host,
                             mode=settings.transport, timeout=timeout)
 

@@ -1,7 +1,7 @@
-"""The buffer protocol: what the executor needs of an array, whatever kind of array it is.
+"""The buffer protocol: what an engine needs of an array, whatever kind of array it is.
 
 The communicator turns every array argument into a ``Buffer`` with ``as_buffer``; the
-executor and the point-to-point engine use nothing else of it:
+engines and the point-to-point engine use nothing else of it:
 
     before_op()                    once, before the op reads or writes the buffer
     address, dtype, count, nbytes  where its host memory starts (to tell which pending sends
@@ -12,13 +12,17 @@ executor and the point-to-point engine use nothing else of it:
                                    ``dst = a (op) payload``, then ``avg``'s division
     after_op()                     once, after the op is done with it (only if it succeeded)
 
-Every region is host memory because every transport moves host memory. Two buffers cover
-every kind of array:
+A buffer says where its memory lives (``memory``: ``HOST`` for memory the CPU addresses, a
+device's name otherwise), and an engine or link says which memory it moves. A buffer whose
+memory an engine does not move is staged for it by its kind (``staged_for``), once per op:
+that is the kind's job, not the caller's. Three buffers cover every kind of array:
 
 - ``HostBuffer``, for memory the CPU addresses (numpy arrays, torch CPU tensors): regions
   are views of the caller's memory, so results land in place without a copy, and the hooks
   do nothing.
-- ``StagedBuffer``, for memory it does not address (a device): a host mirror of the whole
+- ``DeviceBuffer``, for memory it does not address (a device), as it is: what an engine that
+  moves that memory would take, and what ``staged_for`` stages for the others.
+- ``StagedBuffer``, a device buffer staged for host memory: a host mirror of the whole
   buffer. ``before_op`` waits for the device work that produces the array, then copies it
   into the mirror if the op reads it; ``after_op`` copies the mirror back if the op writes
   it, then records that the result is there, so later device work can wait for it. When an
@@ -51,6 +55,9 @@ import ml_dtypes
 from ..errors import ArgumentError
 from .dtypes import ReduceOp, dtype_code, finish_reduction, reduce_into
 
+HOST = "host"  # memory the CPU addresses
+HOST_ONLY = frozenset({HOST})  # what an engine or link that moves host memory says it moves
+
 
 class Buffer(abc.ABC):
     """``count`` elements of ``dtype`` as the executor sees them (see the module docstring).
@@ -64,6 +71,16 @@ class Buffer(abc.ABC):
     dtype: np.dtype
     count: int
     nbytes: int
+    memory = HOST  # where its memory lives
+
+    def staged_for(self, moves: frozenset[str]) -> Buffer:
+        """This buffer as an engine that moves ``moves`` takes it: itself where it moves this
+        buffer's memory, else a staged copy its kind makes (once per op)."""
+        if self.memory in moves:
+            return self
+        raise ArgumentError(f"{self.name} lives in {self.memory} memory, which this engine "
+                            f"does not move ({', '.join(sorted(moves))}), and its kind cannot "
+                            "stage it")
 
     @property
     @abc.abstractmethod
@@ -134,20 +151,76 @@ class HostBuffer(Buffer):
         return f"<{type(self).__name__} {self.name}: {self.count} x {self.dtype}>"
 
 
-class StagedBuffer(HostBuffer):
-    """A device array seen through a host mirror of all of it (see the module docstring):
-    regions, copies and reductions work on the mirror; the hooks move it."""
+class DeviceBuffer(Buffer):
+    """A device array as it is (see the module docstring): its kind, the array, what the op
+    does with it, and the producer taken when the op was issued (on the caller's thread).
+    An engine that moves its memory takes it as it is; for the others ``staged_for`` makes
+    the host mirror. Until a device engine exists, every op stages it."""
 
-    __slots__ = ("_kind", "_array", "_reads", "_writes", "_producer")
+    __slots__ = ("kind", "array", "reads", "writes", "producer")
 
     def __init__(self, kind: DeviceKind, array: Any, name: str, dtype: np.dtype, count: int,
                  *, reads: bool, writes: bool) -> None:
-        super().__init__(np.empty(count, dtype), name)
-        self._kind = kind
-        self._array = array
-        self._reads = reads
-        self._writes = writes
-        self._producer = kind.producer(array)
+        self.kind = kind
+        self.array = array
+        self.name = name
+        self.dtype = dtype
+        self.count = count
+        self.nbytes = count * dtype.itemsize
+        self.reads = reads
+        self.writes = writes
+        self.producer = kind.producer(array)
+
+    @property
+    def memory(self) -> str:  # type: ignore[override]  # the kind's, not the class's
+        return self.kind.memory
+
+    def staged_for(self, moves: frozenset[str]) -> Buffer:
+        if self.memory in moves:
+            return self
+        return StagedBuffer(self)
+
+    def _device_only(self) -> Any:
+        raise TypeError(f"{self.name} is in {self.memory} memory: an engine that moves host "
+                        "memory takes its staged_for() copy")
+
+    @property
+    def address(self) -> int:
+        return int(self._device_only())
+
+    def region(self, offset: int, count: int) -> np.ndarray:
+        return self._device_only()
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self._device_only()
+
+    def reduce_into(self, dst: np.ndarray, a: np.ndarray, payload: Any, op: ReduceOp,
+                    divide_by: int = 1) -> None:
+        self._device_only()
+
+    def before_op(self) -> None:
+        self._device_only()
+
+    def after_op(self) -> None:
+        self._device_only()
+
+    def __repr__(self) -> str:
+        return f"<DeviceBuffer {self.name}: {self.count} x {self.dtype} in {self.memory}>"
+
+
+class StagedBuffer(HostBuffer):
+    """A device buffer staged for host memory (see the module docstring): regions, copies and
+    reductions work on a host mirror of all of it; the hooks move it."""
+
+    __slots__ = ("_kind", "_array", "_reads", "_writes", "_producer")
+
+    def __init__(self, device: DeviceBuffer) -> None:
+        super().__init__(np.empty(device.count, device.dtype), device.name)
+        self._kind = device.kind
+        self._array = device.array
+        self._reads = device.reads
+        self._writes = device.writes
+        self._producer = device.producer
 
     def before_op(self) -> None:
         self._kind.wait_for(self._array, self._producer)
@@ -190,11 +263,14 @@ class HostKind(ArrayKind):
 
 
 class DeviceKind(ArrayKind):
-    """Arrays in memory the host cannot address: buffers are ``StagedBuffer`` mirrors."""
+    """Arrays in memory the host cannot address (``memory`` names it): buffers are
+    ``DeviceBuffer`` objects, staged through host memory for engines that move host memory."""
+
+    memory = "device"
 
     def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Buffer:
         dtype, count = self.layout(x, name)
-        return StagedBuffer(self, x, name, dtype, count, reads=reads, writes=writable)
+        return DeviceBuffer(self, x, name, dtype, count, reads=reads, writes=writable)
 
     @abc.abstractmethod
     def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
@@ -326,7 +402,7 @@ def concatenate(parts: Sequence[Buffer], name: str) -> HostBuffer:
     list of arrays as one input."""
     out = np.empty(sum(p.count for p in parts), parts[0].dtype)
     offset = 0
-    for part in parts:
+    for part in (p.staged_for(HOST_ONLY) for p in parts):
         part.before_op()
         out[offset: offset + part.count] = part.region(0, part.count)
         part.after_op()

@@ -1,10 +1,10 @@
 """A numpy-backed fake device: arrays that the host reaches only through explicit copies.
 
 It lets a machine without a GPU run the device side of the buffer protocol
-(``ringcomm.core.arrays.StagedBuffer``) and check it: a ``FakeDeviceArray`` keeps its values
-in private memory, refuses implicit host access (``np.asarray`` raises ``TypeError``, and it
-offers no buffer protocol), and logs every explicit copy and every hook in order. Work that
-writes it is queued on a ``FakeStream`` and must be waited for before the array is read, and
+(``ringcomm.core.arrays.DeviceBuffer``, staged as ``StagedBuffer``) and check it: a
+``FakeDeviceArray`` keeps its values in private memory, refuses implicit host access
+(``np.asarray`` raises ``TypeError``, and it offers no buffer protocol), and logs every
+explicit copy and every hook in order. Work that writes it is queued on a ``FakeStream`` and must be waited for before the array is read, and
 values copied in from the host must be recorded before anyone reads them, as on a real
 device; a read that breaks either rule raises. So a test that forgets nothing passes, and an
 executor that reads before ``before_op`` or returns results without ``after_op`` fails.
@@ -165,6 +165,7 @@ class FakeDeviceKind(DeviceKind):
     follows."""
 
     noun = "a ringcomm FakeDeviceArray"
+    memory = "fake-device"
 
     def owns(self, x: Any) -> bool:
         return isinstance(x, FakeDeviceArray)

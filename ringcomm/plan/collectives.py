@@ -39,8 +39,6 @@ from ..schedules import ALLREDUCE, allreduce_schedule, board, direct, ring, root
 from ..schedules.schedule import Schedule
 from ..transport.header import OpKind
 
-SMALL_BROADCAST_BYTES = 64 * 1024  # up to this a binomial tree beats the pipelined chain
-
 Hosts = tuple[tuple[int, ...], ...]
 # (rank, world, block, segment, *, root, hosts, send_counts, recv_counts) -> Schedule; each
 # takes the keywords it needs and ignores the rest
@@ -165,17 +163,6 @@ def _barrier(inputs: Inputs, op: str, root: int) -> Outputs:
     return [x.copy() for x in _every(inputs)]
 
 
-def _needs_algorithm(nbytes: int | None) -> str:
-    raise ValueError("allreduce runs the algorithm its caller chose (the cost model's, or a "
-                     "forced one): pass algorithm=")
-
-
-def _broadcast_by_size(nbytes: int | None) -> str:
-    if nbytes is None:
-        raise ValueError("broadcast picks its algorithm by size: pass nbytes= (or algorithm=)")
-    return "binomial" if nbytes <= SMALL_BROADCAST_BYTES else "chain"
-
-
 @dataclass(frozen=True, eq=False)
 class Collective:
     """Everything about one collective that does not depend on a particular call."""
@@ -188,8 +175,6 @@ class Collective:
     algorithms: Mapping[str, Algorithm]  # the first is the collective's main one
     busbw_factor: Callable[[int], float]  # world size -> nccl-tests' bus bandwidth factor
     _reference: Callable[[Inputs, str, int], Outputs]
-    # nbytes -> the algorithm when the caller names none (default: the main one)
-    _choose: Callable[[int | None], str] | None = None
 
     @property
     def source(self) -> str:
@@ -221,19 +206,23 @@ class Collective:
 
     def schedule(self, rank: int, world: int, block: int, segment: int, *, root: int = 0,
                  algorithm: str | None = None, hosts: Hosts | None = None,
-                 nbytes: int | None = None, send_counts: tuple[int, ...] | None = None,
+                 send_counts: tuple[int, ...] | None = None,
                  recv_counts: tuple[int, ...] | None = None, piece: int = 0) -> Schedule:
         """``rank``'s steps for one call: ``block`` elements (see ``block``), ``segment``
-        elements per message at most. ``algorithm`` picks one of ``algorithms``; without
-        it the collective picks (broadcast by ``nbytes``; allreduce needs the caller's
-        choice). ``hosts`` reaches the host-aware algorithms; ``send_counts`` and
+        elements per message at most. ``algorithm`` picks one of ``algorithms``. ``hosts``
+        reaches the host-aware algorithms; ``send_counts`` and
         ``recv_counts`` give an all-to-all's uneven splits; ``piece`` is how many elements
         one post on the shared board holds, for the algorithms that post in pieces (0: all
         of them in one post, for schedules that are printed or checked rather than run: a
-        communicator passes its board's size)."""
+        communicator passes its board's size). Which algorithm a call runs is the selector's
+        choice (``ringcomm.plan.select``); without one this is the main algorithm, and an
+        allreduce, which has no main one, needs it."""
         name = algorithm
         if name is None:
-            name = self._choose(nbytes) if self._choose else next(iter(self.algorithms))
+            if self.name == "allreduce":
+                raise ValueError("allreduce runs the algorithm its caller chose (the "
+                                 "selector's, or a forced one): pass algorithm=")
+            name = next(iter(self.algorithms))
         try:
             build = self.algorithms[name].build
         except KeyError:
@@ -283,8 +272,7 @@ _TABLE = (
         "allreduce", OpKind.ALLREDUCE, reduces=True, rooted=False, roles=_DATA,
         algorithms=_algorithms(*(_allreduce_algorithm(name, ALGORITHMS[name].summary)
                                  for name in ALLREDUCE), *_BOARD_ALLREDUCE),
-        busbw_factor=lambda n: 2 * (n - 1) / n, _reference=_allreduce,
-        _choose=_needs_algorithm),
+        busbw_factor=lambda n: 2 * (n - 1) / n, _reference=_allreduce),
     Collective(
         "reduce_scatter", OpKind.REDUCE_SCATTER, reduces=True, rooted=False,
         roles=(Role("input", world_blocks=True), Role("output")),
@@ -314,7 +302,7 @@ _TABLE = (
             Algorithm("board", "the root posts on the shared board, every rank takes it and "
                       "checks every header (one host, small messages)",
                       lambda r, n, c, s, root, **_: board.broadcast(r, n, root, c))),
-        busbw_factor=_same, _reference=_broadcast, _choose=_broadcast_by_size),
+        busbw_factor=_same, _reference=_broadcast),
     Collective(
         "reduce", OpKind.REDUCE, reduces=True, rooted=True, roles=_DATA,
         algorithms=_algorithms(Algorithm(

@@ -1,18 +1,17 @@
-"""The communicator: the public object. It checks arguments, picks an algorithm, and runs
-ops one after another on its own worker thread.
+"""The communicator: the public object. It checks a call's arguments on the caller's thread,
+asks the selector how to run it, and hands it to its runner.
 
-Why a worker thread: ops must run in the order they were issued on every rank (that is what
-keeps ranks in step), and ``async_op=True`` must let the caller compute while bytes move.
-One thread per communicator, fed by a queue, gives both, like a CUDA stream. Arguments are
-checked on the caller's thread before anything is queued, so a mistake raises at the call.
+A communicator is three things joined: the wiring of its group (links, board, engines, and
+whatever wrappers stand in front of them: ``ringcomm.engines.wrapping``), one place that
+decides how each call runs (``ringcomm.plan.select``) and the runner that runs its ops in
+issue order (``ops``). What is here is the API, the checks of every argument, and the
+lifecycle: arguments are checked before anything is queued, so a mistake raises at the
+call, naming this rank and the op.
 
-Point-to-point ops never hold the worker: a send queues its messages and completes once
-they have left this process; a receive is *posted* and completes when its message arrives,
-while the worker goes on with later ops and looks for messages whenever it is idle. So two
-ranks that each post a receive before their send (``batch_isend_irecv`` does) cannot
-deadlock, and ``recv(x, src=None)`` takes the first message from any rank. Messages between
-two ranks match in the order they were sent; tags must agree (a mismatch is a
-``DesyncError``, not a silent reorder).
+Point-to-point ops never hold the worker (``p2p``): two ranks that each post a receive
+before their send (``batch_isend_irecv`` does) cannot deadlock, and ``recv(x, src=None)``
+takes the first message from any rank. Messages between two ranks match in the order they
+were sent; tags must agree (a mismatch is a ``DesyncError``, not a silent reorder).
 
 Failure contract: an op that fails raises a typed ``CommError`` naming this rank and the op;
 before raising, the rank tells every peer (``abort``), so that they raise too instead of
@@ -22,52 +21,32 @@ ranks cannot tell how far their peers got, so the only safe next step is a new o
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import logging
-import queue
-import struct
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..core import config
-from ..core.arrays import Buffer, HostBuffer, as_buffer, concatenate
+from ..core.arrays import HOST, HOST_ONLY, Buffer, HostBuffer, as_buffer, concatenate
 from ..core.config import DEFAULT_INLINE_BYTES
-from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
-from ..errors import (
-    ArgumentError,
-    CommAborted,
-    CommError,
-    DesyncError,
-    RemoteError,
-)
-from ..plan import cost
-from ..plan.collectives import COLLECTIVES, Collective
+from ..core.dtypes import dtype_name, reduce_op
+from ..engines.base import Engine
+from ..engines.wrapping import Wiring, Wrapper
+from ..errors import ArgumentError, CommAborted, DesyncError
+from ..plan.collectives import COLLECTIVES
+from ..plan.select import Choice, Group, Selector
 from ..plan.settings import Settings
 from ..plan.topology import Topology
-from ..schedules import ALLREDUCE, ON_BOARD
-from ..schedules import board as board_schedules
-from ..transport import board
 from ..transport.base import Transport
-from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
-from .board_program import (
-    BoardProgram,
-    board_header,
-    board_program,
-    run_board,
-    run_board_whole,
-)
-from .context import OpContext, TraceEvent
-from .executor import run_schedule
-from .p2p import P2PEngine, P2POp
-from .work import Work
+from ..transport.kinds import KINDS
+from .ops import CollectiveCall, OpRunner
+from .p2p import P2POp
 
 log = logging.getLogger("ringcomm")
 
@@ -96,56 +75,6 @@ def _names_bad_input(
     return checked
 
 
-@dataclass(slots=True)  # made once per op: no frozen-attribute overhead
-class _Collective:
-    """A collective on its way to the worker: its entry in the table of collectives, the
-    op as the wire sees it (less the algorithm, which the schedule names) and its buffers.
-    The schedule is built from the same fields, on the worker."""
-
-    spec: Collective
-    dtype: np.dtype
-    buffers: dict[str, Buffer]
-    result: Any
-    reduce: ReduceOp | None = None
-    arg: int = -1
-    count: int = 0  # the block: what the schedule cuts and every pair agrees on
-    segment: int = 0  # bytes: the agreed setting, whatever the dtype makes of it
-    send_counts: tuple[int, ...] | None = None
-    recv_counts: tuple[int, ...] | None = None
-    algorithm: str | None = None  # None: the table's choice
-
-
-_SEQ = struct.Struct("<Q")  # a header's first field
-
-
-@dataclass(frozen=True, slots=True)
-class _BoardPlan:
-    """A blocking allreduce on the board, ready to run again: everything about it but
-    the buffer and the sequence number (``Communicator._allreduce_now``)."""
-
-    program: BoardProgram
-    reduce: ReduceOp
-    desc: OpDescriptor  # of sequence number 0
-    header: bytes  # the post's, packed, for sequence number 0
-
-    after_seq: bytes = field(init=False)  # the header but its first field
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "after_seq", self.header[_SEQ.size:])
-
-    def header_of(self, seq: int) -> bytes:
-        return _SEQ.pack(seq) + self.after_seq
-
-
-# the plan of every allreduce in a group of one: the result is the input (checked once)
-_ALONE = _BoardPlan(None, None, None, b"")  # type: ignore[arg-type]
-
-
-# What the worker's queue carries: a collective with its sequence number and name, or a
-# point-to-point op.
-_Queued = tuple[_Collective, int, str] | P2POp
-
-
 class Communicator:
     """A group of ``world_size`` ranks, seen from ``rank``, over a ``Transport``.
 
@@ -169,6 +98,7 @@ class Communicator:
         segment_bytes: int | None = None,
         on_close: Sequence[Callable[[], None]] = (),
         connect: Callable[[tuple[int, ...], str], Transport] | None = None,
+        wrappers: Sequence[Wrapper] = (),
     ) -> None:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
@@ -181,36 +111,105 @@ class Communicator:
         self.settings = settings
         self.topology = topology or Topology.single_host(self.world_size)
         self.timeout = float(timeout)
-        self.segment_bytes = int(segment_bytes)
-        self._chosen: dict[tuple[int, int], str] = {}  # (bytes, itemsize) -> allreduce algorithm
-        self._board_plans: dict[tuple[np.dtype, int, str], _BoardPlan] = {}
-        self._one_shot_bytes = board_schedules.one_shot_bytes(self.world_size)
-        self.trace: list[TraceEvent] | None = None
+        self._segment_bytes = int(segment_bytes)
         self._on_close = list(on_close)
         self._connect = connect  # (member ranks, tag) -> this rank's transport among them
         self._split_numbers = itertools.count()
-        self._seq = itertools.count()
         self._p2p_sent = [0] * self.world_size
-        self._p2p = P2PEngine(self)
-        self.inline_bytes = inline_bytes(self.topology.spare_core(self.rank))
-        self._failure: CommError | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[_Queued, concurrent.futures.Future[Any]] | None] = \
-            queue.SimpleQueue()
-        self._count_lock = threading.Lock()
-        self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
-        self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
-                                        daemon=True)
-        self._worker.start()
+        self._close_lock = threading.Lock()
+        self.wiring = Wiring.of(transport, transport.board, wrappers)
+        self.selector = self._selector()
+        self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
+                             self.timeout, inline_bytes(self.topology.spare_core(self.rank)))
+
+    def _selector(self) -> Selector:
+        return Selector(Group(self.world_size, self.transport.board is not None,
+                              self.settings, self.topology, self._segment_bytes))
 
     def adopt(self, settings: Settings) -> None:
         """Run with ``settings`` from now on: every rank must adopt the same at the same
         point (as ``ringcomm.bootstrap.link_probe`` does at init), since choices follow from
         them."""
         self.settings = settings
-        self._chosen.clear()
-        self._board_plans.clear()
+        self._choose_afresh()
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes per message segment, as the ranks agreed (every rank must run the same)."""
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value: int) -> None:
+        self._segment_bytes = int(value)
+        self._choose_afresh()
+
+    def _choose_afresh(self) -> None:
+        self.selector = self._selector()
+        ops = getattr(self, "_ops", None)
+        if ops is not None:
+            ops.selector = self.selector
+            ops.segment_bytes = self._segment_bytes
+            ops.forget_plans()
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        """The engines this group runs ops on, by name (``links``; ``board`` where its ranks
+        share one), as the installed wrappers stand in front of them."""
+        return self.wiring.engines
+
+    @property
+    def inline_bytes(self) -> int:
+        """Async collectives up to this many bytes per buffer run on the caller's thread
+        when nothing is queued (``RINGCOMM_INLINE_BYTES``)."""
+        return self._ops.inline_bytes
+
+    @inline_bytes.setter
+    def inline_bytes(self, value: int) -> None:
+        self._ops.inline_bytes = value
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is queued or in flight here (see ``OpRunner.idle``)."""
+        return self._ops.idle
+
+    def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
+               algorithm: str | None = None) -> Choice:
+        """How this communicator runs ``collective`` on ``nbytes`` (the engine, algorithm,
+        segment size, and why): the selector's choice, the same on every rank."""
+        return self.selector.choose(collective, nbytes, itemsize, forced=algorithm)
+
+    def describe(self) -> str:
+        """How this rank reaches its peers (the kind of each link, and why), the engines
+        the group runs ops on, and the wrappers in front of them: for people."""
+        lines = [f"rank {self.rank} of {self.world_size}: link kinds, in the order asked: "
+                 + ", ".join(kind.name for kind in KINDS),
+                 self.transport.describe(),
+                 "engines: " + "; ".join(f"{name}: {engine.describe()}"
+                                         for name, engine in self.engines.items())]
+        if self.wiring.wrappers:
+            lines.append("wrappers: " + ", ".join(w.name for w in self.wiring.wrappers))
+        return "\n".join(lines)
+
+    @contextmanager
+    def wrapped(self, wrapper: Wrapper) -> Iterator[Wrapper]:
+        """Put ``wrapper`` in front of every link, the board and every engine for the body
+        of a ``with`` (this rank only: one that changes the wire must be put in on every
+        rank between the same two ops). Waits for queued ops first."""
+        self._settle()
+        self.wiring.install(wrapper)
+        self._ops.forget_plans()
+        try:
+            yield wrapper
+        finally:
+            self._settle()
+            self.wiring.remove(wrapper)
+            self._ops.forget_plans()
+
+    def _settle(self) -> None:
+        """Return once every collective issued on this rank so far has finished: wrappers
+        change only between ops."""
+        self._ops.settle()
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -265,153 +264,51 @@ class Communicator:
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
 
-        ``algorithm`` (``ring``, ``tree``, ``dbtree``, ``hd``, ``rd``, ``hier``, or on the
-        shared board ``board`` and ``twoshot``) forces one for this call, as
-        ``RINGCOMM_ALGO`` (which must be the same on every rank) does for all. By default a
-        group whose ranks share one host runs every allreduce on the shared board (one-shot
-        up to ``one_shot_bytes``, two-shot above), and any other group takes the cost
-        model's cheapest link algorithm (``ringcomm.plan.cost``). The automatic choice is a
-        function of the size, the dtype, the board that all ranks set up together, the
-        settings agreed at init and the table of every rank's host and cores, so it is the
-        same on every rank; a forced one that differs between ranks is caught at the first
-        message or post.
+        ``algorithm`` (one of the registry's allreduce algorithms over links,
+        ``ringcomm.core.algorithms``, or on the shared board ``board`` and ``twoshot``)
+        forces one for this call, as ``RINGCOMM_ALGO`` (which must be the same on every
+        rank) does for all. By default the selector chooses (``ringcomm.plan.select``): a
+        group whose ranks share one host runs every allreduce on the shared board, any other
+        group the cost model's cheapest algorithm over links. The choice is a function of
+        the size, the dtype, the board that all ranks set up together, the settings agreed
+        at init and the table of every rank's host and cores, so it is the same on every
+        rank; a forced one that differs between ranks is caught at the first message or
+        post.
         """
         data = as_buffer(x, name="x")
-        if algorithm is None and not async_op and self._allreduce_now(data, op):
+        if algorithm is None and not async_op and self._ops.allreduce_now(data, op):
             return x
         rop = reduce_op(op, data.dtype)
-        name = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize, algorithm)
-        return self._submit(_Collective(
-            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, rop, count=data.count,
-            segment=self.segment_bytes, algorithm=name), async_op)
+        choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
+                                      memory=data.memory, forced=algorithm)
+        return self._ops.submit(CollectiveCall(
+            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, choice, rop,
+            count=data.count), async_op)
 
     @_names_bad_input
     def allreduce_now(self, x: Any, op: str = "sum") -> bool:
         """``allreduce(x, op)`` if it can run on this thread from start to end at once (the
-        short way: a group on one host's board, nothing queued, no trace kept); else False,
+        engine's fast entry: a group on one host's board, nothing queued); else False,
         having done nothing. For a caller lending memory only for the call: a view that
         keeps nothing alive must not reach an op that might outlive it."""
-        return self._allreduce_now(as_buffer(x, name="x"), op)
+        return self._ops.allreduce_now(as_buffer(x, name="x"), op)
 
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:
         """The allreduce algorithm this communicator runs for ``nbytes`` of ``itemsize``-byte
-        elements: ``forced``, else the agreed ``RINGCOMM_ALGO``, else with a shared board
-        the one-shot or the two-shot by size, else the cost model's choice from the agreed
-        settings and topology (the same on every rank)."""
-        if forced is not None:
-            name = forced.lower() if isinstance(forced, str) else forced
-            if name in ON_BOARD:
-                self._check_board(name, nbytes)
-            elif name not in ALLREDUCE:
-                raise ArgumentError(
-                    f"allreduce algorithm {forced!r} is unknown; use one of "
-                    f"{', '.join((*ALLREDUCE, *ON_BOARD))}, or leave it unset for the "
-                    "automatic choice")
-            return name
-        if self.settings.algorithm is not None:
-            return self.settings.algorithm
-        if self.transport.board is not None:
-            return "board" if nbytes <= self._one_shot_bytes else "twoshot"
-        key = (nbytes, itemsize)
-        chosen = self._chosen.get(key)
-        if chosen is None:  # the model costs tens of microseconds: ask once per size
-            chosen = self._chosen[key] = cost.choose(
-                "allreduce", self.world_size, nbytes, itemsize,
-                segment_bytes=self.segment_bytes,
-                params=self.settings.cost_params(self.world_size),
-                share=self.topology.cores_per_rank, hosts=self.topology.hosts,
-                remote=self.settings.remote)
-        return chosen
-
-    def _allreduce_now(self, data: Buffer, op: str) -> bool:
-        """The short way for the commonest call, a blocking allreduce on the shared board
-        (or in a group of one, which has nothing to exchange): its plan is made once per
-        dtype, size and op, and it runs on the caller's thread without an op record, a
-        queue or a schedule walk. Returns False, having done nothing, where the general way
-        must take it (no board, ops still queued, a trace to keep or a line to log per op,
-        a closed or failed communicator: that way raises what it must)."""
-        key = (data.dtype, data.count, op)
-        plan = self._board_plans.get(key)
-        if plan is None:
-            alone = self.world_size == 1
-            if (not isinstance(op, str) or self.settings.algorithm is not None
-                    or (self.transport.board is None and not alone)):
-                return False
-            rop = reduce_op(op, data.dtype)
-            if alone:
-                self._board_plans[key] = _ALONE
-                return self._allreduce_now(data, op)
-            algorithm = self.allreduce_algorithm(data.nbytes, data.dtype.itemsize)
-            program = board_program(COLLECTIVES["allreduce"].schedule(
-                self.rank, self.world_size, data.count, self._segment(data),
-                algorithm=algorithm, piece=board.SLOT_BYTES // data.dtype.itemsize))
-            desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
-                                algorithm_code(algorithm), reduce_code(rop), -1,
-                                self.segment_bytes, data.count)
-            header = board_header(desc, data.dtype.itemsize)
-            if len(self._board_plans) >= 256:  # many sizes: keep the latest
-                del self._board_plans[next(iter(self._board_plans))]
-            plan = self._board_plans[key] = _BoardPlan(program, rop, desc, header)
-        if self.trace is not None or log.isEnabledFor(logging.DEBUG):  # the general way
-            return False  # keeps a trace and logs a line per op
-        with self._count_lock:
-            if self._outstanding or self._closed or self._failure is not None or \
-                    self._p2p.busy:  # ``idle`` spelled out: the hottest path
-                return False
-            self._outstanding += 1
-        seq = next(self._seq)
-        if plan is _ALONE:  # the values stay; a staged buffer still goes through its stages
-            try:
-                data.before_op()
-                data.after_op()
-            finally:
-                self._op_done()
-            return True
-        name = f"allreduce #{seq}"
-        try:
-            if plan.program.whole is not None and type(data) is HostBuffer:
-                run_board_whole(plan.program, data.region(0, data.count), self.transport,
-                                plan.header_of(seq), time.monotonic() + self.timeout, name,
-                                plan.reduce)
-            else:
-                run_board(plan.program, {"data": data}, self.transport,
-                          OpContext(plan.desc, name, data.dtype,
-                                    time.monotonic() + self.timeout, plan.reduce),
-                          header=plan.header_of(seq))
-        except CommError as err:
-            self._fail(err, seq)
-            self._p2p.fail_all(err)
-            raise
-        finally:
-            self._op_done()
-        return True
-
-    @property
-    def _board_bytes(self) -> int:
-        """The largest message this group's broadcasts and all-gathers put on the board in
-        one post for every rank to read; -1 without a board."""
-        return board_schedules.SMALL_BYTES if self.transport.board is not None else -1
-
-    def _check_board(self, algorithm: str, nbytes: int) -> None:
-        if self.transport.board is None:
-            raise ArgumentError(
-                f"algorithm {algorithm!r} needs the shared board, which this group does not "
-                "have (its ranks span hosts, shared memory is off, or RINGCOMM_BOARD=0 on "
-                "some rank); choose another algorithm")
-        if algorithm == "board" and nbytes > board.SLOT_BYTES:
-            raise ArgumentError(f"algorithm 'board' takes at most {board.SLOT_BYTES} B per "
-                                f"rank, got {nbytes} B; choose 'twoshot' or another algorithm")
+        elements (``choose`` says which engine runs it, and why)."""
+        return self.selector.choose("allreduce", nbytes, itemsize, forced=forced).algorithm
 
     @_names_bad_input
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
         self._check_rank(root, "root")
         data = as_buffer(x, name="x", reads=self.rank == root)
-        algorithm = "board" if data.nbytes <= self._board_bytes else None
-        return self._submit(_Collective(COLLECTIVES["broadcast"], data.dtype, {"data": data}, x,
-                                        arg=root, count=data.count, segment=self.segment_bytes,
-                                        algorithm=algorithm), async_op)
+        choice = self.selector.choose("broadcast", data.nbytes, data.dtype.itemsize,
+                                      memory=data.memory)
+        return self._ops.submit(CollectiveCall(
+            COLLECTIVES["broadcast"], data.dtype, {"data": data}, x, choice, arg=root,
+            count=data.count), async_op)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -419,9 +316,8 @@ class Communicator:
         data = as_buffer(x, name="x")
         self._check_rank(root, "root")
         rop = reduce_op(op, data.dtype)
-        return self._submit(_Collective(
-            COLLECTIVES["reduce"], data.dtype, {"data": data}, x, rop, arg=root,
-            count=data.count, segment=self.segment_bytes), async_op)
+        return self._collective("reduce", {"data": data}, x, data.nbytes, async_op, rop,
+                                arg=root, count=data.count)
 
     @_names_bad_input
     def allgather(self, out: Any, x: Any, *, async_op: bool = False) -> Any:
@@ -430,10 +326,8 @@ class Communicator:
         result = as_buffer(out, name="out", reads=False)
         self._check_same_dtype(result, data, "out", "x")
         self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
-        algorithm = "board" if data.nbytes <= self._board_bytes else None
-        return self._submit(_Collective(
-            COLLECTIVES["allgather"], data.dtype, {"input": data, "output": result}, out,
-            count=data.count, segment=self.segment_bytes, algorithm=algorithm), async_op)
+        return self._collective("allgather", {"input": data, "output": result}, out,
+                                data.nbytes, async_op, count=data.count)
 
     @_names_bad_input
     def reduce_scatter(self, out: Any, x: Any, op: str = "sum", *,
@@ -444,9 +338,8 @@ class Communicator:
         self._check_same_dtype(result, data, "out", "x")
         self._check_size(data, result.count * self.world_size, "x", "world_size * out.size")
         rop = reduce_op(op, data.dtype)
-        return self._submit(_Collective(
-            COLLECTIVES["reduce_scatter"], data.dtype, {"input": data, "output": result}, out,
-            rop, count=result.count, segment=self.segment_bytes), async_op)
+        return self._collective("reduce_scatter", {"input": data, "output": result}, out,
+                                data.nbytes, async_op, rop, count=result.count)
 
     @_names_bad_input
     def gather(self, out: Any | None, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
@@ -461,9 +354,8 @@ class Communicator:
             self._check_same_dtype(result, data, "out", "x")
             self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
             buffers["output"] = result
-        return self._submit(_Collective(
-            COLLECTIVES["gather"], data.dtype, buffers, out, arg=root, count=data.count,
-            segment=self.segment_bytes), async_op)
+        return self._collective("gather", buffers, out, data.nbytes, async_op, arg=root,
+                                count=data.count)
 
     @_names_bad_input
     def scatter(self, x: Any, inputs: Any | None = None, root: int = 0, *,
@@ -492,9 +384,8 @@ class Communicator:
                 self._check_size(source, result.count * self.world_size, "inputs",
                                  "world_size * x.size")
             buffers["input"] = source
-        return self._submit(_Collective(
-            COLLECTIVES["scatter"], result.dtype, buffers, x, arg=root, count=result.count,
-            segment=self.segment_bytes), async_op)
+        return self._collective("scatter", buffers, x, result.nbytes, async_op, arg=root,
+                                count=result.count)
 
     @_names_bad_input
     def alltoall(
@@ -514,17 +405,15 @@ class Communicator:
         self._check_same_dtype(result, data, "out", "x")
         send_counts = self._splits(in_splits, data, "in_splits", "x")
         recv_counts = self._splits(out_splits, result, "out_splits", "out")
-        return self._submit(_Collective(
-            COLLECTIVES["alltoall"], data.dtype, {"input": data, "output": result}, out,
-            segment=self.segment_bytes, send_counts=send_counts, recv_counts=recv_counts), async_op)
+        return self._collective("alltoall", {"input": data, "output": result}, out,
+                                data.nbytes, async_op, send_counts=send_counts,
+                                recv_counts=recv_counts)
 
     @_names_bad_input
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank has entered the barrier."""
         empty = HostBuffer(np.zeros(0, np.uint8), "barrier")
-        algorithm = "board" if self.transport.board is not None else None
-        return self._submit(_Collective(COLLECTIVES["barrier"], empty.dtype, {"data": empty},
-                                        None, algorithm=algorithm), async_op)
+        return self._collective("barrier", {"data": empty}, None, 0, async_op)
 
     @_names_bad_input
     def send(self, x: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
@@ -532,7 +421,7 @@ class Communicator:
 
         Completes once the data has left this process (the receiver need not have posted
         its receive yet, except for large payloads that wait in the socket)."""
-        data = as_buffer(x, name="x", writable=False)
+        data = as_buffer(x, name="x", writable=False).staged_for(HOST_ONLY)
         self._check_rank(dst, "dst", allow_self=False)
         self._check_tag(tag)
         if self._closed:
@@ -540,7 +429,7 @@ class Communicator:
         seq = self._p2p_sent[dst]
         self._p2p_sent[dst] += 1
         op = P2POp(True, dst, int(tag), data, seq, f"send #{seq} to rank {dst}", x)
-        return self._enqueue(op, op.name, async_op)
+        return self._ops.enqueue(op, op.name, async_op)
 
     @_names_bad_input
     def recv(self, x: Any, src: int | None = None, tag: int = 0, *,
@@ -549,7 +438,7 @@ class Communicator:
 
         ``src=None`` takes the next message from any rank; the returned ``Work`` (with
         ``async_op=True``) then tells which in ``work.source``. Returns ``x``."""
-        data = as_buffer(x, name="x", reads=False)
+        data = as_buffer(x, name="x", reads=False).staged_for(HOST_ONLY)
         if src is None:
             if self.world_size == 1:
                 raise ArgumentError("recv from any source in a world of one rank: there is "
@@ -560,7 +449,7 @@ class Communicator:
             name = f"recv from rank {src}"
         self._check_tag(tag)
         op = P2POp(False, src, int(tag), data, -1, name, x)
-        return self._enqueue(op, name, async_op)
+        return self._ops.enqueue(op, name, async_op)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -574,14 +463,16 @@ class Communicator:
         self._close(check=True)
 
     def _close(self, *, check: bool) -> None:
-        with self._lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
-        if threading.current_thread() is not self._worker:
-            self._worker.join()
-        stray = self.transport.leftover() if self._failure is None else None
+        self._ops.stop()
+        stray = None
+        if self._ops.failure is None:
+            stray = self.transport.leftover()
+            if stray is None and self.transport.board is not None:
+                stray = self.transport.board.leftover()
         self.transport.close()
         for fn in self._on_close:
             fn()
@@ -606,141 +497,18 @@ class Communicator:
         return f"<ringcomm.Communicator rank {self.rank} of {self.world_size}>"
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, op: _Collective, async_op: bool) -> Any:
-        if self._closed:
-            raise CommAborted("this communicator is closed", rank=self.rank)
-        seq = next(self._seq)
-        name = f"{op.spec.name} #{seq}"
-        return self._enqueue((op, seq, name), name, async_op)
-
-    def _enqueue(self, item: _Queued, name: str, async_op: bool) -> Any:
-        if self._closed:
-            raise CommAborted("this communicator is closed", rank=self.rank)
-        inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
-        with self._count_lock:
-            # A collective with nothing ahead of it runs on the caller's thread when the
-            # caller waits for it anyway, or when it is no larger than ``inline_bytes``
-            # (64 KiB; every size where the host has no spare core for the worker): the
-            # order is the same, and two thread hand-offs (tens of microseconds each on a
-            # busy machine, more than a small op takes) are saved. Such an async op then
-            # returns completed, its error (if any) kept for ``wait``. The worker cannot
-            # start anything meanwhile: its queue is empty and no receive is posted.
-            inline = inline and self.idle
-            self._outstanding += 1
-        if inline:
-            assert not isinstance(item, P2POp)  # only collectives run inline
-            try:
-                result = self._run(*item)
-            except BaseException as err:
-                if self._failure is not None:
-                    self._p2p.fail_all(self._failure)
-                if async_op and isinstance(err, Exception):
-                    return Work.finished(name, self.timeout, error=err)
-                raise
-            finally:
-                self._op_done()
-            return Work.finished(name, self.timeout, result) if async_op else result
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        work = Work(future, name, self.timeout)
-        if isinstance(item, P2POp):
-            item.work = work
-        self._queue.put((item, future))
-        return work if async_op else work.wait()
-
-    def _small(self, op: _Collective) -> bool:
-        return all(b.nbytes <= self.inline_bytes for b in op.buffers.values())
-
-    @property
-    def idle(self) -> bool:
-        """Whether nothing is queued or in flight here (no op for the worker, no receive
-        posted): a blocking op started now on this thread runs on it from start to end, so
-        memory lent only for the call (a view that keeps nothing alive) is safe to use."""
-        return self._outstanding == 0 and not self._p2p.busy
-
-    def _op_done(self) -> None:
-        with self._count_lock:
-            self._outstanding -= 1
-
-    def _work(self) -> None:
-        p2p = self._p2p
-        while True:
-            if p2p.busy:
-                try:
-                    entry = self._queue.get_nowait()
-                except queue.Empty:
-                    p2p.progress()
-                    continue
-            else:
-                entry = self._queue.get()
-            if entry is None:
-                p2p.close()
-                return
-            item, future = entry
-            try:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                if isinstance(item, P2POp):
-                    p2p.start(item, future)
-                    continue
-                try:
-                    future.set_result(self._run(*item))
-                except BaseException as err:  # noqa: BLE001 - delivered via the future
-                    future.set_exception(err)
-                    if self._failure is not None:
-                        p2p.fail_all(self._failure)
-            finally:
-                self._op_done()
-
-    def _fail(self, err: CommError, seq: int) -> None:
-        """Mark this communicator failed and, unless a peer told us, tell every peer."""
-        self._failure = err
-        if not isinstance(err, RemoteError):
-            self.transport.abort(seq, f"{type(err).__name__}: {err}")
-
-    def _run(self, op: _Collective, seq: int, name: str) -> Any:
-        if self._failure is not None:
-            raise CommAborted(
-                f"an earlier op failed ({self._failure}); this communicator cannot be used "
-                "any more: create a new one", rank=self.rank, op=name,
-            )
-        dtype = np.dtype(op.dtype)
-        schedule = op.spec.schedule(
-            self.rank, self.world_size, op.count, max(1, op.segment // max(1, dtype.itemsize)),
-            root=op.arg, algorithm=op.algorithm, hosts=self.topology.hosts,
-            nbytes=op.count * dtype.itemsize, send_counts=op.send_counts,
-            recv_counts=op.recv_counts, piece=board.SLOT_BYTES // dtype.itemsize)
-        buffers = op.buffers
-        if schedule.scratch:
-            buffers = dict(buffers, scratch=HostBuffer(self._scratch(dtype, schedule.scratch),
-                                                       "scratch"))
-        desc = OpDescriptor(int(op.spec.kind), seq, dtype_code(dtype),
-                            algorithm_code(schedule.algorithm), reduce_code(op.reduce), op.arg,
-                            op.segment, op.count, op.send_counts, op.recv_counts)
-        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, op.reduce)
-        started = time.perf_counter()
-        try:
-            run_schedule(schedule, buffers, self.transport, ctx, self.trace)
-        except CommError as err:
-            self._fail(err, seq)
-            raise
-        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
-            log.debug("rank %d %s: %s/%s, %d B %s%s, %.1f us", self.rank, name,
-                      schedule.collective, schedule.algorithm, op.count * dtype.itemsize,
-                      dtype_name(dtype), f" {op.reduce.name}" if op.reduce else "",
-                      (time.perf_counter() - started) * 1e6)
-        return op.result
-
-    _scratch_buf: np.ndarray | None = None
-
-    def _scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
-        """Reusable scratch memory: grows to the largest need, never shrinks."""
-        need = count * dtype.itemsize
-        if self._scratch_buf is None or self._scratch_buf.nbytes < need:
-            self._scratch_buf = np.empty(need, np.uint8)
-        return self._scratch_buf[:need].view(dtype)
-
-    def _segment(self, data: Buffer) -> int:
-        return max(1, self.segment_bytes // max(1, data.dtype.itemsize))
+    def _collective(self, name: str, buffers: dict[str, Buffer], result: Any, nbytes: int,
+                    async_op: bool, reduce: Any = None, *, arg: int = -1, count: int = 0,
+                    send_counts: tuple[int, ...] | None = None,
+                    recv_counts: tuple[int, ...] | None = None) -> Any:
+        """Submit collective ``name`` on ``buffers`` as the selector chooses for ``nbytes``
+        (the size its rules look at) and where the buffers' memory lives."""
+        first = next(iter(buffers.values()))
+        memory = next((b.memory for b in buffers.values() if b.memory != HOST), HOST)
+        choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory)
+        return self._ops.submit(CollectiveCall(
+            COLLECTIVES[name], first.dtype, buffers, result, choice, reduce, arg, count,
+            send_counts, recv_counts), async_op)
 
     def _check_rank(self, r: int, what: str, *, allow_self: bool = True) -> None:
         if not isinstance(r, (int, np.integer)) or isinstance(r, bool):

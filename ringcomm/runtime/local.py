@@ -12,11 +12,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..engines.context import TraceEvent
 from ..errors import CommError
+from ..observe.steps import StepLog
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
-from .context import TraceEvent
 
 
 def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:
@@ -45,7 +46,7 @@ def run_group(
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
     With ``return_errors=True`` a rank's exception is returned in its slot instead of raised.
-    ``trace``, if given, collects every executed step of every rank. ``hosts`` (the ranks of
+    ``trace``, if given, collects every executed step of every rank (``StepLog``). ``hosts`` (the ranks of
     each simulated host, e.g. ``[[0, 2], [1, 3]]``) gives the group a topology of several
     hosts, for the algorithms and choices that depend on it; by default all ranks share one.
     ``board=True`` gives the group a shared board, as ranks of one host get (then small
@@ -57,14 +58,12 @@ def run_group(
         return lambda members, tag: net.subnetwork(tag, len(members)).transport(
             members.index(rank))
 
+    wrappers = [StepLog(trace)] if trace is not None else []
     comms = [
         Communicator(net.transport(r), timeout=timeout, segment_bytes=segment_bytes,
-                     topology=topology, connect=connector(r))
+                     topology=topology, connect=connector(r), wrappers=wrappers)
         for r in range(world_size)
     ]
-    if trace is not None:
-        for comm in comms:
-            comm.trace = trace  # list.append is atomic under the GIL
     results: list[Any] = [None] * world_size
 
     def rank_main(r: int) -> None:

@@ -11,9 +11,8 @@ does not break the collective on the receiver. Within a stream, the header of ev
 message is compared with what the receiver expects (``header.check``): above the links, so
 every kind of link gets the same checks.
 
-A transport whose ranks all share one host may also hold a shared ``board`` (``board``):
-``post`` puts this rank's part of an op on it and ``take`` reads a peer's, with the same
-header check. How a rank waits for a post is the transport's own (``_board_wait``).
+The shared board of ranks on one host is a channel of its own (``board_channel``) beside the
+transport; while a rank waits there it asks the transport to ``screen`` its links.
 """
 
 from __future__ import annotations
@@ -26,20 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .board import Board
+from .board_channel import BoardChannel
 from .header import Header, OpKind, check
 from .link import ControlPlane, Link, SendHandle, Wait, remote_error
-
-
-def board_wait(op: str, deadline: float, header: bytes, peer: int) -> Wait:
-    """The state of a wait for ``peer``'s post of the op whose board header is ``header``:
-    what its messages and probes are compared with."""
-    return Wait(op, deadline, _expected(header, peer))
-
-
-def _expected(header: bytes, peer: int) -> Header:
-    """What ``peer``'s post (or message) of the op whose board header is ``header`` says."""
-    return Header.unpack(header)._replace(sender=peer)
 
 
 class Transport:
@@ -57,8 +45,8 @@ class Transport:
             (deque(), deque()) for _ in range(world_size)]
         self._closed = False
         self._checks_delivery: bool | None = None
-        # the shared board of every rank, where the transport could set one up
-        self.board: Board | None = None
+        # the shared board beside the links, where the set-up made one (closed with them)
+        self.board: BoardChannel | None = None
 
     def _link(self, peer: int) -> Link:
         """The link to ``peer``, another rank (this rank has no link to itself)."""
@@ -152,46 +140,8 @@ class Transport:
                 check(expected, header, rank=self.rank, op=op)
             return None
 
-    # ---------------------------------------------------------------- the shared board
-    def post(self, header: bytes, payload: np.ndarray | None, deadline: float,
-             op: str, at: int = 0) -> None:
-        """Put this rank's part of a board op (its ``header``, packed, and ``payload`` or
-        None, from element ``at`` of its slot) on the board, once every peer has made the
-        post before (they may still read the slot this one overwrites: a rank runs at most
-        one post ahead of the slowest)."""
-        board = self.board
-        assert board is not None, "post needs a transport with a board"
-        for peer in board.behind():
-            self._board_wait(peer, board.number, op, deadline, header)
-        board.post(header, payload, at)
-        self._posted()
-
-    def take(self, peer: int, header: bytes, dtype: np.dtype, count: int, deadline: float,
-             op: str, at: int = 0) -> np.ndarray:
-        """``count`` elements of ``dtype`` from element ``at`` of ``peer``'s current board
-        post, in place (valid until this rank's next post), once it is posted with this
-        rank's own ``header`` (packed; every rank's post of an op carries the same bytes)."""
-        board = self.board
-        assert board is not None, "take needs a transport with a board"
-        number = board.number
-        if board.posted(peer) < number:
-            self._board_wait(peer, number, op, deadline, header)
-        if not board.matches(peer, header):
-            check(_expected(header, peer), board.header(peer), rank=self.rank, op=op)
-        return board.payload(peer, dtype, count, at)
-
-    def _board_wait(self, peer: int, number: int, op: str, deadline: float,
-                    header: bytes) -> None:
-        """Return once ``peer`` has made ``number`` posts of the op whose board header is
-        ``header`` (packed); raise as a receive would (the deadline, a lost peer, an abort,
-        a message showing that the ranks disagree). Most waits end within moments, so a
-        transport may make the ``Wait`` (``board_wait``) only once the wait goes on."""
-        raise NotImplementedError(f"{type(self).__name__} has no shared board")
-
-    def _posted(self) -> None:  # noqa: B027 - optional hook
-        """This rank has just posted: wake the peers that sleep waiting for it."""
-
-    def _screen(self, peer: int, wait: Wait) -> None:
+    # ---------------------------------------------------------------- screening
+    def screen(self, peer: int, wait: Wait) -> None:
         """While this rank waits on the board (no message belongs to its op): read what
         ``peer`` has sent. An abort raises; a point-to-point message, or one of a later op
         (the peer has run ahead), is set aside for the receive that takes it; a collective
@@ -228,14 +178,8 @@ class Transport:
     def leftover(self) -> Header | None:
         """The header of a collective message that has arrived and that no op of this rank
         took, if there is one: at close, proof that the ranks disagreed about an op (a rank
-        whose part of an op only sends cannot tell during it), or a post on the board of an
-        op this rank never ran. Reads what is waiting, so it is only for a transport about
-        to close."""
-        board = self.board
-        if board is not None:
-            for peer in range(self.world_size):
-                if peer != self.rank and board.posted(peer) > board.number:
-                    return board.header(peer, board.number + 1)
+        whose part of an op only sends cannot tell during it). Reads what is waiting, so it
+        is only for a transport about to close."""
         for peer, link in enumerate(self.links):
             if link is None:
                 continue

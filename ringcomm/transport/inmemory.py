@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import CommTimeout
-from .base import Transport, board_wait
+from .base import Transport
 from .board import Board, size
+from .board_channel import BoardChannel, Screening, board_wait
 from .header import Header
 from .link import ControlPlane, Link, Wait, remote_error
 
@@ -114,21 +115,29 @@ class _InMemoryControl(ControlPlane):
 
 
 class InMemoryTransport(Transport):
-    """Rank ``rank``'s links in ``network``."""
+    """Rank ``rank``'s links in ``network``, and its view of the network's board if it has
+    one (``board``)."""
 
     def __init__(self, network: InMemoryNetwork, rank: int) -> None:
         links = [None if peer == rank else InMemoryLink(network, rank, peer)
                  for peer in range(network.world_size)]
         super().__init__(rank, network.world_size, links, _InMemoryControl(network))
-        self._network = network
         if network.board_memory is not None:
-            self.board = Board(network.board_memory, rank, network.world_size)
+            self.board = InMemoryBoardChannel(
+                Board(network.board_memory, rank, network.world_size), self, network)
 
-    def _board_wait(self, peer: int, number: int, op: str, deadline: float,
-                    header: bytes) -> None:
+
+class InMemoryBoardChannel(BoardChannel):
+    """The board of ranks that are threads of one process: a wait sleeps on the network's
+    condition, which every post notifies, and looks at the aborts meanwhile."""
+
+    def __init__(self, board: Board, transport: Screening, network: InMemoryNetwork) -> None:
+        super().__init__(board, transport)
+        self._network = network
+
+    def _wait(self, peer: int, number: int, op: str, deadline: float, header: bytes) -> None:
         wait = board_wait(op, deadline, header, peer)
         board, posted = self.board, self._network.board_posted
-        assert board is not None
         aborts = self._network.mailboxes[self.rank].aborts
         with posted:
             while board.posted(peer) < number:

@@ -1,15 +1,19 @@
-"""Running a board schedule: posts, each followed by takes of the peers' posts.
+"""The board engine: runs board schedules (posts, each followed by takes of the peers'
+posts) on a group's shared board (``ringcomm.transport.board_channel``).
 
-A board op sends no message, so the link executor's machinery (pending sends, receive
-order, per-peer message counts) has nothing to do; what is left is short enough that a
-small op's whole time goes through here. ``BoardProgram`` boils a schedule down, once, to
-what changes between its steps (which region this rank posts; which peer's post to take,
-from which element, and whether to copy it into a region, reduce it into one, or only
-check its header; whether that completes a reduction), and ``run`` does no more than that.
-The executor runs board schedules through it, and so does the communicator's short way for
-a blocking allreduce; for the one-shot allreduce on host memory, the commonest small call,
-the short way takes ``run_whole``, the same posts and takes without the general runner's
-lookups.
+A board op sends no message, so the link engine's machinery (pending sends, receive order,
+per-peer message counts) has nothing to do; what is left is short enough that a small op's
+whole time goes through here. ``BoardProgram`` boils a schedule down, once, to what changes
+between its steps (which region this rank posts; which peer's post to take, from which
+element, and whether to copy it into a region, reduce it into one, or only check its
+header; whether that completes a reduction), and ``run`` does no more than that.
+
+The engine has a fast entry for the commonest call, a blocking allreduce
+(``BoardEngine.allreduce_now``): its plan (program, packed header, reduction) is made once
+per dtype, size and op (``plan_allreduce``), and for the one-shot allreduce on host memory
+it takes ``run_whole``, the same posts and takes without the general runner's lookups. The
+fast entry is part of the engine, so a wrapper in front of the engine sees it as it sees
+``run``, and a traced run takes the same path as an untraced one.
 
 Every post of an op carries the op's header with the post's number within the op as its
 ``index``, so that ranks whose posts do not line up find out at the first take. A reduction
@@ -21,16 +25,18 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.arrays import Buffer
+from ..core.arrays import Buffer, HostBuffer
 from ..core.dtypes import ReduceOp, finish_reduction
 from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule
-from ..transport.base import Transport
+from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
-from .context import OpContext, TraceEvent
+from .base import Engine
+from .context import OpContext, StepObserver, TraceEvent
 
 _COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
 _INDEX = slice(32, 36)  # the header's ``index`` field, packed
@@ -78,60 +84,70 @@ class BoardProgram:
             self.whole = tuple((peer, does is _REDUCE, final)
                                for peer, does, final, *_ in takes)
 
-    def run(self, transport: Transport, buffers: Mapping[str, Buffer], header: bytes,
-            ctx: OpContext, trace: list[TraceEvent] | None = None) -> None:
+    def run(self, channel: BoardChannel, buffers: Mapping[str, Buffer], header: bytes,
+            ctx: OpContext) -> None:
         """Make this rank's posts (``header``, packed, is its first's; the later ones differ
         in their ``index``) and take the peers' posts into ``buffers`` (by role; host
         memory, which ``region`` views)."""
-        dtype, deadline, name = ctx.dtype, ctx.deadline, ctx.name
-        started = time.perf_counter() if trace is not None else 0.0
+        dtype, deadline, name, observe = ctx.dtype, ctx.deadline, ctx.name, ctx.observe
+        started = time.perf_counter() if observe is not None else 0.0
         step = 0
         for number, (post, place, takes) in enumerate(self.rounds):
             if number:
                 header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
-            transport.post(header, buffers[post.buf].region(post.offset, post.count)
-                           if post is not None else None, deadline, name, place)
-            if trace is not None:
-                started = self._traced(trace, step, started, transport.rank, ctx)
+            channel.post(header, buffers[post.buf].region(post.offset, post.count)
+                         if post is not None else None, deadline, name, place)
+            if observe is not None:
+                started = self._traced(observe, step, started, channel.rank, ctx)
             step += 1
             for peer, does, final, role, offset, count, at in takes:
-                payload = transport.take(peer, header, dtype, count, deadline, name, at)
+                payload = channel.take(peer, header, dtype, count, deadline, name, at)
                 if does is not _CHECK:
                     target = buffers[role]
                     into = target.region(offset, count)
                     if does is _REDUCE:
                         assert ctx.reduce is not None
                         target.reduce_into(into, into, payload, ctx.reduce,
-                                           transport.world_size if final else 1)
+                                           channel.world_size if final else 1)
                     else:
                         target.copy(into, payload)
-                if trace is not None:
-                    started = self._traced(trace, step, started, transport.rank, ctx)
+                if observe is not None:
+                    started = self._traced(observe, step, started, channel.rank, ctx)
                 step += 1
 
-    def run_whole(self, transport: Transport, data: np.ndarray, header: bytes,
-                  deadline: float, name: str, reduce: ReduceOp | None) -> None:
+    def run_whole(self, channel: BoardChannel, data: np.ndarray, header: bytes,
+                  deadline: float, name: str, reduce: ReduceOp | None,
+                  observe: StepObserver | None = None) -> None:
         """``run`` for a program with ``whole`` takes, on ``data`` (all of the buffer, in
         host memory): the same posts and takes without the general bookkeeping, where the
         smallest calls spend most of their time."""
         assert self.whole is not None, "run_whole needs a program of whole takes"
-        transport.post(header, data, deadline, name)
+        started = time.perf_counter() if observe is not None else 0.0
+        channel.post(header, data, deadline, name)
+        if observe is not None:
+            started = self._observed(observe, 0, started, channel.rank, name)
         dtype, count = data.dtype, data.size
-        for peer, reduces, final in self.whole:
-            payload = transport.take(peer, header, dtype, count, deadline, name)
+        for step, (peer, reduces, final) in enumerate(self.whole, 1):
+            payload = channel.take(peer, header, dtype, count, deadline, name)
             if reduces:
                 assert reduce is not None
                 reduce.ufunc(data, payload, out=data)
                 if final and reduce.divides:
-                    finish_reduction(data, reduce, transport.world_size)
+                    finish_reduction(data, reduce, channel.world_size)
             else:
                 np.copyto(data, payload)
+            if observe is not None:
+                started = self._observed(observe, step, started, channel.rank, name)
 
-    def _traced(self, trace: list[TraceEvent], index: int, started: float, rank: int,
+    def _traced(self, observe: StepObserver, index: int, started: float, rank: int,
                 ctx: OpContext) -> float:
+        return self._observed(observe, index, started, rank, ctx.name)
+
+    def _observed(self, observe: StepObserver, index: int, started: float, rank: int,
+                  name: str) -> float:
         now = time.perf_counter()
-        trace.append(TraceEvent(rank, index, self.schedule.steps[index], started, now,
-                                ctx.name, self.schedule.algorithm))
+        observe(TraceEvent(rank, index, self.schedule.steps[index], started, now, name,
+                           self.schedule.algorithm, "board"))
         return now
 
 
@@ -145,9 +161,8 @@ def board_header(desc: OpDescriptor, itemsize: int) -> bytes:
 def run_board(
     program: BoardProgram,
     buffers: Mapping[str, Buffer],
-    transport: Transport,
+    channel: BoardChannel,
     ctx: OpContext,
-    trace: list[TraceEvent] | None = None,
     header: bytes | None = None,
 ) -> None:
     """Execute a board schedule's ``program`` on ``buffers``; ``header`` is this rank's
@@ -159,22 +174,11 @@ def run_board(
     for buf in used:
         buf.before_op()
     try:
-        program.run(transport, buffers, header, ctx, trace)
+        program.run(channel, buffers, header, ctx)
     except CommTimeout as err:
-        raise _on_board(err, schedule, transport.rank, ctx.name) from None
+        raise _on_board(err, schedule, channel.rank, ctx.name) from None
     for buf in used:
         buf.after_op()
-
-
-def run_board_whole(program: BoardProgram, data: np.ndarray, transport: Transport,
-                    header: bytes, deadline: float, name: str,
-                    reduce: ReduceOp | None) -> None:
-    """``run_board`` for a program with ``whole`` takes on ``data``, host memory that needs
-    no staging (``BoardProgram.run_whole``)."""
-    try:
-        program.run_whole(transport, data, header, deadline, name, reduce)
-    except CommTimeout as err:
-        raise _on_board(err, program.schedule, transport.rank, name) from None
 
 
 def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> CommTimeout:
@@ -197,3 +201,60 @@ def board_program(schedule: Schedule) -> BoardProgram:
             _PROGRAMS.clear()
         entry = _PROGRAMS[id(schedule)] = (schedule, BoardProgram(schedule))
     return entry[1]
+
+
+_SEQ = struct.Struct("<Q")  # a header's first field
+
+
+@dataclass(frozen=True, slots=True)
+class AllreducePlan:
+    """A blocking allreduce on the board, ready to run again: everything about it but the
+    buffer and the sequence number (``BoardEngine.allreduce_now``)."""
+
+    program: BoardProgram
+    reduce: ReduceOp
+    desc: OpDescriptor  # of sequence number 0
+    header: bytes  # the post's, packed, for sequence number 0
+    after_seq: bytes = field(init=False)  # the header but its first field
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "after_seq", self.header[_SEQ.size:])
+
+    def header_of(self, seq: int) -> bytes:
+        return _SEQ.pack(seq) + self.after_seq
+
+
+class BoardEngine(Engine):
+    """Board schedules on ``channel``, this rank's view of its group's shared board."""
+
+    name = "board"
+
+    def __init__(self, channel: BoardChannel) -> None:
+        self.channel = channel
+
+    def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
+        run_board(board_program(schedule), buffers, self.channel, ctx)
+
+    def plan_allreduce(self, schedule: Schedule, desc: OpDescriptor, reduce: ReduceOp,
+                       itemsize: int) -> AllreducePlan:
+        """The plan of a blocking allreduce whose schedule (a board one) and descriptor (of
+        sequence number 0) are these, for ``allreduce_now``."""
+        return AllreducePlan(board_program(schedule), reduce, desc, board_header(desc, itemsize))
+
+    def allreduce_now(self, plan: AllreducePlan, data: Buffer, seq: int, deadline: float,
+                      name: str, observe: StepObserver | None = None) -> None:
+        """Run ``plan`` on ``data`` as op number ``seq``, on this thread, start to end."""
+        program = plan.program
+        try:
+            if program.whole is not None and type(data) is HostBuffer:
+                program.run_whole(self.channel, data.region(0, data.count), plan.header_of(seq),
+                                  deadline, name, plan.reduce, observe)
+                return
+        except CommTimeout as err:
+            raise _on_board(err, program.schedule, self.channel.rank, name) from None
+        run_board(program, {"data": data}, self.channel,
+                  OpContext(plan.desc, name, data.dtype, deadline, plan.reduce, observe),
+                  header=plan.header_of(seq))
+
+    def describe(self) -> str:
+        return self.channel.describe()

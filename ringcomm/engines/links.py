@@ -1,4 +1,4 @@
-"""The executor: runs one rank's schedule over a transport.
+"""The link engine: runs one rank's schedule over the transport's links.
 
 It walks the steps in order. Sends are queued and return at once, so while this rank
 reduces segment ``k`` the link is already moving segment ``k + 1``; receives block until
@@ -7,9 +7,6 @@ bytes are out, so before a step writes a region the executor waits for any pendi
 that reads overlapping memory, and before the op returns it waits for all of them: the
 caller may then reuse its buffers at once. Independent receives from several peers (an
 all-to-all's blocks) are taken in the order their messages arrive.
-
-A schedule of board steps (ranks of one host) goes to ``board_program``, which runs it on
-the transport's shared board.
 
 A fused receive-reduce-send asks the transport for the outgoing buffer first (shared
 memory, where it has some) and reduces into it, so a partial sum is written once instead of
@@ -29,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -38,10 +35,26 @@ from ..errors import CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport
 from ..transport.header import Header
-from .board_program import board_program, run_board
+from .base import Engine
 from .context import OpContext, TraceEvent
 
-__all__ = ["OpContext", "TraceEvent", "run_schedule"]
+__all__ = ["LinkEngine", "run_schedule"]
+
+
+class LinkEngine(Engine):
+    """Schedules of messages between pairs of ranks, over ``transport``'s links."""
+
+    name = "links"
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
+        run_schedule(schedule, buffers, self.transport, ctx)
+
+    def describe(self) -> str:
+        kinds = sorted({link.kind for link in self.transport.links if link is not None})
+        return f"links ({', '.join(kinds) or 'none'})"
 
 
 class _PendingSends:
@@ -80,15 +93,14 @@ class _PendingSends:
 
 def run_schedule(
     schedule: Schedule,
-    buffers: dict[str, Buffer],
+    buffers: Mapping[str, Buffer],
     transport: Transport,
     ctx: OpContext,
-    trace: list[TraceEvent] | None = None,
 ) -> None:
     """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
     if schedule.on_board:
-        run_board(board_program(schedule), buffers, transport, ctx, trace)
-        return
+        raise ValueError(f"{schedule.algorithm} {schedule.collective} is a board schedule: "
+                         "the board engine runs it")
     rank, world = transport.rank, transport.world_size
     itemsize = ctx.dtype.itemsize
     desc = ctx.desc
@@ -130,9 +142,10 @@ def run_schedule(
         return header
 
     steps, runs = schedule.steps, schedule.receive_runs
+    observe = ctx.observe
     for index in _step_order(steps, runs, transport) if runs else range(len(steps)):
         step = steps[index]
-        started = time.perf_counter() if trace is not None else 0.0
+        started = time.perf_counter() if observe is not None else 0.0
         kind, peer, src, dst = step.kind, step.peer, step.src, step.dst
         try:
             if kind is Kind.SEND:
@@ -182,9 +195,9 @@ def run_schedule(
                 "timeout.",
                 rank=rank, op=ctx.name, peer=err.peer,
             ) from None
-        if trace is not None:
-            trace.append(TraceEvent(rank, index, step, started, time.perf_counter(), ctx.name,
-                                    schedule.algorithm))
+        if observe is not None:
+            observe(TraceEvent(rank, index, step, started, time.perf_counter(), ctx.name,
+                               schedule.algorithm, "links"))
     try:
         pending.wait_all()
         if transport.checks_delivery:

@@ -1,0 +1,89 @@
+"""The one hook through which a wrapper reaches every link, the board and every engine.
+
+A ``Wrapper`` is asked once for each of a group's links (``link``), for its board channel
+(``board``) and for each of its engines (``engine``), and returns what stands in their place:
+the object itself, or one of the stand-ins of ``ringcomm.transport.wrappers`` and
+``ringcomm.engines.base.EngineWrapper`` in front of it. So a tracer, a fault injector and a
+checksum are each one small class that sees every message of every collective, the board's
+posts and point-to-point included, and every op of every engine.
+
+The communicator installs the wrappers its settings name when it is made, and a context
+(``comm.tracing``) may install one for a while and take it out again; ``Wiring`` holds the
+objects as they were, so taking wrappers out restores them exactly. A wrapper that changes
+what goes on the wire (faults, checksums) says so (``agreed``): such a wrapper must be the
+same on every rank, which the settings agreed at init guarantee.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..transport.base import Transport
+from ..transport.board_channel import BoardChannel
+from ..transport.link import Link
+from .base import Engine
+from .board import BoardEngine
+from .links import LinkEngine
+
+
+class Wrapper:
+    """Puts something in front of a group's links, board and engines; by default nothing."""
+
+    name = "wrapper"
+    agreed = False  # whether it changes the wire, so that every rank must run it alike
+
+    def link(self, link: Link) -> Link:
+        return link
+
+    def board(self, channel: BoardChannel) -> BoardChannel:
+        return channel
+
+    def engine(self, engine: Engine) -> Engine:
+        return engine
+
+
+@dataclass
+class Wiring:
+    """A group's links, board channel and engines as made (``bare_*``), and as the installed
+    wrappers stand in front of them. Engines are made over the wrapped links and board, so
+    whatever an engine sends goes through every wrapper."""
+
+    transport: Transport
+    bare_links: list[Link | None]
+    bare_board: BoardChannel | None
+    wrappers: list[Wrapper] = field(default_factory=list)
+    board: BoardChannel | None = None
+    engines: dict[str, Engine] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, transport: Transport, board: BoardChannel | None,
+           wrappers: Sequence[Wrapper] = ()) -> Wiring:
+        wiring = cls(transport, list(transport.links), board, list(wrappers))
+        wiring._wire()
+        return wiring
+
+    def install(self, wrapper: Wrapper) -> None:
+        """Put ``wrapper`` in front of everything, outermost (only between ops)."""
+        self.wrappers.append(wrapper)
+        self._wire()
+
+    def remove(self, wrapper: Wrapper) -> None:
+        """Take ``wrapper`` out again (only between ops)."""
+        self.wrappers.remove(wrapper)
+        self._wire()
+
+    def _wire(self) -> None:
+        links = list(self.bare_links)
+        board = self.bare_board
+        for wrapper in self.wrappers:
+            links = [None if link is None else wrapper.link(link) for link in links]
+            board = None if board is None else wrapper.board(board)
+        self.transport.links = links
+        self.board = board
+        engines: dict[str, Engine] = {"links": LinkEngine(self.transport)}
+        if board is not None:
+            engines["board"] = BoardEngine(board)
+        for wrapper in self.wrappers:
+            engines = {name: wrapper.engine(engine) for name, engine in engines.items()}
+        self.engines = engines

@@ -1,0 +1,40 @@
+"""A wrapper that keeps every step every engine runs, in a list: for tests and teaching tools
+that ask which steps ran, in which order, by which algorithm on which engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.arrays import Buffer
+from ..engines.base import Engine, EngineWrapper
+from ..engines.context import OpContext, TraceEvent
+from ..engines.wrapping import Wrapper
+from ..schedules.schedule import Schedule
+
+
+class StepLog(Wrapper):
+    """Appends a ``TraceEvent`` to ``events`` for every step of every op (ranks that are
+    threads of one process may share one list: ``list.append`` is atomic)."""
+
+    name = "steps"
+
+    def __init__(self, events: list[TraceEvent]) -> None:
+        self.events = events
+
+    def engine(self, engine: Engine) -> Engine:
+        return _Logged(engine, self.events.append)
+
+
+class _Logged(EngineWrapper):
+    def __init__(self, inner: Engine, append: Any) -> None:
+        super().__init__(inner)
+        self._append = append
+
+    def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
+        ctx.observe = self._append
+        self.inner.run(schedule, buffers, ctx)
+
+    def allreduce_now(self, plan: Any, data: Buffer, seq: int, deadline: float, name: str,
+                      observe: Any = None) -> None:
+        self.inner.allreduce_now(plan, data, seq, deadline, name, self._append)

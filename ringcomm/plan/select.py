@@ -1,0 +1,202 @@
+"""One place decides: for a call, which engine runs it, with which algorithm and segment.
+
+Every choice a communicator makes about how to run a collective is made here, from the
+call (collective, size, dtype, where its memory lives, a forced algorithm) and the group
+(world size, whether its ranks share a board, the settings they agreed, every rank's host
+and cores). Every input is the same on every rank, so every rank makes the same choice
+without asking the others. The cost model prices (``cost``); this module chooses, and says
+why, so the choices print as a table (``choices``; ``ringcomm schedule --choices``) that is
+exactly what runs.
+
+The rules, per collective:
+
+- allreduce: a forced algorithm (``algorithm=``, then ``RINGCOMM_ALGO``); else, on one
+  host's board, the one-shot post up to ``one_shot_bytes`` and the two-shot above; else
+  the cost model's cheapest algorithm over links for this size (``hier`` among them where
+  ranks span hosts);
+- broadcast: the board up to 64 KiB; else a binomial tree up to 64 KiB and a pipelined chain
+  above;
+- all-gather: the board up to 64 KiB per rank; else the ring;
+- barrier: the board where there is one; else dissemination;
+- the others: their one algorithm over links.
+
+A buffer in device memory is staged through host memory for the engines that move host
+memory (today all of them): its kind does that, and the choice says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..core.algorithms import ALGORITHMS, BOARD, LINKS
+from ..core.arrays import HOST
+from ..errors import ArgumentError
+from ..schedules import ALLREDUCE, ON_BOARD
+from ..schedules import board as board_schedules
+from ..transport.board import SLOT_BYTES
+from . import cost
+from .collectives import COLLECTIVES
+from .settings import Settings
+from .topology import Topology
+
+SMALL_BROADCAST_BYTES = 64 * 1024  # up to this a binomial tree beats the pipelined chain
+
+
+@dataclass(frozen=True)
+class Group:
+    """What a choice depends on that is the same for every call of one communicator: its
+    size, whether its ranks share a board, what they agreed, and where they are."""
+
+    world_size: int
+    board: bool
+    settings: Settings
+    topology: Topology
+    segment_bytes: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one call runs: the engine, the algorithm (as the wire names it), the segment
+    size in bytes, and why, in words."""
+
+    engine: str
+    algorithm: str
+    segment_bytes: int
+    why: str
+
+
+class Selector:
+    """The choices of one group. Pure: ``choose`` depends on its arguments and ``group``
+    only; the cost model's answers are kept per size, since pricing takes tens of
+    microseconds and the same sizes come back."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._priced: dict[tuple[int, int], str] = {}
+        self._one_shot = board_schedules.one_shot_bytes(group.world_size)
+
+    def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
+               memory: str = HOST, forced: str | None = None) -> Choice:
+        """The choice for ``collective`` on a buffer of ``nbytes`` (allgather: one rank's
+        input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming an allreduce
+        algorithm (an ``ArgumentError`` where it is unknown or cannot run here)."""
+        engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
+        if memory != HOST:
+            why += f"; {memory} memory staged through the host"
+        return Choice(engine, algorithm, self.group.segment_bytes, why)
+
+    def _rule(self, collective: str, nbytes: int, itemsize: int,
+              forced: str | None) -> tuple[str, str, str]:
+        board = self.group.board
+        if collective == "allreduce":
+            return self._allreduce(nbytes, itemsize, forced)
+        if forced is not None:
+            raise ArgumentError(f"only allreduce takes a forced algorithm, not {collective}")
+        small = board_schedules.SMALL_BYTES
+        if collective == "broadcast":
+            if board and nbytes <= small:
+                return BOARD, "board", f"one host's board, up to {_size(small)}"
+            if nbytes <= SMALL_BROADCAST_BYTES:
+                return LINKS, "binomial", f"a binomial tree up to {_size(SMALL_BROADCAST_BYTES)}"
+            return LINKS, "chain", f"a pipelined chain above {_size(SMALL_BROADCAST_BYTES)}"
+        if collective == "allgather":
+            if board and nbytes <= small:
+                return BOARD, "board", f"one host's board, up to {_size(small)} a rank"
+            return LINKS, "ring", "the ring" + (
+                f" above {_size(small)} a rank" if board else ": no shared board")
+        if collective == "barrier":
+            if board:
+                return BOARD, "board", "one host's board"
+            return LINKS, "dissemination", "no shared board"
+        algorithm = next(iter(COLLECTIVES[collective].algorithms))
+        return LINKS, algorithm, "its one algorithm"
+
+    def _allreduce(self, nbytes: int, itemsize: int,
+                   forced: str | None) -> tuple[str, str, str]:
+        group = self.group
+        if forced is not None:
+            name = forced.lower() if isinstance(forced, str) else forced
+            if name in ON_BOARD:
+                self._check_board(name, nbytes)
+            elif name not in ALLREDUCE:
+                raise ArgumentError(
+                    f"allreduce algorithm {forced!r} is unknown; use one of "
+                    f"{', '.join((*ALLREDUCE, *ON_BOARD))}, or leave it unset for the "
+                    "automatic choice")
+            return ALGORITHMS[name].engine, name, "forced by algorithm="
+        if group.settings.algorithm is not None:
+            return LINKS, group.settings.algorithm, "forced by RINGCOMM_ALGO"
+        if group.board:
+            if nbytes <= self._one_shot:
+                return BOARD, "board", f"one host's board, one-shot up to {_size(self._one_shot)}"
+            return BOARD, "twoshot", f"one host's board, two-shot above {_size(self._one_shot)}"
+        key = (nbytes, itemsize)
+        chosen = self._priced.get(key)
+        if chosen is None:
+            chosen = self._priced[key] = cost.choose(
+                "allreduce", group.world_size, nbytes, itemsize,
+                segment_bytes=group.segment_bytes,
+                params=group.settings.cost_params(group.world_size),
+                share=group.topology.cores_per_rank, hosts=group.topology.hosts,
+                remote=group.settings.remote)
+        return LINKS, chosen, "the cost model's cheapest over links"
+
+    def _check_board(self, algorithm: str, nbytes: int) -> None:
+        if not self.group.board:
+            raise ArgumentError(
+                f"algorithm {algorithm!r} needs the shared board, which this group does not "
+                "have (its ranks span hosts, shared memory is off, or RINGCOMM_BOARD=0 on "
+                "some rank); choose another algorithm")
+        if algorithm == "board" and nbytes > SLOT_BYTES:
+            raise ArgumentError(f"algorithm 'board' takes at most {SLOT_BYTES} B per "
+                                f"rank, got {nbytes} B; choose 'twoshot' or another algorithm")
+
+
+@dataclass(frozen=True)
+class Band:
+    """Consecutive sizes of one collective that get the same choice: ``low`` (exclusive;
+    0 for the first band) to ``high`` (inclusive) bytes, sampled at powers of two."""
+
+    collective: str
+    low: int
+    high: int
+    choice: Choice
+
+    @property
+    def sizes(self) -> str:
+        if not self.low:
+            return f"up to {_size(self.high)}"
+        return f"{_size(self.low)} < size <= {_size(self.high)}"
+
+
+def choices(selector: Selector, collectives: Iterable[str] | None = None,
+            sizes: Sequence[int] | None = None, itemsize: int = 4) -> list[Band]:
+    """What ``selector`` runs for each collective at each of ``sizes`` (bytes; default every
+    power of two from 4 B to 1 GiB), merged into bands of one choice."""
+    sizes = sizes or [1 << k for k in range(2, 31)]
+    bands: list[Band] = []
+    for collective in collectives or COLLECTIVES:
+        low = 0
+        current: Choice | None = None
+        for i, size in enumerate(sizes):
+            choice = selector.choose(collective, size, itemsize)
+            if current is not None and (choice.engine, choice.algorithm) != \
+                    (current.engine, current.algorithm):
+                bands.append(Band(collective, low, sizes[i - 1], current))
+                low = sizes[i - 1]
+            current = choice
+        assert current is not None
+        bands.append(Band(collective, low, sizes[-1], current))
+    return bands
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+__all__ = ["SMALL_BROADCAST_BYTES", "Band", "Choice", "Group", "Selector",
+           "choices"]

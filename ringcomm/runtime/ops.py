@@ -1,0 +1,323 @@
+"""Running a communicator's ops: in issue order, on one worker thread or the caller's, each
+on the engine the selector chose.
+
+Why a worker thread: ops must run in the order they were issued on every rank (that is what
+keeps ranks in step), and ``async_op=True`` must let the caller compute while bytes move.
+One thread per communicator, fed by a queue, gives both, like a CUDA stream. A collective
+with nothing queued ahead of it runs on the caller's thread instead when the caller waits
+for it anyway, or when it is small (``inline_bytes``): the order is the same, and two thread
+hand-offs are saved.
+
+Point-to-point ops never hold the worker: the point-to-point engine (``p2p``) completes
+sends as their data leaves and receives as their messages arrive, while the worker goes on
+with later ops and looks for messages whenever it is idle.
+
+Failure contract: an op that fails raises a typed ``CommError`` naming this rank and the op;
+before raising, the rank tells every peer (``abort``), so that they raise too instead of
+waiting out their timeout. A communicator that has failed stays failed (``CommAborted``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.arrays import HOST_ONLY, Buffer, HostBuffer
+from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
+from ..engines.context import OpContext
+from ..engines.wrapping import Wiring
+from ..errors import CommAborted, CommError, RemoteError
+from ..plan.collectives import COLLECTIVES, Collective
+from ..plan.select import Choice, Selector
+from ..plan.topology import Topology
+from ..transport.base import Transport
+from ..transport.board import SLOT_BYTES
+from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
+from .p2p import P2PEngine, P2POp
+from .scratch import Scratch
+from .work import Work
+
+log = logging.getLogger("ringcomm")
+
+
+@dataclass(slots=True)  # made once per op: no frozen-attribute overhead
+class CollectiveCall:
+    """A collective on its way to its engine: its entry in the table of collectives, the
+    selector's choice, the op as the wire sees it and its buffers. The schedule is built
+    from the same fields, where the op runs."""
+
+    spec: Collective
+    dtype: np.dtype
+    buffers: dict[str, Buffer]
+    result: Any
+    choice: Choice
+    reduce: ReduceOp | None = None
+    arg: int = -1
+    count: int = 0  # the block: what the schedule cuts and every pair agrees on
+    send_counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
+
+
+# What the worker's queue carries: a collective with its sequence number and name, or a
+# point-to-point op.
+Queued = tuple[CollectiveCall, int, str] | P2POp
+
+_ALONE = object()  # the plan of every allreduce in a group of one: nothing to exchange
+_NO_PLAN = object()  # a call the fast entry does not take (the general way runs it)
+
+
+class OpRunner:
+    """The ops of one communicator (rank ``transport.rank``), run in issue order on the
+    engines of ``wiring`` as ``selector`` chose them."""
+
+    def __init__(self, transport: Transport, wiring: Wiring, selector: Selector,
+                 topology: Topology, timeout: float, inline_bytes: int) -> None:
+        self.transport = transport
+        self.wiring = wiring
+        self.selector = selector
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.hosts = topology.hosts
+        self.timeout = timeout
+        self.segment_bytes = selector.group.segment_bytes
+        self.inline_bytes = inline_bytes
+        self.scratch = Scratch()
+        self._plans: dict[tuple[np.dtype, int, str], Any] = {}  # the fast entry's
+        self._seq = itertools.count()
+        self._failure: CommError | None = None
+        self.closed = False
+        self._queue: queue.SimpleQueue[tuple[Queued, concurrent.futures.Future[Any]] | None] \
+            = queue.SimpleQueue()
+        self._count_lock = threading.Lock()
+        self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
+        self.p2p = P2PEngine(self)
+        self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
+                                        daemon=True)
+        self._worker.start()
+
+    @property
+    def failure(self) -> CommError | None:
+        return self._failure
+
+    def forget_plans(self) -> None:
+        """The choices may change (new agreed settings, other engines): plan afresh."""
+        self._plans.clear()
+
+    # ------------------------------------------------------------------ issuing
+    def submit(self, call: CollectiveCall, async_op: bool) -> Any:
+        if self.closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
+        seq = next(self._seq)
+        name = f"{call.spec.name} #{seq}"
+        return self.enqueue((call, seq, name), name, async_op)
+
+    def enqueue(self, item: Queued, name: str, async_op: bool) -> Any:
+        if self.closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
+        inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
+        with self._count_lock:
+            # A collective with nothing ahead of it runs on the caller's thread when the
+            # caller waits for it anyway, or when it is no larger than ``inline_bytes``
+            # (64 KiB; every size where the host has no spare core for the worker): the
+            # order is the same, and two thread hand-offs (tens of microseconds each on a
+            # busy machine, more than a small op takes) are saved. Such an async op then
+            # returns completed, its error (if any) kept for ``wait``. The worker cannot
+            # start anything meanwhile: its queue is empty and no receive is posted.
+            inline = inline and self.idle
+            self._outstanding += 1
+        if inline:
+            assert not isinstance(item, P2POp)  # only collectives run inline
+            try:
+                result = self._run(*item)
+            except BaseException as err:
+                if self._failure is not None:
+                    self.p2p.fail_all(self._failure)
+                if async_op and isinstance(err, Exception):
+                    return Work.finished(name, self.timeout, error=err)
+                raise
+            finally:
+                self._op_done()
+            return Work.finished(name, self.timeout, result) if async_op else result
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        work = Work(future, name, self.timeout)
+        if isinstance(item, P2POp):
+            item.work = work
+        self._queue.put((item, future))
+        return work if async_op else work.wait()
+
+    def _small(self, call: CollectiveCall) -> bool:
+        return all(b.nbytes <= self.inline_bytes for b in call.buffers.values())
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is queued or in flight here (no op for the worker, no receive
+        posted): a blocking op started now on this thread runs on it from start to end, so
+        memory lent only for the call (a view that keeps nothing alive) is safe to use."""
+        return self._outstanding == 0 and not self.p2p.busy
+
+    def _op_done(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
+
+    # ------------------------------------------------------------------ the fast entry
+    def allreduce_now(self, data: Buffer, op: str) -> bool:
+        """The short way for the commonest call, a blocking allreduce on an engine with a
+        fast entry (the board), or in a group of one, which has nothing to exchange: its
+        plan is made once per dtype, size and op, and it runs on the caller's thread
+        without an op record, a queue or a schedule walk. Returns False, having done
+        nothing, where the general way must take it (no fast entry, ops still queued, a
+        line to log per op, a closed or failed communicator: that way raises what it
+        must)."""
+        key = (data.dtype, data.count, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(data, op)
+            if len(self._plans) >= 256:  # many sizes: keep the latest
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+        if plan is _NO_PLAN or log.isEnabledFor(logging.DEBUG):  # logs a line per op
+            return False
+        with self._count_lock:
+            if self._outstanding or self.closed or self._failure is not None or \
+                    self.p2p.busy:  # ``idle`` spelled out: the hottest path
+                return False
+            self._outstanding += 1
+        seq = next(self._seq)
+        if plan is _ALONE:  # the values stay; a staged buffer still goes through its stages
+            try:
+                staged = data.staged_for(HOST_ONLY)
+                staged.before_op()
+                staged.after_op()
+            finally:
+                self._op_done()
+            return True
+        engine, planned = plan
+        name = f"allreduce #{seq}"
+        try:
+            engine.allreduce_now(planned, data.staged_for(engine.moves), seq,
+                                 time.monotonic() + self.timeout, name)
+        except CommError as err:
+            self._fail(err, seq)
+            self.p2p.fail_all(err)
+            raise
+        finally:
+            self._op_done()
+        return True
+
+    def _plan(self, data: Buffer, op: str) -> Any:
+        if not isinstance(op, str) or self.selector.group.settings.algorithm is not None:
+            return _NO_PLAN
+        rop = reduce_op(op, data.dtype)  # a bad op raises here, named by the caller
+        if self.world_size == 1:
+            return _ALONE
+        choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
+                                      memory=data.memory)
+        engine = self.wiring.engines[choice.engine]
+        itemsize = data.dtype.itemsize
+        schedule = COLLECTIVES["allreduce"].schedule(
+            self.rank, self.world_size, data.count, max(1, self.segment_bytes // itemsize),
+            algorithm=choice.algorithm, hosts=self.hosts, piece=SLOT_BYTES // itemsize)
+        desc = OpDescriptor(int(OpKind.ALLREDUCE), 0, dtype_code(data.dtype),
+                            algorithm_code(choice.algorithm), reduce_code(rop), -1,
+                            self.segment_bytes, data.count)
+        planned = engine.plan_allreduce(schedule, desc, rop, itemsize)
+        return _NO_PLAN if planned is None else (engine, planned)
+
+    # ------------------------------------------------------------------ the worker
+    def _work(self) -> None:
+        p2p = self.p2p
+        while True:
+            if p2p.busy:
+                try:
+                    entry = self._queue.get_nowait()
+                except queue.Empty:
+                    p2p.progress()
+                    continue
+            else:
+                entry = self._queue.get()
+            if entry is None:
+                p2p.close()
+                return
+            item, future = entry
+            try:
+                if not future.set_running_or_notify_cancel():
+                    continue
+                if isinstance(item, P2POp):
+                    p2p.start(item, future)
+                    continue
+                try:
+                    future.set_result(self._run(*item))
+                except BaseException as err:  # noqa: BLE001 - delivered via the future
+                    future.set_exception(err)
+                    if self._failure is not None:
+                        p2p.fail_all(self._failure)
+            finally:
+                self._op_done()
+
+    def settle(self) -> None:
+        """Return once every collective issued so far has finished (nothing is sent; the
+        worker keeps serving posted receives)."""
+        while self._outstanding and self._failure is None and not self.closed:
+            time.sleep(0.0005)
+
+    def stop(self) -> None:
+        """Finish what is queued, then stop the worker (from any thread but the worker)."""
+        self.closed = True
+        self._queue.put(None)
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    # ------------------------------------------------------------------ running
+    def _fail(self, err: CommError, seq: int) -> None:
+        """Mark this communicator failed and, unless a peer told us, tell every peer."""
+        self._failure = err
+        if not isinstance(err, RemoteError):
+            self.transport.abort(seq, f"{type(err).__name__}: {err}")
+
+    def _segment(self, data: Buffer) -> int:
+        return max(1, self.segment_bytes // max(1, data.dtype.itemsize))
+
+    def _run(self, call: CollectiveCall, seq: int, name: str) -> Any:
+        if self._failure is not None:
+            raise CommAborted(
+                f"an earlier op failed ({self._failure}); this communicator cannot be used "
+                "any more: create a new one", rank=self.rank, op=name,
+            )
+        dtype = np.dtype(call.dtype)
+        choice = call.choice
+        engine = self.wiring.engines[choice.engine]
+        schedule = call.spec.schedule(
+            self.rank, self.world_size, call.count,
+            max(1, choice.segment_bytes // max(1, dtype.itemsize)), root=call.arg,
+            algorithm=choice.algorithm, hosts=self.hosts, send_counts=call.send_counts,
+            recv_counts=call.recv_counts, piece=SLOT_BYTES // dtype.itemsize)
+        moves = engine.moves
+        buffers = {role: buf.staged_for(moves) for role, buf in call.buffers.items()}
+        if schedule.scratch:
+            buffers["scratch"] = HostBuffer(self.scratch.get(dtype, schedule.scratch), "scratch")
+        desc = OpDescriptor(int(call.spec.kind), seq, dtype_code(dtype),
+                            algorithm_code(schedule.algorithm), reduce_code(call.reduce),
+                            call.arg, choice.segment_bytes, call.count, call.send_counts,
+                            call.recv_counts)
+        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, call.reduce)
+        started = time.perf_counter()
+        try:
+            engine.run(schedule, buffers, ctx)
+        except CommError as err:
+            self._fail(err, seq)
+            raise
+        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
+            log.debug("rank %d %s: %s/%s on %s, %d B %s%s, %.1f us", self.rank, name,
+                      schedule.collective, schedule.algorithm, choice.engine,
+                      call.count * dtype.itemsize, dtype_name(dtype),
+                      f" {call.reduce.name}" if call.reduce else "",
+                      (time.perf_counter() - started) * 1e6)
+        return call.result

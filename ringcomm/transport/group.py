@@ -1,0 +1,227 @@
+"""The transport of a real group: set-up through the store, one link per peer, teardown.
+
+Why this shape:
+- One ordered link per pair keeps each peer's messages in order and lets a rank wait for
+  exactly the peer its schedule names, with no demultiplexing on the hot path.
+- Which kind of link a pair gets is the registry's choice (``ringcomm.transport.kinds``):
+  every rank publishes one record through the store, a versioned JSON object holding its
+  control plane's addresses, each kind's offer and its board offer; then, for each peer,
+  the first kind whose verdict serves the pair connects it. The reasons are kept:
+  ``describe()`` says which kind each pair uses and why the kinds before it did not.
+- One control socket per rank carries aborts and probes (``zmq_control``), so a failure
+  on one rank wakes every rank that waits; it listens on ``ipc://`` for peers of its host
+  and ``tcp://`` for others.
+- Where every rank of the group shares this host and offers shared memory, the group also
+  gets a shared board (``board_setup``), a channel of its own beside the links (``board``).
+
+Nothing is left behind, even after a crash (``files``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..core import config
+from ..errors import ArgumentError, CommError
+from .base import Transport
+from .board_setup import BoardSetUp
+from .files import sweep_litter
+from .kinds import KINDS, LinkKind, SetUp, Sockets
+from .link import Link
+from .local_link import LocalLink
+from .zmq_control import ZmqControl
+
+log = logging.getLogger("ringcomm")
+
+RECORD_VERSION = 1  # of the record each rank publishes; bumped when its shape changes
+
+
+def spin_seconds() -> float:
+    """How long a receive polls without sleeping before it blocks in ``poll``. Waking a
+    process that sleeps costs tens of microseconds (more on a virtual machine, whose idle
+    CPU halts); a message that arrives within the spin is taken at once. The spin yields the
+    CPU on every turn, so ranks that share a core still run (``RINGCOMM_SPIN_US``)."""
+    return float(config.value("spin_us")) / 1e6
+
+
+@dataclass(frozen=True)
+class PairChoice:
+    """Which kind links this rank to a peer, why, and why each kind asked before it did not."""
+
+    kind: str
+    reason: str
+    declined: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        text = f"{self.kind}: {self.reason}"
+        if self.declined:
+            text += " (" + "; ".join(f"not {k}: {why}" for k, why in self.declined) + ")"
+        return text
+
+
+class GroupTransport(Transport):
+    """Links from ``rank`` to every other rank, set up through ``store``.
+
+    ``store`` needs ``set``, ``get`` and ``wait`` (any ``ringcomm.bootstrap.store.Store``);
+    keys are written under ``prefix``. ``hosts`` holds every rank's host identity (equal
+    where ranks share pipes and shared memory); ``host`` is the address other hosts reach
+    this one at; ``mode`` forces sockets of one kind (``RINGCOMM_TRANSPORT``), ``shm=False``
+    offers no shared memory (``RINGCOMM_SHM``).
+    """
+
+    control: ZmqControl  # its links watch this control socket while they wait
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        *,
+        hosts: Sequence[str],
+        prefix: str = "",
+        host: str = "127.0.0.1",
+        mode: str | None = None,
+        timeout: float = 300.0,
+        io_threads: int = 1,
+        shm: bool | None = None,
+    ) -> None:
+        if len(hosts) != world_size:
+            raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
+        mode = (mode or config.value("transport")).lower()
+        if mode not in ("auto", "ipc", "tcp"):
+            raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
+        self.mode = mode
+        self._sockets = Sockets(io_threads)
+        control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
+        super().__init__(rank, world_size, [None] * world_size, control)
+        self.setup = SetUp(rank, world_size, list(hosts), host, mode,
+                           bool(config.value("shm")) if shm is None else shm, spin_seconds(),
+                           timeout, store, prefix, self._sockets, control)
+        self.spin_s = self.setup.spin_s
+        self._remove_files = weakref.finalize(self, self.setup.files.remove)
+        self._abandon = False  # set-up failed: close without waiting for any socket
+        self.kinds: list[LinkKind] = []
+        self.choices: dict[int, PairChoice] = {}  # peer -> how it is linked, and why
+        self._board_setup = BoardSetUp(self.setup)
+        sweep_litter()
+        try:
+            self._connect()
+        except BaseException:
+            # a socket half set up (one that failed to bind) is in no list that close()
+            # walks, and would keep the context's term() waiting forever: destroy it
+            self._abandon = True
+            self.close()
+            raise
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """This transport's folder of ipc sockets and pipes (None without local peers)."""
+        return self.setup.files.ipc_dir
+
+    # ------------------------------------------------------------------ set-up
+    def _connect(self) -> None:
+        setup, n, me = self.setup, self.world_size, self.rank
+        if n == 1:
+            return
+        self.kinds = [kind(setup) for kind in KINDS]
+        offers = {kind.name: kind.offer() for kind in self.kinds}
+        record: dict[str, Any] = {"record": RECORD_VERSION, "control": self._bind_control(),
+                  "kinds": offers, "board": self._board_setup.offer(offers.get("local"))}
+        setup.store.set(setup.key("record", me), json.dumps(record).encode())
+        keys = [setup.key("record", r) for r in range(n)]
+        setup.store.wait(keys, setup.timeout)
+        records: list[dict[str, Any]] = [
+            record if r == me else self._read(r, setup.store.get(keys[r])) for r in range(n)]
+
+        links: list[Link | None] = [None] * n
+        by_kind: dict[str, dict[int, Link]] = {kind.name: {} for kind in self.kinds}
+        for peer in setup.peers:
+            theirs = records[peer]
+            control = theirs["control"]  # ipc for peers on its host, tcp for others
+            self.control.endpoints[peer] = next(
+                (e for e in control if e.startswith("ipc") == setup.by_ipc(peer)), control[-1])
+            declined: list[tuple[str, str]] = []
+            for kind in self.kinds:
+                mine, their_offer = offers[kind.name], theirs["kinds"].get(kind.name)
+                verdict = kind.verdict(peer, mine, their_offer)
+                if verdict.serves:
+                    assert mine is not None and their_offer is not None
+                    links[peer] = by_kind[kind.name][peer] = kind.connect(
+                        peer, mine, their_offer)
+                    self.choices[peer] = PairChoice(kind.name, verdict.reason, tuple(declined))
+                    break
+                declined.append((kind.name, verdict.reason))
+            else:
+                raise CommError("no kind of link can connect this pair: " + "; ".join(
+                    f"{k}: {why}" for k, why in declined), rank=me, peer=peer)
+        self.links = links
+        for kind in self.kinds:
+            kind.connected(by_kind[kind.name])
+        local = [link for link in by_kind.get("local", {}).values()
+                 if isinstance(link, LocalLink)]
+        self.board = self._board_setup.connect(records, self, local)
+
+    def _bind_control(self) -> list[str]:
+        """Bind the control socket where peers can reach it: ``ipc://`` where some peer
+        shares this host by ipc, ``tcp://`` where some peer does not."""
+        setup, sock = self.setup, self.control.socket
+        endpoints = []
+        if any(setup.by_ipc(p) for p in setup.peers):
+            endpoints.append(f"ipc://{setup.ipc_dir}/{setup.rank}")
+            sock.bind(endpoints[-1])
+        if not endpoints or not all(setup.by_ipc(p) for p in setup.peers):
+            port = sock.bind_to_random_port(f"tcp://{setup.host}")
+            endpoints.append(f"tcp://{setup.host}:{port}")
+        return endpoints
+
+    def _read(self, peer: int, raw: bytes) -> dict[str, Any]:
+        """``peer``'s record, checked for a shape this rank can read."""
+        try:
+            record: dict[str, Any] = json.loads(raw)
+            version = record["record"]
+        except (ValueError, KeyError, TypeError):
+            version = None
+        if version != RECORD_VERSION:
+            raise CommError(f"rank {peer} published a link record this rank cannot read "
+                            f"(version {version}, this rank's {RECORD_VERSION}); is every "
+                            "rank running the same ringcomm version?", rank=self.rank,
+                            peer=peer)
+        return record
+
+    # ------------------------------------------------------------------ for people
+    def describe(self) -> str:
+        """One line per peer: the kind of link, how it reaches the peer, and why."""
+        lines = []
+        for peer, link in enumerate(self.links):
+            if link is None:
+                continue
+            choice = self.choices.get(peer)
+            why = f" [{choice.describe()}]" if choice is not None else ""
+            lines.append(f"rank {self.rank} -> rank {peer}: {link.describe()}{why}")
+        return "\n".join(lines) or f"rank {self.rank}: no peers"
+
+    # ------------------------------------------------------------------ teardown
+    def _close(self) -> None:
+        setup = self.setup
+        try:
+            if self.board is not None:
+                self.board.close()
+                self.board = None
+            links = [link for link in self.links if link is not None]
+            for link in links:  # queued frames first: live peers may still read them
+                link.finish_sending()
+            setup.flusher.stop()
+            for link in links:
+                link.close()
+            for kind in self.kinds:
+                kind.close()
+            self._board_setup.close()
+            self.control.close()  # its push sockets linger a little: aborts must get out
+            self._sockets.close(abandon=self._abandon)
+        finally:
+            self._remove_files()  # also if closing failed part-way; runs once

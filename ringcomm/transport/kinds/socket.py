@@ -1,0 +1,68 @@
+"""The socket link kind: ZeroMQ ``tcp://`` between hosts, ``ipc://`` on one host
+(``ringcomm.transport.socket_link``).
+
+It serves every pair, so it is the registry's last resort: ranks on different hosts, local
+pairs where an end offers no shared memory, and every pair when ``RINGCOMM_TRANSPORT``
+forces sockets. Its offer is one receiving socket per peer, bound before the offer is
+published (its address is the offer), watched by a monitor that reports the connection
+closing; a pair's sender connects a push socket to the address the receiver bound for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import zmq
+
+from ..link import Link
+from ..socket_link import SocketLink
+from .base import LinkKind, SetUp, Verdict
+
+
+class SocketKind(LinkKind):
+    name = "socket"
+
+    def __init__(self, setup: SetUp) -> None:
+        super().__init__(setup)
+        self._pulls: dict[int, zmq.Socket] = {}
+        self.monitors: list[tuple[zmq.Socket, zmq.Socket]] = []  # (socket, its monitor)
+
+    def offer(self) -> dict[str, Any] | None:
+        setup = self.setup
+        endpoints = {}
+        for peer in setup.peers:
+            pull = self._pulls[peer] = setup.sockets.pull()
+            if setup.by_ipc(peer):
+                endpoint = f"ipc://{setup.ipc_dir}/{peer}"
+                pull.bind(endpoint)
+            else:
+                port = pull.bind_to_random_port(f"tcp://{setup.host}")
+                endpoint = f"tcp://{setup.host}:{port}"
+            self.monitors.append((pull, pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
+            endpoints[str(peer)] = endpoint
+        return {"endpoints": endpoints}
+
+    def verdict(self, peer: int, mine: dict[str, Any] | None,
+                theirs: dict[str, Any] | None) -> Verdict:
+        if theirs is None:
+            return Verdict(False, f"rank {peer} offers no socket")
+        scheme = "ipc" if self.setup.by_ipc(peer) else "tcp"
+        why = ("RINGCOMM_TRANSPORT forces it" if self.setup.mode != "auto" else
+               "same host" if self.setup.same_host(peer) else "another host")
+        return Verdict(True, f"ZeroMQ {scheme} ({why})")
+
+    def connect(self, peer: int, mine: dict[str, Any], theirs: dict[str, Any]) -> Link:
+        setup = self.setup
+        monitor = next(m for pull, m in self.monitors if pull is self._pulls[peer])
+        return SocketLink(setup.rank, peer, setup.control, setup.spin_s,
+                          push=setup.sockets.push(theirs["endpoints"][str(setup.rank)]),
+                          pull=self._pulls[peer], monitor=monitor)
+
+    def close(self) -> None:
+        """Stop the monitors (their sockets close with the context)."""
+        for pull, monitor in self.monitors:
+            with contextlib.suppress(zmq.ZMQError):
+                pull.disable_monitor()
+            monitor.close(linger=0)
+        self.monitors.clear()
