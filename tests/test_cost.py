@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ringcomm import ArgumentError, tune
-from ringcomm.plan import cost
 from ringcomm.engines.context import TraceEvent
+from ringcomm.plan import cost
 from ringcomm.runtime.local import run_group
 from ringcomm.schedules import ALLREDUCE, Region
 from ringcomm.schedules.schedule import StepList

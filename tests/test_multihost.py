@@ -230,13 +230,14 @@ def _read(path: Path, tmp_path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _links(describe: str) -> dict[int, str]:
-    """``comm.transport.describe()`` as peer -> how this rank's messages reach it."""
+def _links(describe: str) -> dict[int, tuple[str, str]]:
+    """``comm.transport.describe()`` as peer -> (how this rank's messages reach it, which
+    kind of link the registry chose for the pair and why)."""
     found = {}
     for line in describe.splitlines():
-        m = re.fullmatch(r"rank \d+ -> rank (\d+): (.*)", line)
+        m = re.fullmatch(r"rank \d+ -> rank (\d+): (.*) \[(.*)\]", line)
         assert m, line
-        found[int(m.group(1))] = m.group(2)
+        found[int(m.group(1))] = (m.group(2), m.group(3))
     return found
 
 
@@ -245,13 +246,16 @@ def _check_links(res: list[dict], where: dict[int, netns.Host]) -> None:
     for r, x in enumerate(res):
         links = _links(x["describe"])
         assert sorted(links) == [p for p in range(len(res)) if p != r], x["describe"]
-        for peer, how in links.items():
+        for peer, (how, why) in links.items():
             if where[peer] is where[r]:
                 assert how.startswith("pipe + shared memory"), (r, peer, how)
+                assert why == "local: same host, both offer pipes and shared memory", why
             else:
                 assert re.fullmatch(rf"tcp://{re.escape(where[peer].address)}:\d+", how), \
                     (r, peer, how, f"expected {where[peer].name}'s data0 "
                      f"{where[peer].address}, not its mgmt0 {where[peer].mgmt_address}")
+                assert why == (f"socket: ZeroMQ tcp (another host) (not local: rank {peer} "
+                               "is on another host)"), why
         assert x["counters"]["socket"] > 0 and x["counters"]["shm"] > 0, x["counters"]
 
 

@@ -4,10 +4,11 @@ It lets a machine without a GPU run the device side of the buffer protocol
 (``ringcomm.core.arrays.DeviceBuffer``, staged as ``StagedBuffer``) and check it: a
 ``FakeDeviceArray`` keeps its values in private memory, refuses implicit host access
 (``np.asarray`` raises ``TypeError``, and it offers no buffer protocol), and logs every
-explicit copy and every hook in order. Work that writes it is queued on a ``FakeStream`` and must be waited for before the array is read, and
-values copied in from the host must be recorded before anyone reads them, as on a real
-device; a read that breaks either rule raises. So a test that forgets nothing passes, and an
-executor that reads before ``before_op`` or returns results without ``after_op`` fails.
+explicit copy and every hook in order. Work that writes it is queued on a ``FakeStream`` and
+must be waited for before the array is read, and values copied in from the host must be
+recorded before anyone reads them, as on a real device; a read that breaks either rule
+raises. So a test that forgets nothing passes, and an executor that reads before
+``before_op`` or returns results without ``after_op`` fails.
 
 Importing this module registers ``FakeDeviceKind``: every communicator then accepts these
 arrays. It is the template for a real device kind (CuPy, torch CUDA).

@@ -45,10 +45,11 @@ def run_group(
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
-    With ``return_errors=True`` a rank's exception is returned in its slot instead of raised.
-    ``trace``, if given, collects every executed step of every rank (``StepLog``). ``hosts`` (the ranks of
-    each simulated host, e.g. ``[[0, 2], [1, 3]]``) gives the group a topology of several
-    hosts, for the algorithms and choices that depend on it; by default all ranks share one.
+    With ``return_errors=True`` a rank's exception is returned in its slot instead of
+    raised. ``trace``, if given, collects every executed step of every rank (``StepLog``).
+    ``hosts`` (the ranks of each simulated host, e.g. ``[[0, 2], [1, 3]]``) gives the group
+    a topology of several hosts, for the algorithms and choices that depend on it; by
+    default all ranks share one.
     ``board=True`` gives the group a shared board, as ranks of one host get (then small
     allreduces and barriers run on it).
     """

@@ -211,7 +211,6 @@ class GroupTransport(Transport):
         try:
             if self.board is not None:
                 self.board.close()
-                self.board = None
             links = [link for link in self.links if link is not None]
             for link in links:  # queued frames first: live peers may still read them
                 link.finish_sending()

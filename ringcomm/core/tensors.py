@@ -1,0 +1,205 @@
+"""torch tensors as buffers, whatever their memory: the kinds the torch backend stages through.
+
+- A contiguous CPU tensor of a dtype the core knows is host memory, used in place: a view
+  of the tensor (``TorchCPUKind`` in ``arrays``), or, for a call that runs on the caller's
+  thread from start to end, a view made from its address once per address, size and dtype
+  (``HostViews``: viewing a tensor as numpy costs more than a small op's exchange).
+- A CUDA tensor is device memory (``TorchCUDAKind``, memory ``cuda``): an engine that moves
+  device memory takes it as it is; every other engine gets it staged through host memory,
+  ordered after the work the caller's stream had queued when the op was issued.
+- Any other tensor the host cannot view in place (strided, a conjugate or negated view, on
+  another device) is copied once (``CopiedBuffer``): into a contiguous host copy when the op
+  is issued, back into the tensor when the op is done.
+- A dtype the core does not reduce moves as its bytes (``as_bytes``), for ops that only move.
+
+``tensor_buffer`` picks among them for the torch backend. torch is never imported here until
+a tensor shows that it is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from .arrays import Buffer, DeviceKind, HostBuffer, as_buffer, register
+
+CUDA = "cuda"  # the memory of a CUDA tensor
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]  # loaded: a tensor was handed in
+
+
+_NUMPY_DTYPES: dict[Any, np.dtype] = {}
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """numpy's name for the core dtype of torch ``dtype`` (``ml_dtypes``' for bfloat16), as
+    the core views it."""
+    host = _NUMPY_DTYPES.get(dtype)
+    if host is None:
+        torch = _torch()
+        empty = torch.empty(0, dtype=dtype, device="cpu")
+        host = _NUMPY_DTYPES[dtype] = as_buffer(empty, name="t").dtype
+    return host
+
+
+def viewable(t: Any, core_dtypes: frozenset[Any]) -> bool:
+    """Whether the host can work on ``t``'s memory as it is: a contiguous CPU tensor of a
+    dtype the core knows, not a conjugate or negated view."""
+    return (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.dtype in core_dtypes)
+
+
+class HostViews:
+    """Host buffers over CPU tensors' memory, made once per address, size and dtype. A view
+    made from an address keeps no tensor alive, so it is only for a call whose ops run on
+    the caller's thread from start to end while the caller holds the tensor, and only for a
+    tensor the caller checked is ``viewable``: exactly the memory the view covers."""
+
+    _LIMIT = 64  # views kept (the latest made); a program reduces a few tensors over and over
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int, Any], HostBuffer] = {}
+        self._lock = threading.Lock()  # misses only: threads may share a process group
+
+    def of(self, t: Any) -> HostBuffer:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        view = self._views.get(key)
+        if view is None:
+            view = self._make(key)
+        return view
+
+    def _make(self, key: tuple[int, int, Any]) -> HostBuffer:
+        address, count, dtype = key
+        host = numpy_dtype(dtype)
+        if count:
+            memory = (ctypes.c_byte * (count * host.itemsize)).from_address(address)
+            view = HostBuffer(np.frombuffer(memoryview(memory), host), "tensor")
+        else:
+            view = HostBuffer(np.empty(0, host), "tensor")
+        with self._lock:
+            if len(self._views) >= self._LIMIT:
+                self._views.pop(next(iter(self._views)), None)
+            self._views[key] = view
+        return view
+
+
+def _flat_host(t: Any) -> np.ndarray:
+    """A contiguous CPU tensor as a 1-D numpy array over its memory (bytes where the core
+    does not know its dtype)."""
+    torch = _torch()
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        return np.asarray(flat.view(torch.int16).numpy()).view(numpy_dtype(flat.dtype))
+    try:
+        return np.asarray(flat.numpy())
+    except TypeError:  # a dtype numpy has no name for: its bytes
+        return np.asarray(flat.view(torch.uint8).numpy())
+
+
+class CopiedBuffer(HostBuffer):
+    """A tensor the host cannot view in place, as a contiguous host copy: made when the op is
+    issued (with the tensor's values if the op reads them), copied back into the tensor
+    after the op if it writes. ``as_bytes``: the copy holds the tensor's bytes."""
+
+    __slots__ = ("_tensor", "_copy", "_writes")
+
+    def __init__(self, t: Any, name: str, *, reads: bool, writes: bool,
+                 as_bytes: bool = False) -> None:
+        torch = _torch()
+        source = t.detach()
+        if reads:
+            source = source.resolve_conj().resolve_neg()
+            copy = source.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        else:
+            copy = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        if as_bytes:
+            copy = copy.reshape(-1).view(torch.uint8)
+        super().__init__(_flat_host(copy), name)
+        self._tensor = t
+        self._copy = copy
+        self._writes = writes
+
+    def after_op(self) -> None:
+        if self._writes:
+            torch = _torch()
+            with torch.no_grad():
+                copy = self._copy
+                if copy.dtype != self._tensor.dtype:  # its bytes
+                    copy = copy.view(self._tensor.dtype)
+                self._tensor.copy_(copy.reshape(self._tensor.shape))
+
+
+class TorchCUDAKind(DeviceKind):
+    """CUDA tensors: device memory (``memory = "cuda"``), staged through host memory for the
+    engines that move host memory. The op is ordered after the work the caller's current
+    stream had queued when it was issued (an event recorded then, waited for before the
+    copy), and its results are on the device before the op reports completion."""
+
+    noun = "a torch CUDA tensor"
+    memory = CUDA
+
+    def owns(self, x: Any) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+    def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
+        if x.is_conj() or x.is_neg():
+            raise ArgumentError(f"{name} is a conjugate or negated view; pass "
+                                f"{name}.resolve_conj().resolve_neg()")
+        return numpy_dtype(x.dtype), x.numel()
+
+    def producer(self, x: Any) -> Any:
+        torch = _torch()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(x.device))
+        return event
+
+    def wait_for(self, x: Any, producer: Any) -> None:
+        producer.synchronize()
+
+    def to_host(self, x: Any, out: np.ndarray) -> None:
+        _host_tensor(out, x.dtype).copy_(x.detach().reshape(-1))
+
+    def from_host(self, x: Any, src: np.ndarray) -> None:
+        torch = _torch()
+        with torch.no_grad():
+            x.copy_(_host_tensor(src, x.dtype).reshape(x.shape))
+
+    def record(self, x: Any) -> None:
+        _torch().cuda.current_stream(x.device).synchronize()
+
+
+def _host_tensor(host: np.ndarray, dtype: Any) -> Any:
+    """A torch CPU tensor of ``dtype`` over the memory of ``host`` (its numpy equivalent)."""
+    torch = _torch()
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
+
+
+CUDA_KIND = TorchCUDAKind()
+register(CUDA_KIND)
+
+
+def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool = True,
+                  writes: bool = False, views: HostViews | None = None) -> Buffer:
+    """``t`` as a buffer of the kind its memory calls for (see the module docstring): a view
+    (by address where ``views`` is given), a CUDA device buffer, or a copy; a dtype not in
+    ``core_dtypes`` moves as its bytes."""
+    if viewable(t, core_dtypes):
+        if views is not None:
+            return views.of(t)
+        return HostBuffer(_flat_host(t), name)
+    known = t.dtype in core_dtypes
+    if t.is_cuda and known:
+        return CUDA_KIND.buffer(t, name, writes, reads)
+    if known or not t.is_cpu or not t.is_contiguous():
+        return CopiedBuffer(t, name, reads=reads, writes=writes, as_bytes=not known)
+    return HostBuffer(_flat_host(t.detach().reshape(-1).view(_torch().uint8)), name)
