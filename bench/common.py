@@ -97,6 +97,16 @@ def turn_order(n: int, rep: int, salt: int = 0) -> list[int]:
     return random.Random(rep * 1_000_003 + salt).sample(range(n), n)
 
 
+def timed(run: Callable[[], object], iters: int, sync: Callable[[], object]) -> float:
+    """Seconds per call of ``iters`` back-to-back calls of ``run``, ``sync`` waiting at the
+    end for what they left running (a device's queue)."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
 class RankFailed(RuntimeError):
     """A benchmark rank raised or died; the message names the rank and carries its error."""
 

@@ -26,7 +26,7 @@ during its turn, and MPI's repetition ``k`` runs between the other backends' rep
 ``k``, under the same conditions. MPI's collectives spin while they wait for a peer (MPICH's
 default), which is its own choice and part of its time.
 
-The MPI ranks use the sweep's own ``Buffers`` and ``Reference``, so MPI moves the same
+The MPI ranks use the sweep's own ``Buffers`` and ``Reference`` (``buffers``), so MPI moves the same
 elements and is checked the same way; MPI gets numpy views of those buffers:
 ``Allreduce(MPI.IN_PLACE, x, op)``, ``Allgather``, ``Reduce_scatter_block``, ``Bcast`` from
 root 0 and ``Alltoall``. MPI has no average and its standard types no bfloat16, so those
@@ -50,6 +50,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from .buffers import Buffers, Reference
+from .common import timed
 
 EXTRA = "pip install 'ringcomm[mpi]'"
 TOKEN_ENV = "RINGCOMM_BENCH_MPI_TOKEN"  # tells our MPI ranks apart from any other connection
@@ -252,8 +255,6 @@ def serve(address: str) -> None:
     import torch
     from mpi4py import MPI
 
-    from .sweep import Buffers, Reference, _timed
-
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     host, port = address.rsplit(":", 1)
@@ -282,12 +283,12 @@ def serve(address: str) -> None:
                 bufs.steady(op)
             elif kind == "calls":
                 (calls,) = args
-                answer = _timed(run, calls, nothing)
+                answer = timed(run, calls, nothing)
             elif kind == "time":
                 (iters,) = args
                 comm.Barrier()
                 run()  # lines the ranks up, as the sweep's backends do
-                answer = _timed(run, iters, nothing)
+                answer = timed(run, iters, nothing)
             elif kind == "check":
                 answer = _checked(bufs, run, comm)
             else:

@@ -17,7 +17,7 @@ import torch
 
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.schedules import ALLREDUCE, HOST_AWARE
-from ringcomm_bench import report, sweep, versions
+from ringcomm_bench import buffers, report, sweep, versions
 from ringcomm_bench.common import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,14 +180,14 @@ def _simulate(collective, bufs, op):
 @pytest.mark.parametrize("collective", sweep.COLLECTIVES)
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int8", "prod"),
                                       ("bfloat16", "avg"), ("int64", "max")])
-@pytest.mark.parametrize("count", [3 * (sweep.CHUNK + 7), 3 * 12, 3 * 4])
+@pytest.mark.parametrize("count", [3 * (buffers.CHUNK + 7), 3 * 12, 3 * 4])
 def test_checker_accepts_right_results_and_counts_wrong_ones(collective, dtype, op, count):
     """Blocks longer than a chunk and not a multiple of the period, blocks of a few periods
     and blocks shorter than one."""
     n = 3
     dt = getattr(torch, dtype)
-    ref = sweep.Reference(collective, n, count, dt, op if collective in sweep.REDUCING else None)
-    bufs = [sweep.Buffers(collective, r, n, count, dt, ref) for r in range(n)]
+    ref = buffers.Reference(collective, n, count, dt, op if collective in sweep.REDUCING else None)
+    bufs = [buffers.Buffers(collective, r, n, count, dt, ref) for r in range(n)]
     for b in bufs:
         b.reset()
     assert sum(b.wrong() for b in bufs) > 0  # outputs not yet computed
