@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,8 +230,10 @@ class MpiPeer:
 # --------------------------------------------------------------------------- MPI side
 
 
-def _calls(collective: str, bufs: Any, op: str | None, mpi: Any) -> Any:
-    """A no-argument function that runs one call of ``collective`` on MPI.COMM_WORLD."""
+def calls(mpi: Any, collective: str, bufs: Buffers, op: str | None,
+          algorithm: str | None = None) -> Callable[[], object]:
+    """A no-argument function that runs one call of ``collective`` on ``mpi.COMM_WORLD``
+    (``mpi``: mpi4py's ``MPI``); MPI picks its own algorithm, so ``algorithm`` is unused."""
     import torch
 
     comm = mpi.COMM_WORLD
@@ -278,12 +281,12 @@ def serve(address: str) -> None:
                 dtype = getattr(torch, dtype_name)
                 ref = Reference(collective, comm.size, count, dtype, op)
                 bufs = Buffers(collective, comm.rank, comm.size, count, dtype, ref)
-                run = _calls(collective, bufs, op, MPI)
+                run = calls(MPI, collective, bufs, op)
                 answer: Any = _checked(bufs, run, comm)
                 bufs.steady(op)
             elif kind == "calls":
-                (calls,) = args
-                answer = timed(run, calls, nothing)
+                (n,) = args
+                answer = timed(run, n, nothing)
             elif kind == "time":
                 (iters,) = args
                 comm.Barrier()
