@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -124,7 +124,8 @@ def _rank_entry(rank: int, world: int, target: Callable, args: tuple, out: Any) 
     report("done")
 
 
-def launch(world: int, target: Callable, args: tuple, timeout: float) -> Iterator[tuple]:
+def launch(world: int, target: Callable, args: tuple,
+           timeout: float) -> Generator[tuple, None, None]:
     """Spawn ``world`` ranks running ``target(rank, world, report, *args)``; yield their reports.
 
     Yields ``(kind, rank, payload)`` as they arrive, except ``done``. Raises ``RankFailed``

@@ -75,13 +75,13 @@ def build_model(kind: str) -> tuple[Any, Any]:
     return model, batch_for
 
 
-def _no_communication(state, bucket):  # type: ignore[no-untyped-def]
+def _no_communication(state, bucket):
     """A DDP comm hook that communicates nothing: the bucket, as it is, at once. (Without
     annotations: DDP refuses a hook whose annotations are not its own types, and this
     module's are strings.)"""
     import torch
 
-    done: Any = torch.futures.Future()
+    done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
 
@@ -134,7 +134,8 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
     torch.manual_seed(0)
     base, batch_for = build_model(kind)
     batches = [batch_for(rank, i) for i in range(8)]
-    replicas = {("local", None): _Replica(copy.deepcopy(base), batches)}
+    replicas: dict[tuple[str, str | None], _Replica] = {
+        ("local", None): _Replica(copy.deepcopy(base), batches)}
     for name in args.backends:
         for impl in args.ddp:
             replicas[name, impl] = _Replica(
@@ -218,9 +219,9 @@ def print_table(rows: list[dict], console: Any) -> None:
         return "-" if value is None else f"{value:.2f}x"
 
     for r in rows:
-        impl = r.get("ddp")
-        ours = impl and r["backend"] == "ringcomm"
-        added = added_ratio(rows, r["model"], r["world_size"], impl) if ours else None
+        impl: str | None = r.get("ddp")
+        ours = r["backend"] == "ringcomm"
+        added = added_ratio(rows, r["model"], r["world_size"], impl) if impl and ours else None
         beyond = added_ratio(rows, r["model"], r["world_size"], over=NO_COMM) \
             if ours and impl == "torch" else None  # the DDP-alone row is torch's DDP
         compared = impl and r["backend"] != NO_COMM

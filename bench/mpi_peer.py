@@ -266,8 +266,7 @@ def serve(address: str) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _send(sock, {"token": os.environ.get(TOKEN_ENV), "rank": comm.rank, "world": comm.size,
                  "library": MPI.Get_library_version().splitlines()[0].strip()})
-    nothing = lambda: None  # noqa: E731
-    bufs, run = None, None
+    prepared: tuple[Buffers, Callable[[], object]] | None = None
     while True:
         try:
             kind, *args = _recv(sock)
@@ -281,28 +280,41 @@ def serve(address: str) -> None:
                 dtype = getattr(torch, dtype_name)
                 ref = Reference(collective, comm.size, count, dtype, op)
                 bufs = Buffers(collective, comm.rank, comm.size, count, dtype, ref)
-                run = calls(MPI, collective, bufs, op)
-                answer: Any = _checked(bufs, run, comm)
+                prepared = bufs, calls(MPI, collective, bufs, op)
+                answer: Any = _checked(*prepared, comm)
                 bufs.steady(op)
-            elif kind == "calls":
-                (n,) = args
-                answer = timed(run, n, nothing)
-            elif kind == "time":
-                (iters,) = args
-                comm.Barrier()
-                run()  # lines the ranks up, as the sweep's backends do
-                answer = timed(run, iters, nothing)
-            elif kind == "check":
-                answer = _checked(bufs, run, comm)
             else:
-                raise ValueError(f"unknown instruction {kind!r}")
+                answer = _answer(kind, args, prepared, comm)
         except Exception:
             _send(sock, ["error", traceback.format_exc()])
             raise
         _send(sock, ["ok", answer])
 
 
-def _checked(bufs: Any, run: Any, comm: Any) -> int:
+def _nothing() -> None:
+    return None
+
+
+def _answer(kind: str, args: list[Any], prepared: tuple[Buffers, Callable[[], object]] | None,
+            comm: Any) -> Any:
+    """An MPI rank's answer to any instruction but ``prepare``, on what it prepared."""
+    if kind not in ("calls", "time", "check"):
+        raise ValueError(f"unknown instruction {kind!r}")
+    if prepared is None:
+        raise ValueError(f"{kind!r} before any 'prepare'")
+    bufs, run = prepared
+    if kind == "calls":
+        (n,) = args
+        return timed(run, n, _nothing)
+    if kind == "time":
+        (iters,) = args
+        comm.Barrier()
+        run()  # lines the ranks up, as the sweep's backends do
+        return timed(run, iters, _nothing)
+    return _checked(bufs, run, comm)
+
+
+def _checked(bufs: Buffers, run: Callable[[], object], comm: Any) -> int:
     """One checked call: inputs reset, the collective run, this rank's wrong elements."""
     bufs.reset()
     comm.Barrier()

@@ -509,8 +509,12 @@ def run(s: Settings, worlds: list[int], console: Any = None,
                 progress.update(task, description=f"world {world}: starting ranks")
             else:
                 ws = replace(s, ports=multihost.STORE_PORTS, backends=backends, nccl=nccl)
-                reports = contextlib.closing(multihost.launch(
-                    layout, rank_main, lambda addr, ws=ws: (replace(ws, address=addr),), s.timeout))
+
+                def args_for(address: str, ws: Settings = ws) -> tuple[Settings]:
+                    return (replace(ws, address=address),)
+
+                reports = contextlib.closing(multihost.launch(layout, rank_main, args_for,
+                                                              s.timeout))
                 progress.update(task, description=f"{layout} hosts: starting ranks")
             with reports as events:
                 _follow_reports(events, rows, facts, progress, task, world, s)
