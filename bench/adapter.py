@@ -12,11 +12,17 @@ from functools import lru_cache
 from typing import Any
 
 from ringcomm.plan import cost
-from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.plan.collectives import COLLECTIVES, Collective
 from ringcomm.plan.select import Group, Selector
 from ringcomm.plan.settings import Settings
 from ringcomm.plan.topology import Topology
 from ringcomm.schedules import ALLREDUCE, ON_BOARD
+
+
+def collective(name: str) -> Collective:
+    """The table of collectives' entry for ``name``: its buffers' sizes and blocks, its
+    busbw factor and its numpy reference."""
+    return COLLECTIVES[name]
 
 
 def allreduce_algorithms(board: bool = False) -> list[str]:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -97,6 +97,16 @@ def turn_order(n: int, rep: int, salt: int = 0) -> list[int]:
     return random.Random(rep * 1_000_003 + salt).sample(range(n), n)
 
 
+def timed(run: Callable[[], object], iters: int, sync: Callable[[], object]) -> float:
+    """Seconds per call of ``iters`` back-to-back calls of ``run``, ``sync`` waiting at the
+    end for what they left running (a device's queue)."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
 class RankFailed(RuntimeError):
     """A benchmark rank raised or died; the message names the rank and carries its error."""
 
@@ -114,7 +124,8 @@ def _rank_entry(rank: int, world: int, target: Callable, args: tuple, out: Any) 
     report("done")
 
 
-def launch(world: int, target: Callable, args: tuple, timeout: float) -> Iterator[tuple]:
+def launch(world: int, target: Callable, args: tuple,
+           timeout: float) -> Generator[tuple, None, None]:
     """Spawn ``world`` ranks running ``target(rank, world, report, *args)``; yield their reports.
 
     Yields ``(kind, rank, payload)`` as they arrive, except ``done``. Raises ``RankFailed``

@@ -34,13 +34,17 @@ import shlex
 import statistics
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .backends import RUNNERS, TORCH, RankContext
 from .common import RankFailed, free_port, launch, machine_info, turn_order
 
 MODELS = ("mlp", "convnet")
+# each backend of this benchmark -> the runner (``backends.RUNNERS``) its DDP trains over:
+# ringcomm through torch.distributed, as DDP runs it; Gloo, the default group, joins first
+DDP_RUNNERS = {"gloo": "gloo", "ringcomm": TORCH}
 BACKENDS = ("ringcomm", "gloo")
 NO_COMM = "none"  # the backend name of torch's DDP with a hook that communicates nothing
 DDPS = ("torch", "ours")  # torch.nn.parallel.DistributedDataParallel, ddp.DistributedDataParallel
@@ -71,13 +75,13 @@ def build_model(kind: str) -> tuple[Any, Any]:
     return model, batch_for
 
 
-def _no_communication(state, bucket):  # type: ignore[no-untyped-def]
+def _no_communication(state, bucket):
     """A DDP comm hook that communicates nothing: the bucket, as it is, at once. (Without
     annotations: DDP refuses a hook whose annotations are not its own types, and this
     module's are strings.)"""
     import torch
 
-    done: Any = torch.futures.Future()
+    done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
 
@@ -85,21 +89,18 @@ def _no_communication(state, bucket):  # type: ignore[no-untyped-def]
 def rank_main(rank: int, world: int, report: Any, args: argparse.Namespace) -> None:
     """One rank: both process groups, then every model on every backend, interleaved."""
     import torch
-    import torch.distributed as dist
-
-    import ringcomm  # noqa: F401 - registers the "ringcomm" backend with torch.distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=args.timeout))
-    groups = {"gloo": dist.group.WORLD,
-              "ringcomm": dist.new_group(backend="ringcomm",
-                                         timeout=timedelta(seconds=args.timeout))}
+    # Gloo's store on the port given; this benchmark never joins the Communicator itself
+    where = RankContext(rank, world, "127.0.0.1", (args.port, 0), args.timeout, report)
+    runners = {name: RUNNERS[runner] for name, runner in DDP_RUNNERS.items()}
+    groups = {name: runner.join(where) for name, runner in runners.items()}  # Gloo first
     for kind in args.models:
         rows = _bench_model(kind, rank, world, args, groups, report)
         if rank == 0:
             report("rows", rows)
-    dist.destroy_process_group()
+    for name, runner in reversed(runners.items()):
+        runner.leave(groups[name])
 
 
 class _Replica:
@@ -133,7 +134,8 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
     torch.manual_seed(0)
     base, batch_for = build_model(kind)
     batches = [batch_for(rank, i) for i in range(8)]
-    replicas = {("local", None): _Replica(copy.deepcopy(base), batches)}
+    replicas: dict[tuple[str, str | None], _Replica] = {
+        ("local", None): _Replica(copy.deepcopy(base), batches)}
     for name in args.backends:
         for impl in args.ddp:
             replicas[name, impl] = _Replica(
@@ -217,9 +219,9 @@ def print_table(rows: list[dict], console: Any) -> None:
         return "-" if value is None else f"{value:.2f}x"
 
     for r in rows:
-        impl = r.get("ddp")
-        ours = impl and r["backend"] == "ringcomm"
-        added = added_ratio(rows, r["model"], r["world_size"], impl) if ours else None
+        impl: str | None = r.get("ddp")
+        ours = r["backend"] == "ringcomm"
+        added = added_ratio(rows, r["model"], r["world_size"], impl) if impl and ours else None
         beyond = added_ratio(rows, r["model"], r["world_size"], over=NO_COMM) \
             if ours and impl == "torch" else None  # the DDP-alone row is torch's DDP
         compared = impl and r["backend"] != NO_COMM

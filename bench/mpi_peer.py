@@ -26,7 +26,7 @@ during its turn, and MPI's repetition ``k`` runs between the other backends' rep
 ``k``, under the same conditions. MPI's collectives spin while they wait for a peer (MPICH's
 default), which is its own choice and part of its time.
 
-The MPI ranks use the sweep's own ``Buffers`` and ``Reference``, so MPI moves the same
+The MPI ranks use the sweep's own ``Buffers`` and ``Reference`` (``buffers``), so MPI moves the same
 elements and is checked the same way; MPI gets numpy views of those buffers:
 ``Allreduce(MPI.IN_PLACE, x, op)``, ``Allgather``, ``Reduce_scatter_block``, ``Bcast`` from
 root 0 and ``Alltoall``. MPI has no average and its standard types no bfloat16, so those
@@ -48,8 +48,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .buffers import Buffers, Reference
+from .common import timed
 
 EXTRA = "pip install 'ringcomm[mpi]'"
 TOKEN_ENV = "RINGCOMM_BENCH_MPI_TOKEN"  # tells our MPI ranks apart from any other connection
@@ -226,8 +230,10 @@ class MpiPeer:
 # --------------------------------------------------------------------------- MPI side
 
 
-def _calls(collective: str, bufs: Any, op: str | None, mpi: Any) -> Any:
-    """A no-argument function that runs one call of ``collective`` on MPI.COMM_WORLD."""
+def calls(mpi: Any, collective: str, bufs: Buffers, op: str | None,
+          algorithm: str | None = None) -> Callable[[], object]:
+    """A no-argument function that runs one call of ``collective`` on ``mpi.COMM_WORLD``
+    (``mpi``: mpi4py's ``MPI``); MPI picks its own algorithm, so ``algorithm`` is unused."""
     import torch
 
     comm = mpi.COMM_WORLD
@@ -252,8 +258,6 @@ def serve(address: str) -> None:
     import torch
     from mpi4py import MPI
 
-    from .sweep import Buffers, Reference, _timed
-
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     host, port = address.rsplit(":", 1)
@@ -262,8 +266,7 @@ def serve(address: str) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _send(sock, {"token": os.environ.get(TOKEN_ENV), "rank": comm.rank, "world": comm.size,
                  "library": MPI.Get_library_version().splitlines()[0].strip()})
-    nothing = lambda: None  # noqa: E731
-    bufs, run = None, None
+    prepared: tuple[Buffers, Callable[[], object]] | None = None
     while True:
         try:
             kind, *args = _recv(sock)
@@ -277,28 +280,41 @@ def serve(address: str) -> None:
                 dtype = getattr(torch, dtype_name)
                 ref = Reference(collective, comm.size, count, dtype, op)
                 bufs = Buffers(collective, comm.rank, comm.size, count, dtype, ref)
-                run = _calls(collective, bufs, op, MPI)
-                answer: Any = _checked(bufs, run, comm)
+                prepared = bufs, calls(MPI, collective, bufs, op)
+                answer: Any = _checked(*prepared, comm)
                 bufs.steady(op)
-            elif kind == "calls":
-                (calls,) = args
-                answer = _timed(run, calls, nothing)
-            elif kind == "time":
-                (iters,) = args
-                comm.Barrier()
-                run()  # lines the ranks up, as the sweep's backends do
-                answer = _timed(run, iters, nothing)
-            elif kind == "check":
-                answer = _checked(bufs, run, comm)
             else:
-                raise ValueError(f"unknown instruction {kind!r}")
+                answer = _answer(kind, args, prepared, comm)
         except Exception:
             _send(sock, ["error", traceback.format_exc()])
             raise
         _send(sock, ["ok", answer])
 
 
-def _checked(bufs: Any, run: Any, comm: Any) -> int:
+def _nothing() -> None:
+    return None
+
+
+def _answer(kind: str, args: list[Any], prepared: tuple[Buffers, Callable[[], object]] | None,
+            comm: Any) -> Any:
+    """An MPI rank's answer to any instruction but ``prepare``, on what it prepared."""
+    if kind not in ("calls", "time", "check"):
+        raise ValueError(f"unknown instruction {kind!r}")
+    if prepared is None:
+        raise ValueError(f"{kind!r} before any 'prepare'")
+    bufs, run = prepared
+    if kind == "calls":
+        (n,) = args
+        return timed(run, n, _nothing)
+    if kind == "time":
+        (iters,) = args
+        comm.Barrier()
+        run()  # lines the ranks up, as the sweep's backends do
+        return timed(run, iters, _nothing)
+    return _checked(bufs, run, comm)
+
+
+def _checked(bufs: Buffers, run: Callable[[], object], comm: Any) -> int:
     """One checked call: inputs reset, the collective run, this rank's wrong elements."""
     bufs.reset()
     comm.Barrier()

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,8 @@ def cpu_groups(hosts: int, shared: bool) -> list[list[int] | None]:
     if shared or len(cpus) < hosts:
         return [None] * hosts
     per, extra = divmod(len(cpus), hosts)
-    out, start = [], 0
+    out: list[list[int] | None] = []
+    start = 0
     for h in range(hosts):
         size = per + (h < extra)
         out.append(cpus[start:start + size])
@@ -137,14 +138,15 @@ def modelled_on_hosts(collective: str, algorithm: str | None, comm: Any, nbytes:
     params = comm.settings.cost_params(n)
     remote = comm.settings.remote or cost.DEFAULT_REMOTE_PARAMS
     share = comm.topology.cores_per_rank
-    chosen = comm.allreduce_algorithm(nbytes, itemsize, algorithm) \
-        if collective == "allreduce" else None
-    if nbytes == 0:
-        return chosen, None
     if collective == "allreduce":
+        chosen: str = comm.allreduce_algorithm(nbytes, itemsize, algorithm)
+        if nbytes == 0:
+            return chosen, None
         return chosen, cost.predict("allreduce", chosen, n, nbytes, itemsize,
                                     segment_bytes=comm.segment_bytes, params=params,
                                     hosts=comm.hosts, remote=remote, share=share)
+    if nbytes == 0:
+        return None, None
     where = {rank: h for h, ranks in enumerate(comm.hosts) for rank in ranks}
     schedules = adapter.schedules_for(collective, n, nbytes // itemsize, itemsize,
                                       max(1, comm.segment_bytes // itemsize))
@@ -234,7 +236,7 @@ def _rank_env(ifname: str) -> dict[str, str]:
 
 
 def launch(layout: Layout, target: Callable, args_for: Callable[[str], tuple],
-           timeout: float) -> Iterator[tuple]:
+           timeout: float) -> Generator[tuple, None, None]:
     """``common.launch`` on simulated hosts: make them, start ``target(rank, world, report,
     *args_for(first_host_address))`` in each host's namespace, and yield ``(kind, rank,
     payload)`` for every report but ``done``. Raises ``RankFailed`` when a rank fails or
@@ -339,11 +341,12 @@ def summary(rows: list[dict]) -> list[dict]:
         ring, hier, auto = found.get("ring"), found.get("hier"), found.get("auto")
         entry: dict[str, Any] = {"world_size": world, "dtype": dtype, "op": op,
                                  "bytes": nbytes}
-        for name, r in (("ring", ring), ("hier", hier), ("auto", auto)):
-            if r is not None:
-                entry[name] = {"time_us": r["time_us"], "min_time_us": r["min_time_us"],
-                               "busbw_GBps": r["busbw_GBps"], "predicted_us": r["predicted_us"],
-                               "chosen": r["chosen"], "wrong": r["wrong"]}
+        for name, row in (("ring", ring), ("hier", hier), ("auto", auto)):
+            if row is not None:
+                entry[name] = {"time_us": row["time_us"], "min_time_us": row["min_time_us"],
+                               "busbw_GBps": row["busbw_GBps"],
+                               "predicted_us": row["predicted_us"], "chosen": row["chosen"],
+                               "wrong": row["wrong"]}
         if ring and hier:
             entry["hier_over_ring_busbw"] = hier["busbw_GBps"] / ring["busbw_GBps"]
             if auto:

@@ -215,7 +215,7 @@ def _catch_signals() -> dict[int, Any]:
     def handler(signum: int, frame: Any) -> None:
         raise _Interrupted(signum)
 
-    previous = {}
+    previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             previous[sig] = signal.signal(sig, handler)
@@ -250,8 +250,8 @@ def _subnets_in_use() -> list[ipaddress.IPv4Network]:
     nets = []
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) >= 4 and parts[2] == "inet":
-            nets.append(ipaddress.ip_interface(parts[3]).network)
+        if len(parts) >= 4 and parts[2] == "inet":  # -4: IPv4 addresses only
+            nets.append(ipaddress.IPv4Interface(parts[3]).network)
     return nets
 
 
@@ -261,7 +261,7 @@ def _pick_subnet(count: int) -> list[ipaddress.IPv4Network]:
     start = (os.getpid() * 7) % 240  # spread parallel runs (they could share: each is isolated)
     for k in range(240):
         x = (start + k) % 240 + 8
-        nets = [ipaddress.ip_network(f"10.231.{x + j}.0/24") for j in range(count)]
+        nets = [ipaddress.IPv4Network(f"10.231.{x + j}.0/24") for j in range(count)]
         if not any(a.overlaps(b) for a in nets for b in used):
             return nets
     raise NetnsError("no free /24 in 10.231.0.0/16 for the simulated hosts")

@@ -77,16 +77,16 @@ def print_tables(rows: list[dict], console: Any) -> None:
         for name in names:
             text = name in ("backend", "algo", "type", "redop")
             table.add_column(name, justify="left" if text else "right", no_wrap=text)
-        for i, (nbytes, same) in enumerate(groupby(group, key=lambda r: r["bytes"])):
-            same = list(same)
+        for i, (nbytes, of_size) in enumerate(groupby(group, key=lambda r: r["bytes"])):
+            same = list(of_size)
             peer = {p: next((r for r in same if r["library"] == p), None) for p in PEERS}
             forced = [r["time_us"] for r in same if r["library"] == "ringcomm"
                       and r["algorithm"] not in (None, "auto")]
             if i:
                 table.add_section()
             for r in same:
-                ratio = {f"vs {p}": f"{peer[p]['time_us'] / r['time_us']:.2f}x" if peer[p]
-                         else "-" for p in ("gloo", "mpi")}
+                ratio = {f"vs {p}": "-" if (other := peer[p]) is None
+                         else f"{other['time_us'] / r['time_us']:.2f}x" for p in ("gloo", "mpi")}
                 algo = r["chosen"] or ""
                 if r["algorithm"] == "auto":
                     algo = f"auto: {algo}"
@@ -328,12 +328,12 @@ def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
                      f"{b} time / {TORCH if torch_rows else 'ringcomm'}"]
         out += [f"{collective}, world size {world}, {dtype}" + ("" if op == "none" else f" {op}")
                 + ":", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for nbytes, same in groupby(group, key=lambda r: r["bytes"]):
+        for nbytes, of_size in groupby(group, key=lambda r: r["bytes"]):
             if sizes is not None and nbytes not in sizes:
                 continue
-            same = list(same)
+            same = list(of_size)
             direct, mine = _auto(same), ours(same)
-            if direct is None and mine is None:
+            if mine is None:  # then there is no direct row either
                 continue
             cells = [format_size(nbytes)]
             cells += (["-"] * 3 if direct is None else

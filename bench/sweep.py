@@ -39,7 +39,7 @@ the sizes and factors of every collective):
 
 Every backend's results are checked, on every rank and at every size, once before timing
 and once after it, against the expected values of the table of collectives' numpy
-reference (``Reference`` says how a small problem stands for a large one); ``#wrong``
+reference (``buffers.Reference`` says how a small problem stands for a large one); ``#wrong``
 counts the elements that differ (summed over ranks and both checks). ``pred`` is ringcomm's cost
 model's time for the same call (``ringcomm tune`` fits it to this machine).
 
@@ -53,43 +53,48 @@ agreed at init (``bench/multihost.py`` says how the ranks are started and heard 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
-from . import adapter, mpi_peer, multihost
-from .common import RankFailed, format_size, free_port, launch, machine_info, parse_size, turn_order
+from . import adapter, multihost
+from .backends import RUNNERS, TORCH, Case, RankContext, Runner, Turns, joining
+from .buffers import Buffers, Reference
+from .common import (
+    RankFailed,
+    format_size,
+    free_port,
+    launch,
+    machine_info,
+    parse_size,
+    turn_order,
+)
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
 REDUCING = tuple(c for c in COLLECTIVES if TABLE[c].reduces)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "min", "max", "avg")
-PERIOD = 5  # rank r's element k is r + 1 + k % PERIOD: small integers, exact in every dtype
-CHUNK = PERIOD * (1 << 18)  # elements filled or checked at a time (bounded extra memory)
 
 
 @dataclass(frozen=True)
 class Backend:
     """One column of the comparison: ``ringcomm`` (its own choice or one forced
-    algorithm), ``ringcomm/torch``, ``gloo`` or ``nccl``."""
+    algorithm), ``ringcomm/torch``, ``gloo``, ``nccl`` or a peer's ``mpi``; ``library`` is
+    the name of the runner it runs on (``backends.RUNNERS``)."""
 
     name: str
     library: str
     algorithm: str | None = None
-
-
-TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
 
 
 def parse_backends(spec: list[str]) -> list[Backend]:
@@ -103,13 +108,12 @@ def parse_backends(spec: list[str]) -> list[Backend]:
     for word in (w.strip().lower() for item in spec for w in item.split(",")):
         if not word:
             continue
-        if word == "mpi":
-            raise ValueError("mpi is not one of --backends: it runs in processes of its own, "
-                             "started by mpiexec; ask for it with --peers mpi")
+        runner = RUNNERS.get(word)
+        if runner is not None and runner.launcher is not None:
+            raise ValueError(f"{word} is not one of --backends: it runs in processes of its "
+                             f"own, started by {runner.launcher}; ask for it with --peers {word}")
         if word in ("ringcomm", "ringcomm:auto"):
             found = [Backend("ringcomm", "ringcomm")]
-        elif word == TORCH:
-            found = [Backend(TORCH, TORCH)]
         elif word == "ringcomm:all":
             found = [Backend("ringcomm", "ringcomm")] + [
                 Backend(f"ringcomm:{a}", "ringcomm", a) for a in adapter.allreduce_algorithms()
@@ -117,7 +121,7 @@ def parse_backends(spec: list[str]) -> list[Backend]:
         elif word.startswith("ringcomm:") and word.split(":", 1)[1] in algorithms:
             a = word.split(":", 1)[1]
             found = [Backend(f"ringcomm:{a}", "ringcomm", a)]
-        elif word in ("gloo", "nccl"):
+        elif runner is not None:
             found = [Backend(word, word)]
         else:
             raise ValueError(
@@ -159,7 +163,7 @@ class Settings:
     reps: int
     timeout: float
     ports: tuple[int, int] = (0, 0)
-    nccl: bool = False
+    nccl: bool = False  # NCCL takes part at this world size (set with ``backends`` per world)
     notes: list[str] = field(default_factory=list)
     address: str = "127.0.0.1"  # where rank 0 serves the Gloo and ringcomm rendezvous
     hosts: str | None = None  # "HxR": ranks on simulated hosts (``--hosts``); None: this one
@@ -175,154 +179,6 @@ class Settings:
 
 
 # --------------------------------------------------------------------------- rank side
-
-
-class Reference:
-    """Each rank's input pattern and its expected results for one collective at one size,
-    each at most one period-aligned chunk long.
-
-    Rank ``r`` holds ``r + 1 + k % 5`` at element ``k`` of its input, so every block of
-    every result repeats with period 5 as well. The table of collectives' ``reference``
-    runs the same collective on blocks of ``5 + block % 5`` elements (on the blocks
-    themselves when they are shorter than 10): their elements fall at the same phases of
-    the pattern, so the first five elements of each small result block are the period of
-    the real one, and a buffer of any length is checked without building an equally large
-    expected array."""
-
-    def __init__(self, collective: str, world: int, count: int, dtype: Any,
-                 op: str | None) -> None:
-        import torch
-
-        spec = TABLE[collective]
-        k = torch.arange(CHUNK + PERIOD, dtype=torch.int64) % PERIOD
-        self.inputs = [(k + r + 1).to(dtype) for r in range(world)]
-        self.block = spec.block(count, world)
-        self.blocks = world if spec.role(spec.result).world_blocks else 1  # per result
-        short = self.block < 2 * PERIOD
-        self._small = self.block if short else PERIOD + self.block % PERIOD
-        wide = np.float64 if dtype.is_floating_point else np.int64
-        size = spec.sizes(self._small, world)[spec.source]
-        small = [(np.arange(size) % PERIOD + r + 1).astype(wide) for r in range(world)]
-        self._results = [torch.from_numpy(x).to(dtype)
-                         for x in spec.reference(small, op or "sum", root=0)]
-        self._period = PERIOD if not short else None
-        self._expected: dict[tuple[int, int], Any] = {}
-        eps = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-        self.rtol = eps.get(dtype, 1e-12) if dtype.is_floating_point else 0.0
-
-    def expected(self, rank: int, block: int) -> Any:
-        """Block ``block`` of ``rank``'s result, as long as one chunk of it at most."""
-        key = (rank, block)
-        if key not in self._expected:
-            start = block * self._small
-            if self._period is None:  # short blocks: the small problem is the real one
-                values = self._results[rank][start:start + self._small]
-            else:
-                period = self._results[rank][start:start + PERIOD]
-                values = period.repeat(min(self.block, CHUNK) // PERIOD + 1)
-            self._expected[key] = values
-        return self._expected[key]
-
-    def fill(self, out: Any, values: Any) -> None:
-        """``out`` to ``values`` repeated (``values`` one chunk of a period-5 pattern)."""
-        for s in range(0, out.numel(), CHUNK):
-            part = out[s:s + CHUNK]
-            part.copy_(values[:part.numel()])
-
-    def wrong(self, actual: Any, values: Any) -> int:
-        """Elements of ``actual`` that differ from ``values`` repeated chunk by chunk."""
-        import torch
-
-        bad = 0
-        for s in range(0, actual.numel(), CHUNK):
-            part = actual[s:s + CHUNK]
-            want = values[:part.numel()]
-            if self.rtol:
-                ok = torch.isclose(part.float() if part.itemsize < 4 else part,
-                                   want.float() if want.itemsize < 4 else want,
-                                   rtol=self.rtol, atol=0)
-                bad += int((~ok).sum())
-            else:
-                bad += int((part != want).sum())
-        return bad
-
-
-class Buffers:
-    """One collective's buffers on one rank, sized as the table of collectives says: how to
-    fill them, and how to check them."""
-
-    def __init__(self, collective: str, rank: int, world: int, count: int, dtype: Any,
-                 ref: Reference, device: str = "cpu") -> None:
-        import torch
-
-        self.collective, self.rank, self.world, self.ref = collective, rank, world, ref
-        spec = TABLE[collective]
-        sizes = spec.sizes(spec.block(count, world), world, rank=rank)
-        make = lambda c: torch.zeros(c, dtype=dtype, device=device)  # noqa: E731
-        if "data" in sizes:
-            self.inp = self.out = make(sizes["data"])  # in place
-        else:
-            self.inp, self.out = make(sizes["input"]), make(sizes["output"])
-        self.device = device
-
-    def _host(self, t: Any) -> Any:
-        return t if self.device == "cpu" else t.cpu()
-
-    def reset(self) -> None:
-        """Inputs to this rank's pattern, outputs to zeros (no pattern value is zero)."""
-        host = self._host(self.inp)
-        if self.collective == "broadcast" and self.rank != 0:
-            host.zero_()
-        else:
-            self.ref.fill(host, self.ref.inputs[self.rank])
-        if host is not self.inp:
-            self.inp.copy_(host)
-        if self.out is not self.inp:
-            self.out.zero_()
-
-    def steady(self, op: str | None) -> None:
-        """Make repeated in-place allreduces leave the data as it is: sums of zeros and
-        products of ones, instead of values that grow by ``world_size`` every call until
-        they overflow. (min, max and avg settle after one call.)"""
-        if self.collective == "allreduce" and op in ("sum", "prod"):
-            self.inp.fill_(0 if op == "sum" else 1)
-
-    def wrong(self) -> int:
-        """Elements of this rank's result that differ from the expected values."""
-        out, ref, b = self._host(self.out), self.ref, self.ref.block
-        return sum(ref.wrong(out[j * b:(j + 1) * b], ref.expected(self.rank, j))
-                   for j in range(ref.blocks))
-
-
-def _runner(backend: Backend, collective: str, bufs: Buffers, op: str | None, comm: Any,
-            group: Any) -> Any:
-    """A no-argument function that runs one call of ``collective`` on ``backend``: through
-    ``comm`` for ringcomm, through ``torch.distributed`` on ``group`` for the others (None:
-    the default group, Gloo)."""
-    import torch.distributed as dist
-
-    x, out = bufs.inp, bufs.out
-    if backend.library == "ringcomm":
-        return {
-            "allreduce": lambda: adapter.allreduce(comm, x, op, backend.algorithm),
-            "allgather": lambda: comm.allgather(out, x),
-            "reduce_scatter": lambda: comm.reduce_scatter(out, x, op),
-            "broadcast": lambda: comm.broadcast(x, root=0),
-            "alltoall": lambda: comm.alltoall(out, x),
-        }[collective]
-    rop = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-           "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}.get(op or "sum")
-    # torch 2.13 renamed the flat-tensor variants; older versions have only the old names
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    run = {
-        "allreduce": lambda: dist.all_reduce(x, op=rop, group=group),
-        "allgather": lambda: gather(out, x, group=group),
-        "reduce_scatter": lambda: scatter(out, x, op=rop, group=group),
-        "broadcast": lambda: dist.broadcast(x, src=0, group=group),
-        "alltoall": lambda: dist.all_to_all_single(out, x, group=group),
-    }[collective]
-    return run
 
 
 REP_SECONDS = 0.02
@@ -349,79 +205,10 @@ def iters_per_backend(libraries: list[str], paces: list[float], iters: int) -> l
     return [shared[lib] for lib in libraries]
 
 
-def _timed(run: Any, iters: int, sync: Any) -> float:
-    start = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync()
-    return (time.perf_counter() - start) / iters
-
-
-class _Local:
-    """A backend in these processes: one call, the buffers it works on, and what waits for
-    the device (nothing on the CPU)."""
-
-    def __init__(self, run: Any, sync: Any, bufs: Buffers) -> None:
-        self.run, self.sync, self.bufs = run, sync, bufs
-
-    def check(self) -> int:
-        """One checked call: this rank's wrong elements."""
-        self.bufs.reset()
-        self.run()
-        self.sync()
-        return self.bufs.wrong()
-
-    def pace(self, calls: int) -> float:
-        """Seconds per call of ``calls`` back-to-back calls (warm-up)."""
-        return _timed(self.run, calls, self.sync)
-
-    def time(self, iters: int) -> float:
-        """One repetition: this rank's seconds per call."""
-        import torch.distributed as dist
-
-        dist.barrier()
-        self.run()  # lines the ranks up: they leave Gloo's barrier up to milliseconds apart
-        self.sync()
-        return _timed(self.run, iters, self.sync)
-
-
-class _MpiTurns:
-    """MPI's ranks as one more backend (``mpi_peer`` says how they are reached): each step
-    is a turn that rank 0 gives them while every rank of the sweep waits in a Gloo barrier.
-    Rank 0 returns the slowest MPI rank's time and all their wrong elements, the other ranks
-    zero, so the sweep's MAX and SUM over its own ranks come out right."""
-
-    def __init__(self, peer: mpi_peer.MpiPeer | None, collective: str, dtype: str,
-                 op: str | None, count: int) -> None:
-        self.peer = peer
-        self._prepare: list | None = ["prepare", collective, dtype, op, count]
-
-    def _turn(self, combine: Any, *instruction: Any) -> Any:
-        import torch.distributed as dist
-
-        value = combine(self.peer.turn(*instruction)) if self.peer is not None else 0
-        dist.barrier()
-        return value
-
-    def check(self) -> int:
-        if self._prepare is not None:  # the first check builds the MPI ranks' buffers
-            instruction, self._prepare = self._prepare, None
-            return self._turn(sum, *instruction)
-        return self._turn(sum, "check")
-
-    def pace(self, calls: int) -> float:
-        return self._turn(max, "calls", calls)
-
-    def time(self, iters: int) -> float:
-        return self._turn(max, "time", iters)
-
-
 def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank: int,
-             world: int, s: Settings, comm: Any, groups: dict[str, Any],
-             mpi: mpi_peer.MpiPeer | None) -> list[dict] | None:
+             world: int, s: Settings, handles: dict[str, Any]) -> list[dict] | None:
     """Check, warm up, time interleaved and check again every backend at one size.
-    ``groups``: the torch process group of each library that runs on one (``nccl``,
-    ``ringcomm/torch``); ``mpi``: rank 0's handle on the MPI ranks where they take part."""
+    ``handles``: what each joined runner (``backends.RUNNERS``) returned when it joined."""
     import torch
     import torch.distributed as dist
 
@@ -433,27 +220,24 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     if count == 0:
         return None
     reduce_op = op if spec.reduces else None
-    backends = _backends_for(collective, op, s)
+    backends = _backends_for(collective, dtype_name, reduce_op, s)
+    case = Case(collective, dtype_name, reduce_op, count)
     ref = Reference(collective, world, count, dtype, reduce_op)
-    cpu = Buffers(collective, rank, world, count, dtype, ref)
-    gpu = Buffers(collective, rank, world, count, dtype, ref, "cuda") if any(
-        b.library == "nccl" for b in backends) else None
-    nothing = lambda: None  # noqa: E731
-    parts: list[_Local | _MpiTurns] = []
+    buffers = {"cpu": Buffers(collective, rank, world, count, dtype, ref)}
+    for device in dict.fromkeys(RUNNERS[b.library].device for b in backends):
+        if device not in buffers:
+            buffers[device] = Buffers(collective, rank, world, count, dtype, ref, device)
+    parts: list[Turns] = []
     group_backend = {}  # what torch itself says each torch-run backend ran on
     for b in backends:
-        bufs = gpu if b.library == "nccl" else cpu
-        group = groups.get(b.library)
-        parts.append(_Local(_runner(b, collective, bufs, op, comm, group),
-                            torch.cuda.synchronize if b.library == "nccl" else nothing, bufs))
-        if b.library != "ringcomm":
-            group_backend[b.name] = str(dist.get_backend(group))
-    if "mpi" in s.peers and mpi_peer.unsupported(collective, dtype_name, reduce_op) is None:
-        backends = [*backends, Backend("mpi", "mpi")]
-        parts.append(_MpiTurns(mpi, collective, dtype_name, reduce_op, count))
+        runner = RUNNERS[b.library]
+        parts.append(runner.turns(handles[b.library], case, buffers[runner.device],
+                                  b.algorithm))
+        if runner.process_group:
+            group_backend[b.name] = str(dist.get_backend(handles[b.library]))
 
     wrong = [p.check() for p in parts]
-    for bufs in {id(p.bufs): p.bufs for p in parts if isinstance(p, _Local)}.values():
+    for bufs in buffers.values():
         bufs.steady(op)
     pace = torch.zeros(len(parts), dtype=torch.float64)
     if s.warmup:
@@ -478,13 +262,14 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         return []
     size = count * itemsize
     factor = spec.busbw_factor(world)
+    comm = handles["ringcomm"]  # every rank joins it: the model's questions go to it
     rows = []
     for i, b in enumerate(backends):
         reps = slowest[i].tolist()
         median, best = statistics.median(reps), min(reps)
         chosen = None
         predicted = None
-        ours = b.library in ("ringcomm", TORCH)  # the torch path makes the same choice
+        ours = RUNNERS[b.library].owner == "ringcomm"  # the torch path makes the same choice
         if ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)
@@ -510,67 +295,48 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     return rows
 
 
-def _backends_for(collective: str, op: str | None, s: Settings) -> list[Backend]:
-    """Forced algorithms exist only for allreduce; elsewhere ringcomm is one backend.
-    Gloo has no average; NCCL runs only with a GPU per rank."""
+def _backends_for(collective: str, dtype: str, op: str | None, s: Settings) -> list[Backend]:
+    """The columns of one measurement (``op``: None where nothing is reduced), peers last.
+    Forced algorithms exist only for allreduce; elsewhere ringcomm is one backend. A backend
+    sits out what its runner does not support (Gloo has no average, MPI no bfloat16
+    reductions)."""
     out: list[Backend] = []
     for b in s.backends:
-        if b.library == "ringcomm" and collective != "allreduce":
-            b = Backend("ringcomm", "ringcomm")
-        if b.library == "gloo" and op == "avg" and collective in REDUCING:
-            continue
-        if b.library == "nccl" and not s.nccl:
-            continue
-        if b not in out:
+        if b.algorithm is not None and collective != "allreduce":
+            b = Backend(b.library, b.library)
+        if RUNNERS[b.library].unsupported(collective, dtype, op) is None and b not in out:
             out.append(b)
-    return out
+    return out + [Backend(name, name) for name in s.peers
+                  if RUNNERS[name].unsupported(collective, dtype, op) is None]
 
 
 def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
-    """One rank of a sweep: join every backend, then measure every collective and size.
-    With ``--peers mpi`` rank 0 starts the MPI ranks first, so they start up while the
-    sweep's ranks do."""
+    """One rank of a sweep: join every backend it runs (``backends.joining``: with ``--peers
+    mpi`` rank 0 starts the MPI ranks first, so they start up while the sweep's ranks join
+    the rest), then measure every collective and size, then leave them in reverse order."""
     import torch
-    import torch.distributed as dist
-
-    import ringcomm
 
     torch.set_num_threads(1)
-    mpi = mpi_peer.MpiPeer(world, s.timeout) if rank == 0 and "mpi" in s.peers else None
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://{s.address}:{s.ports[0]}",
-                                rank=rank, world_size=world,
-                                timeout=timedelta(seconds=s.timeout))
-        comm = ringcomm.init(rank=rank, world_size=world, store=f"{s.address}:{s.ports[1]}",
-                             timeout=s.timeout)
+    where = RankContext(rank, world, s.address, s.ports, s.timeout, report)
+    with contextlib.ExitStack() as joined:
+        handles: dict[str, Any] = {}
+        runners = joining([*(b.library for b in s.backends), *s.peers])
+        for runner in runners:
+            handles[runner.name] = handle = runner.join(where)
+            joined.callback(runner.leave, handle)
+        comm = handles["ringcomm"]
         if rank == 0 and len(comm.hosts) > 1:
             report("layout", multihost.layout_facts(comm))
-        groups: dict[str, Any] = {}
-        if any(b.library == TORCH for b in s.backends):  # beside Gloo, the control group
-            groups[TORCH] = dist.new_group(backend="ringcomm",
-                                           timeout=timedelta(seconds=s.timeout))
-        if s.nccl:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            groups["nccl"] = dist.new_group(backend="nccl")
-        if mpi is not None:
-            mpi.connect()
-            report("peer", {"mpi": {"library": mpi.library, "command": mpi.command}})
-        try:
-            for collective in s.collectives:
-                for dtype in s.dtypes:
-                    for op in (s.ops if collective in REDUCING else [None]):
-                        for nbytes in s.sizes:
-                            rows = _measure(collective, nbytes, dtype, op, rank, world, s,
-                                            comm, groups, mpi)
-                            if rank == 0:
-                                report("rows", rows or [])
-                                report("progress", (collective, dtype, op, nbytes))
-        finally:
-            comm.close()
-            dist.destroy_process_group()
-    finally:
-        if mpi is not None:
-            mpi.close()
+        for runner in runners:
+            runner.ready(handles[runner.name], where)
+        for collective in s.collectives:
+            for dtype in s.dtypes:
+                for op in (s.ops if collective in REDUCING else [None]):
+                    for nbytes in s.sizes:
+                        rows = _measure(collective, nbytes, dtype, op, rank, world, s, handles)
+                        if rank == 0:
+                            report("rows", rows or [])
+                            report("progress", (collective, dtype, op, nbytes))
 
 
 # --------------------------------------------------------------------------- parent side
@@ -616,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
                    f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
                    "rank)")
-    p.add_argument("--peers", nargs="+", default=[], choices=["mpi"], metavar="PEER",
+    p.add_argument("--peers", nargs="+", default=[], metavar="PEER",
+                   choices=[name for name, runner in RUNNERS.items() if runner.peer],
                    help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install "
                    "'ringcomm[mpi]') in processes of their own started by mpiexec, taking "
                    "turns with the backends in every repetition; reported as backend mpi")
@@ -690,18 +457,13 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
     return s, [layout.world]
 
 
-def _nccl_usable(world: int) -> str | None:
-    """None if NCCL can run ``world`` ranks here, else why not."""
-    import torch
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not dist.is_nccl_available():
-        return "this torch has no NCCL"
-    gpus = torch.cuda.device_count()
-    if gpus < world:
-        return f"{gpus} GPU(s) for {world} ranks (NCCL needs one GPU per rank)"
+def _left_out(runner: Runner, on_hosts: bool, world: int) -> str | None:
+    """The note saying why ``runner`` cannot run ``world`` ranks here (``on_hosts``: on
+    simulated hosts), or None where it can."""
+    if on_hosts and not runner.on_simulated_hosts:
+        return f"{runner.name} skipped: not run on simulated hosts (--hosts)"
+    if why := runner.unavailable(world):
+        return f"{runner.name} skipped at world size {world}: {why}"
     return None
 
 
@@ -710,7 +472,6 @@ def run(s: Settings, worlds: list[int], console: Any = None,
     """Every world size in turn, with a progress bar; the rows and any notes. With
     ``s.hosts``, the one world on simulated hosts; ``facts`` (if given) then receives the
     layout and link constants the communicator agreed."""
-    import contextlib
     from dataclasses import replace
 
     from rich.console import Console
@@ -733,33 +494,37 @@ def run(s: Settings, worlds: list[int], console: Any = None,
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting ranks", total=per_world * len(worlds))
         for world in worlds:
-            nccl = any(b.library == "nccl" for b in s.backends)
-            if nccl and s.hosts is not None:
-                notes.append("nccl skipped: not run on simulated hosts (--hosts)")
-                progress.console.print(f"[yellow]{notes[-1]}[/]")
-                nccl = False
-            if nccl and (why := _nccl_usable(world)):
-                notes.append(f"nccl skipped at world size {world}: {why}")
-                progress.console.print(f"[yellow]{notes[-1]}[/]")
-                nccl = False
+            left_out: set[str] = set()
+            for name in dict.fromkeys(b.library for b in s.backends):
+                if (note := _left_out(RUNNERS[name], s.hosts is not None, world)) is not None:
+                    left_out.add(name)
+                    notes.append(note)
+                    progress.console.print(f"[yellow]{note}[/]")
+            backends = [b for b in s.backends if b.library not in left_out]
+            nccl = any(b.library == "nccl" for b in backends)
             layout = s.layout()
             if layout is None:
-                ws = replace(s, ports=(free_port(), free_port()), nccl=nccl)
+                ws = replace(s, ports=(free_port(), free_port()), backends=backends, nccl=nccl)
                 reports = contextlib.closing(launch(world, rank_main, (ws,), s.timeout))
                 progress.update(task, description=f"world {world}: starting ranks")
             else:
-                ws = replace(s, ports=multihost.STORE_PORTS, nccl=nccl)
-                reports = contextlib.closing(multihost.launch(
-                    layout, rank_main, lambda addr, ws=ws: (replace(ws, address=addr),), s.timeout))
+                ws = replace(s, ports=multihost.STORE_PORTS, backends=backends, nccl=nccl)
+
+                def args_for(address: str, ws: Settings = ws) -> tuple[Settings]:
+                    return (replace(ws, address=address),)
+
+                reports = contextlib.closing(multihost.launch(layout, rank_main, args_for,
+                                                              s.timeout))
                 progress.update(task, description=f"{layout} hosts: starting ranks")
             with reports as events:
                 _follow_reports(events, rows, facts, progress, task, world, s)
-    for collective in s.collectives if "mpi" in s.peers else []:
-        spec = TABLE[collective]
-        for dtype in s.dtypes:
-            for op in s.ops if spec.reduces else [None]:
-                if why := mpi_peer.unsupported(collective, dtype, op):
-                    notes.append(f"mpi skipped for {collective} {dtype} {op}: {why}")
+    for name in s.peers:
+        for collective in s.collectives:
+            spec = TABLE[collective]
+            for dtype in s.dtypes:
+                for op in s.ops if spec.reduces else [None]:
+                    if why := RUNNERS[name].unsupported(collective, dtype, op):
+                        notes.append(f"{name} skipped for {collective} {dtype} {op}: {why}")
     skipped = sorted({(r, c) for r in worlds for c in s.collectives} -
                      {(r["world_size"], r["collective"]) for r in rows})
     for world, c in skipped:
@@ -815,9 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"[yellow]RINGCOMM_ALGO={os.environ['RINGCOMM_ALGO']} is set: the "
                           "'ringcomm' rows use it instead of the automatic choice[/]")
     facts: dict = {}
-    if "mpi" in s.peers and (why := mpi_peer.unavailable()) is not None:
-        print(f"ringcomm bench: {why}", file=sys.stderr)  # unwrapped: the command stays whole
-        return 2
+    for name in s.peers:  # asked for by name: missing, it stops the run instead of a note
+        why = next((w for w in map(RUNNERS[name].unavailable, worlds) if w), None)
+        if why is not None:
+            print(f"ringcomm bench: {why}", file=sys.stderr)  # unwrapped: the command stays whole
+            return 2
     if s.hosts is not None:
         from . import netns
 

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .consistency import describe, verify_same_across_ranks
 from .graph import tensors_in
+from .join import DDPJoinHook
 from .reducer import CommHook, Reducer
 from .sync_batchnorm import SyncBatchNorm
 
@@ -135,9 +136,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        from .join import DDPJoinHook
-
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self.reducer.divide_by_initial_world_size = kwargs.get(
+            "divide_by_initial_world_size", True)
+        return DDPJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:
@@ -147,9 +148,27 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
+    def shadow_step(self) -> None:
+        """On a rank that has joined, for each step the others still train (``join``
+        calls it): the collectives a training rank issues in one step, in the same order,
+        with zero contributions. Whether the step syncs, then if it does the buffers, the
+        step's bookkeeping and every bucket (``Reducer.shadow_step``)."""
+        if not self._agree_on_sync_as_joined():
+            return
+        if self._syncs_buffers:
+            self._sync_buffers(active=False)
+        self.reducer.shadow_step()
+
+    def take_model_of_last_joiner(self, is_last_joiner: bool) -> None:
+        """After join: every rank takes the parameters and buffers of one rank that trained
+        to the end (the highest such rank), so all replicas end identical."""
+        src = self._common_rank(is_last_joiner)
+        _broadcast(list(self.module.parameters()) + list(self.module.buffers()),
+                   self.process_group, src)
+
     def _announce_sync(self, sync: bool) -> None:
         """Tell joined ranks whether this step syncs: they add 0 and read the sum
-        (``join.DDPJoinHook``); training ranks need not wait for it."""
+        (``shadow_step``); training ranks need not wait for it."""
         flag = torch.tensor([1.0 if sync else 0.0], device=self.join_device)
         dist.all_reduce(flag, group=self.process_group, async_op=True)
 
@@ -157,13 +176,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         flag = torch.zeros(1, device=self.join_device)
         dist.all_reduce(flag, group=self.process_group)
         return bool(flag.item())
-
-    def _take_model_of_last_joiner(self, is_last_joiner: bool) -> None:
-        """After join: every rank takes the parameters and buffers of one rank that trained
-        to the end (the highest such rank), so all replicas end identical."""
-        src = self._common_rank(is_last_joiner)
-        _broadcast(list(self.module.parameters()) + list(self.module.buffers()),
-                   self.process_group, src)
 
     def _sync_buffers(self, active: bool) -> None:
         buffers = list(self.module.buffers())  # read again: a buffer may have been replaced

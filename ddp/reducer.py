@@ -135,7 +135,10 @@ class Reducer:
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb} "
                              f"and first_bucket_mb={first_bucket_mb}")
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        group = process_group if process_group is not None else dist.group.WORLD
+        if group is None:  # no default group yet
+            raise RuntimeError("ddp: call torch.distributed.init_process_group first")
+        self.group: dist.ProcessGroup = group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         if verify:  # before any local check, so a rank that differs cannot strand the others
@@ -435,6 +438,7 @@ class Reducer:
             if step.control_mode == "fused":
                 total = step.flats[0][self._buckets[0].grad_numel:]
             elif step.control_mode == "separate":
+                assert step.control_future is not None, "launched when the step began"
                 total = _first_tensor(step.control_future.wait())
             else:  # nothing needed it: what it would have said
                 total = torch.zeros(self._slots.size, dtype=torch.float64)
@@ -484,7 +488,9 @@ class Reducer:
             raise error
 
     def _collect(self, step: _Step, b: int) -> None:
-        value = _first_tensor(step.futures[b].wait())
+        future = step.futures[b]
+        assert future is not None, f"bucket {b} collected before it was launched"
+        value = _first_tensor(future.wait())
         grads = step.flats[b][:self._buckets[b].grad_numel]
         if value.data_ptr() != grads.data_ptr():
             grads.copy_(value.reshape(-1)[:grads.numel()])

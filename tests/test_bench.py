@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ringcomm.plan.collectives import COLLECTIVES
-from ringcomm.schedules import ALLREDUCE, HOST_AWARE
-from ringcomm_bench import report, sweep, versions
+from ringcomm.schedules import ALLREDUCE, HOST_AWARE, ON_BOARD
+from ringcomm_bench import buffers, report, sweep, versions
 from ringcomm_bench.common import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +135,8 @@ def test_backends_parse_and_unknown_ones_are_named():
                      "ringcomm:hd", "ringcomm:rd", "gloo", "nccl"]  # hier only when named
     assert [b.name for b in sweep.parse_backends(["ringcomm:hier"])] == ["ringcomm:hier"]
     assert [b.algorithm for b in sweep.parse_backends(["ringcomm:tree"])] == ["tree"]
+    assert [b.name for b in sweep.parse_backends(["ringcomm:board,ringcomm:twoshot"])] == [
+        "ringcomm:board", "ringcomm:twoshot"]  # the shared board's, only when named
     with pytest.raises(ValueError, match="ringcomm:bogus"):
         sweep.parse_backends(["ringcomm:bogus"])
     torch_path = sweep.parse_backends(["ringcomm", "ringcomm/torch"])
@@ -180,14 +182,14 @@ def _simulate(collective, bufs, op):
 @pytest.mark.parametrize("collective", sweep.COLLECTIVES)
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int8", "prod"),
                                       ("bfloat16", "avg"), ("int64", "max")])
-@pytest.mark.parametrize("count", [3 * (sweep.CHUNK + 7), 3 * 12, 3 * 4])
+@pytest.mark.parametrize("count", [3 * (buffers.CHUNK + 7), 3 * 12, 3 * 4])
 def test_checker_accepts_right_results_and_counts_wrong_ones(collective, dtype, op, count):
     """Blocks longer than a chunk and not a multiple of the period, blocks of a few periods
     and blocks shorter than one."""
     n = 3
     dt = getattr(torch, dtype)
-    ref = sweep.Reference(collective, n, count, dt, op if collective in sweep.REDUCING else None)
-    bufs = [sweep.Buffers(collective, r, n, count, dt, ref) for r in range(n)]
+    ref = buffers.Reference(collective, n, count, dt, op if collective in sweep.REDUCING else None)
+    bufs = [buffers.Buffers(collective, r, n, count, dt, ref) for r in range(n)]
     for b in bufs:
         b.reset()
     assert sum(b.wrong() for b in bufs) > 0  # outputs not yet computed
@@ -283,6 +285,31 @@ def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
     over = [t for t in result["targets"] if t["kind"] == "extra_us"]
     assert len(over) == 1 and over[0]["row"] == "ringcomm/torch" and over[0]["noise"]
     assert "noise: the band" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_shared_boards_algorithms_run_forced_end_to_end(tmp_path):
+    """``ringcomm:board`` and ``ringcomm:twoshot``, which ``ringcomm:all`` leaves out (they
+    need every rank on one host): a row for each at every size, checked, timed, in the
+    printed table, and with no prediction, since the cost model does not price the board."""
+    sizes = [8, 64 << 10]
+    forced = [f"ringcomm:{a}" for a in ON_BOARD]
+    proc, result = _bench(tmp_path, "--collectives", "allreduce", "-b", "8", "-e", "64K",
+                          "-f", "8192", "--backends", *forced, "--reps", "2", "--iters", "2",
+                          "--warmup", "1", timeout=55)
+    rows = result["rows"]
+    assert sorted((r["backend"], r["bytes"]) for r in rows) == sorted(
+        (name, n) for name in forced for n in sizes)
+    factor = COLLECTIVES["allreduce"].busbw_factor(2)
+    for r in rows:
+        algorithm = r["backend"].split(":")[1]
+        assert (r["library"], r["algorithm"], r["chosen"]) == ("ringcomm", algorithm,
+                                                               algorithm), r
+        assert r["wrong"] == 0 and r["world_size"] == 2 and r["process_group"] is None, r
+        assert len(r["rep_times_us"]) == 2 and 0 < r["min_time_us"] <= r["time_us"], r
+        assert math.isclose(r["busbw_GBps"], r["algbw_GBps"] * factor, rel_tol=1e-9)
+        assert r["predicted_us"] is None, r
+    assert _table_rows(proc.stdout, "allreduce") == forced * len(sizes)
 
 
 @pytest.mark.slow
