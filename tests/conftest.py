@@ -7,12 +7,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Four spawned rank processes for one module's jobs (``mp_helpers.Cluster``), started
-    once: a process that imports torch takes seconds to start."""
+    """Up to four spawned rank processes for one module's jobs (``mp_helpers.Cluster``),
+    each started once, by the first job that needs it: a process that imports torch takes
+    seconds to start, and a module whose jobs run on two ranks only needs two."""
     from mp_helpers import Cluster
 
     c = Cluster(4)
-    c.start()
     try:
         yield c
     finally:

@@ -185,7 +185,10 @@ def job_unused(rank: int, world: int, port: int, backend: str, **_: Any) -> list
 def job_no_sync(rank: int, world: int, port: int, backend: str, steps: int = 3,
                 **_: Any) -> list[str]:
     """``steps`` micro-batches under no_sync, then one that syncs: the accumulated local
-    sums are averaged once, equal to one process accumulating every micro-batch."""
+    sums are averaged once, equal to one process accumulating every micro-batch. Then
+    with find_unused_parameters, a branch used in the first micro-batch only (under
+    no_sync), by every rank or by rank 0 alone: the synced step, which does not use it,
+    still averages what it accumulated; the next synced step leaves it alone."""
     done = []
     with group(backend, rank, world, port):
         for kwargs in ({}, {"gradient_as_bucket_view": True}):
@@ -204,7 +207,35 @@ def job_no_sync(rank: int, world: int, port: int, backend: str, steps: int = 3,
                     mse(wrapped(x[mine]), y[mine]).backward()
             close(grads(wrapped.module), grads(ref), f"no_sync {kwargs}")
             done.append("view" if kwargs else "copy")
+        for users in ("every rank", "rank 0"):
+            _no_sync_unused(rank, world, steps, [users == "every rank" or r == 0
+                                                 for r in range(world)], users)
+            done.append(f"unused, used under no_sync by {users}")
     return done
+
+
+def _no_sync_unused(rank: int, world: int, steps: int, used: list[bool], what: str) -> None:
+    """``job_no_sync``'s find_unused_parameters part: rank r uses the branch in micro-batch
+    0 if ``used[r]``; compared with one process after the synced step and after one more."""
+    wrapped = ddp.DistributedDataParallel(model(branch=True), find_unused_parameters=True,
+                                          **SMALL_BUCKETS)
+    ref = model(branch=True)
+    data = batches(steps + 2, 4 * world)
+    for i, (x, y) in enumerate(data):
+        branch = [i == 0 and used[r] for r in range(world)]
+        if i == steps + 1:  # a new accumulation: nobody uses the branch in it
+            for m in (wrapped, ref):
+                m.zero_grad(set_to_none=True)
+        sum(mse(ref(x[shard([4] * world, r)], use_branch=branch[r]), y[shard([4] * world, r)])
+            for r in range(world)).div(world).backward()
+        mine = shard([4] * world, rank)
+        if i < steps:
+            with wrapped.no_sync():
+                mse(wrapped(x[mine], use_branch=branch[rank]), y[mine]).backward()
+        else:
+            mse(wrapped(x[mine], use_branch=branch[rank]), y[mine]).backward()
+            close(grads(wrapped.module), grads(ref), f"no_sync, branch used by {what}, "
+                  f"micro-batch {i}")
 
 
 def job_bad_input(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:

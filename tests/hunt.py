@@ -92,8 +92,9 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def _base_call(rng: random.Random, world: int, max_bytes: int) -> Call:
-    collective = rng.choice(COLLECTIVES)
+def _base_call(rng: random.Random, world: int, max_bytes: int, auto: float | None,
+               collectives: tuple[str, ...]) -> Call:
+    collective = rng.choice(collectives)
     dtype = rng.choice(DTYPES)
     per_rank_limit = max(1, max_bytes // _dtype(dtype).itemsize)
     if TABLE[collective].blocked:
@@ -103,8 +104,17 @@ def _base_call(rng: random.Random, world: int, max_bytes: int) -> Call:
     return Call(collective, count, dtype,
                 op=rng.choice(OPS) if collective in REDUCING else "sum",
                 root=rng.randrange(world) if collective in ROOTED else 0,
-                algorithm=rng.choice((None, *ALGORITHMS)) if collective == "allreduce" else None,
+                algorithm=_algorithm(rng, auto) if collective == "allreduce" else None,
                 segment=rng.choice(_segments(nbytes)))
+
+
+def _algorithm(rng: random.Random, auto: float | None) -> str | None:
+    """An allreduce's forced algorithm, or None for the communicator's own choice (the
+    shared board's one-shot or two-shot where the group has one): with probability
+    ``auto``, or as one of the algorithms alike when ``auto`` is None."""
+    if auto is None:
+        return rng.choice((None, *ALGORITHMS))
+    return None if rng.random() < auto else rng.choice(ALGORITHMS)
 
 
 def _segments(nbytes: int) -> list[int]:
@@ -113,13 +123,19 @@ def _segments(nbytes: int) -> list[int]:
     return [s for s in SEGMENTS if nbytes // s <= MAX_MESSAGES] or [SEGMENTS[-1]]
 
 
-def _variant(rng: random.Random, call: Call, field: str, world: int) -> Call | None:
-    """``call`` with ``field`` changed, or None where the field means nothing for it."""
+def _variant(rng: random.Random, call: Call, field: str, world: int,
+             same_size: float = 0.0) -> Call | None:
+    """``call`` with ``field`` changed, or None where the field means nothing for it. A
+    dtype changes to one of the same size with probability ``same_size``: then only the
+    header's dtype tells the ranks apart, not the size of what they send."""
     if field == "count":
         return replace(call, count=call.count + rng.choice((1, 2, 3, -1)) if call.count > 1
                        else call.count + rng.choice((1, 2, 3)))
     if field == "dtype":
-        return replace(call, dtype=rng.choice([d for d in DTYPES if d != call.dtype]))
+        others = [d for d in DTYPES if d != call.dtype]
+        if same_size and rng.random() < same_size:
+            others = [d for d in others if _dtype(d).itemsize == _dtype(call.dtype).itemsize]
+        return replace(call, dtype=rng.choice(others))
     if field == "op":
         if call.collective not in REDUCING:
             return None
@@ -147,19 +163,25 @@ def _variant(rng: random.Random, call: Call, field: str, world: int) -> Call | N
 
 
 def cases(seed: int, n: int, *, worlds: tuple[int, ...] = (2, 3, 4, 5),
-          max_bytes: int = MAX_BYTES, controls: float = 0.2) -> list[Case]:
+          max_bytes: int = MAX_BYTES, controls: float = 0.2,
+          auto: float | None = None, collectives: tuple[str, ...] = COLLECTIVES,
+          same_size: float = 0.0) -> list[Case]:
     """``n`` cases from ``seed``: about ``controls`` of them controls, the rest disagreements
-    in one field between two or more groups of ranks."""
+    in one field between two or more groups of ranks. ``auto``: the share of allreduces
+    that leave the algorithm to the communicator (by default one in six, like each forced
+    algorithm); ``collectives``: what an op is drawn from (one that stands in it more than
+    once is drawn more often); ``same_size``: the share of dtype disagreements between
+    dtypes of one size."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         world = rng.choice(worlds)
-        base = _base_call(rng, world, max_bytes)
+        base = _base_call(rng, world, max_bytes, auto, collectives)
         if rng.random() < controls:
             out.append(Case(seed, len(out), world, None, (base,) * world))
             continue
         field = rng.choice(FIELDS)
-        other = _variant(rng, base, field, world)
+        other = _variant(rng, base, field, world, same_size)
         if other is None or other == base:
             continue
         odd = rng.sample(range(world), rng.randint(1, world - 1))  # both groups non-empty

@@ -4,6 +4,10 @@ Real processes, each with its own environment: a forced algorithm on one rank on
 error at init on every rank; different tuned profiles and different CPU affinities end in
 one agreed choice and right results; different versions are named. The settings table in
 the code covers every ``RINGCOMM_*`` variable the library reads.
+
+The default suite runs the agreement at world 2 (a setting on one rank only, one on every
+rank, different versions, different tuned profiles); the larger worlds, CPU affinity and
+wrong settings are marked slow.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pytest
 from ringcomm.plan import cost
 from ringcomm.plan.settings import SETTINGS, Scope
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 
 def _quick(result):
@@ -27,7 +31,8 @@ def _quick(result):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world,odd", [(2, 1), (3, 1), (3, 0)])
+@pytest.mark.parametrize("world,odd", [(2, 1), pytest.param(3, 1, marks=slow),
+                                       pytest.param(3, 0, marks=slow)])
 def test_a_forced_algorithm_on_some_ranks_only_is_an_error_at_init_on_every_rank(
         cluster, world, odd):
     env = {odd: {"RINGCOMM_ALGO": "tree"}}
@@ -46,6 +51,15 @@ def test_a_forced_algorithm_on_some_ranks_only_is_an_error_at_init_on_every_rank
             f"[rank {r}] ranks disagree on algorithm (RINGCOMM_ALGO): {parts}. It must be "
             "the same on every rank: set it on all of them or on none."), err["msg"]
         assert err["elapsed"] < 10.0  # far from the 30 s timeout
+
+
+@pytest.mark.timeout(60)
+def test_a_forced_algorithm_on_every_rank_is_agreed_and_run(cluster):
+    env = {r: {"RINGCOMM_ALGO": "tree"} for r in range(2)}
+    sizes = (8, 1 << 20)
+    for x in cluster.run(2, "job_agreement", env=env, sizes=sizes):
+        assert _quick(x)["chosen"] == {n: "tree" for n in sizes}
+        assert x["right"] == [True] * len(sizes)
 
 
 @pytest.mark.timeout(60)
@@ -81,6 +95,7 @@ def test_ranks_with_different_tuned_profiles_run_rank_0s(cluster, tmp_path):
         assert all(all(x["right"]) for x in res), res
 
 
+@slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to differ in")
 def test_ranks_with_different_cpu_affinity_choose_the_same_algorithm(cluster, tmp_path):
@@ -120,6 +135,7 @@ def test_every_setting_is_read_through_its_row_of_the_table():
     assert {s.scope for s in SETTINGS} == set(Scope)
 
 
+@slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("variable,value,says", [
     ("RINGCOMM_ALGO", "treee", "RINGCOMM_ALGO='treee' is not an allreduce algorithm"),

@@ -329,31 +329,44 @@ def test_every_take_reads_the_same_elements_from_a_post_its_peer_made(world, cou
                 assert post.src.offset + step.at - post.at == step.dst.offset, (rank, step)
 
 
-def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read():
-    """Two slots a rank: post 3 reuses post 1's slot, so it waits until the peer has made
-    post 2, which it does only once it has read post 1. A rank that ran further ahead would
-    hand the peer the next op's values in place of this one's."""
+@pytest.mark.parametrize("world,late", [(2, (1,)), (3, (2,)), (3, (1,)), (3, (1, 2))],
+                         ids=["2-late-1", "3-late-2", "3-late-1", "3-late-1-2"])
+def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read(world, late):
+    """Two slots a rank: post 3 reuses post 1's slot, so it waits until every peer has made
+    post 2, which each does only once it has read post 1. Rank 0 runs ahead; the ``late``
+    ranks have not read post 1 yet, the others have and made post 2. A rank that went on
+    before the last late peer had read would hand it the next op's values in place of this
+    one's."""
     import threading
     import time
 
     from ringcomm.transport.header import Header, OpKind
     from ringcomm.transport.inmemory import InMemoryNetwork
 
-    net = InMemoryNetwork(2, board=True)
-    fast, slow = net.transport(0).board, net.transport(1).board
-    assert fast is not None and slow is not None
+    net = InMemoryNetwork(world, board=True)
+    ranks = [net.transport(r).board for r in range(world)]  # each rank's board channel
+    fast = ranks[0]
+    assert all(t is not None for t in ranks)
     header = [Header(n, 8, 2, 0, 0, 0, -1, int(OpKind.ALLREDUCE), 0).pack() for n in range(4)]
     deadline = time.monotonic() + 10
-    fast.post(header[1], np.full(2, 1.0), deadline, "op 1")
-    slow.post(header[1], np.full(2, -1.0), deadline, "op 1")
+    f64 = np.dtype(np.float64)
+    for r, t in enumerate(ranks):
+        t.post(header[1], np.full(2, 1.0 if r == 0 else -1.0), deadline, "op 1")
     fast.post(header[2], np.full(2, 2.0), deadline, "op 2")  # slot 0: post 1's slot is 1
+    for r, t in enumerate(ranks[1:], 1):
+        if r not in late:  # reads post 1, then makes post 2
+            assert t.take(0, header[1], f64, 2, deadline, "op 1").tolist() == [1.0, 1.0]
+            t.post(header[2], np.full(2, -2.0), deadline, "op 2")
     third = threading.Thread(target=fast.post,
                              args=(header[3], np.full(2, 3.0), deadline, "op 3"))
-    third.start()  # post 3 goes into post 1's slot: must wait for the slow rank's post 2
-    time.sleep(0.2)
-    got = slow.take(0, header[1], np.dtype(np.float64), 2, deadline, "op 1").copy()
-    assert third.is_alive(), "post 3 overwrote post 1 before the peer had read it"
-    slow.post(header[2], np.full(2, -2.0), deadline, "op 2")
-    third.join(5)
-    assert not third.is_alive()
-    assert got.tolist() == [1.0, 1.0]
+    third.start()  # post 3 goes into post 1's slot: must wait for every late rank's post 2
+    try:
+        for r in late:
+            time.sleep(0.2)
+            assert third.is_alive(), f"post 3 overwrote post 1 before rank {r} had read it"
+            got = ranks[r].take(0, header[1], f64, 2, deadline, "op 1").tolist()
+            assert got == [1.0, 1.0], (r, got)
+            ranks[r].post(header[2], np.full(2, -2.0), deadline, "op 2")
+    finally:
+        third.join(5)
+    assert not third.is_alive(), "post 3 still waits although every peer made post 2"

@@ -344,6 +344,72 @@ def test_an_op_that_fails_leaves_device_memory_as_it_was():
         np.testing.assert_array_equal(got, 1.0)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("traced", [False, True], ids=["short-way", "traced"])
+def test_device_arrays_on_the_board_are_staged_without_a_forced_algorithm(world, traced):
+    """A group with a shared board and no forced algorithm runs a small allreduce one-shot
+    and a large one two-shot (three posts of a piece each), broadcasts, all-gathers and
+    barriers on the board: device arrays go through host memory there too, copied in after
+    ``before_op`` and back before ``after_op``. Untraced, a blocking allreduce takes the
+    communicator's short way; traced, the general one, whose trace shows the board ran
+    every op."""
+    from ringcomm.transport.board import SLOT_BYTES
+
+    f32 = np.dtype(np.float32)
+    large = 2 * SLOT_BYTES // f32.itemsize + 5
+
+    def fn(comm):
+        r, n = comm.rank, comm.world_size
+        arrays = {
+            "small allreduce": FakeDeviceArray(values(r, 7, 0, f32)),
+            "large allreduce": FakeDeviceArray(values(r, large, 1, f32)),
+            "async allreduce": FakeDeviceArray(values(r, 7, 2, f32)),
+            "broadcast": FakeDeviceArray(values(r, 9, 3, f32)),
+            "allgather x": FakeDeviceArray(values(r, 5, 4, f32)),
+            "allgather out": FakeDeviceArray.empty(5 * n, f32),
+        }
+        chosen = [comm.allreduce_algorithm(arrays[name].nbytes)
+                  for name in ("small allreduce", "large allreduce")]
+        assert comm.allreduce(arrays["small allreduce"]) is arrays["small allreduce"]
+        comm.barrier()
+        comm.allreduce(arrays["large allreduce"])
+        comm.allreduce(arrays["async allreduce"], "max", async_op=True).wait(timeout=20)
+        comm.broadcast(arrays["broadcast"], root=n - 1)
+        comm.allgather(arrays["allgather out"], arrays["allgather x"])
+        comm.barrier()
+        return (chosen, {name: list(a.log) for name, a in arrays.items()},
+                {name: a.to_host() for name, a in arrays.items()})
+
+    trace = [] if traced else None
+    results = run_group(world, fn, board=True, trace=trace, timeout=20)
+    ranks = range(world)
+    read_write = ["wait", "to_host", "from_host", "record"]
+    for r, (chosen, logs, got) in enumerate(results):
+        assert chosen == ["board", "twoshot"], chosen
+        assert logs == {
+            "small allreduce": read_write,
+            "large allreduce": read_write,
+            "async allreduce": read_write,
+            "broadcast": read_write if r == world - 1 else ["wait", "from_host", "record"],
+            "allgather x": ["wait", "to_host", "record"],
+            "allgather out": ["wait", "from_host", "record"],
+        }, r
+        want = {
+            "small allreduce": sum(values(s, 7, 0, np.dtype(np.float64)) for s in ranks),
+            "large allreduce": sum(values(s, large, 1, np.dtype(np.float64)) for s in ranks),
+            "async allreduce": np.max([values(s, 7, 2, f32) for s in ranks], axis=0),
+            "broadcast": values(world - 1, 9, 3, f32),
+            "allgather x": values(r, 5, 4, f32),
+            "allgather out": np.concatenate([values(s, 5, 4, f32) for s in ranks]),
+        }
+        for name, expected in want.items():
+            assert got[name].tobytes() == expected.astype(f32).tobytes(), (name, r)
+    if trace is not None:
+        ran = {(e.op.split(" #")[0], e.algorithm) for e in trace}
+        assert ran == {("allreduce", "board"), ("allreduce", "twoshot"), ("barrier", "board"),
+                       ("broadcast", "board"), ("allgather", "board")}, ran
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fake_device_allreduce_over_real_processes(cluster):

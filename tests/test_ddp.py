@@ -56,8 +56,12 @@ def test_find_unused_parameters_matches_one_process_step_by_step(ranks, backend)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sync_accumulates_locally_then_averages_once(ranks, backend):
+    """Also with find_unused_parameters, where a parameter is used under no_sync only (by
+    every rank, or by one): the synced step averages what it accumulated, as one process
+    on the full batch gets it."""
     assert ranks.run("job_no_sync", 2, timeout=50, backend=backend, steps=3) == [
-        ["copy", "view"]] * 2
+        ["copy", "view", "unused, used under no_sync by every rank",
+         "unused, used under no_sync by rank 0"]] * 2
 
 
 @pytest.mark.timeout(60)

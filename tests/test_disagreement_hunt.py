@@ -2,9 +2,10 @@
 op never get a wrong result, always get a typed error, and never hang; ranks that agree get
 right and (for reductions) bitwise identical results.
 
-In one process over in-memory channels (hundreds of cases, seconds) and over real processes
-(tens of cases, ipc and tcp). Reproducible: a failure prints the seed and the case;
-``RINGCOMM_HUNT_SEED`` replays a seed, ``RINGCOMM_HUNT_CASES`` runs more cases.
+In one process over in-memory channels (hundreds of cases, seconds), on links only and with
+the shared board, and over real processes (tens of cases, ipc and tcp). Reproducible: a
+failure prints the seed and the case; ``RINGCOMM_HUNT_SEED`` replays a seed,
+``RINGCOMM_HUNT_CASES`` runs more cases.
 """
 
 from __future__ import annotations
@@ -22,25 +23,54 @@ IN_MEMORY_CASES = int(os.environ.get("RINGCOMM_HUNT_CASES", "400"))
 TIMEOUT = 2.0  # s per op: an in-memory rank that waits for a message nobody sends times out
 MARGIN = 4.0  # s: generous, many groups share the interpreter; far below a hang
 
+# The engines an in-memory group runs its ops on: links only (every collective and forced
+# algorithm alike), or the shared board as well, which takes allreduces left to the
+# automatic choice (one-shot, or two-shot in posts of up to 1 MiB), small broadcasts and
+# all-gathers, and every case's closing barrier. The board's hunt draws those more often,
+# so that its fewer cases still bring disagreements in dtype and reduce op to the board,
+# half of those in dtype between dtypes of one size (float32 and int32, say), which only
+# the header tells apart.
+ENGINES = {
+    "links": (False, IN_MEMORY_CASES, {}),
+    "board": (True, IN_MEMORY_CASES * 3 // 10, dict(
+        auto=0.6, max_bytes=2 << 20, same_size=0.5,
+        collectives=(*hunt.COLLECTIVES, "allreduce", "allreduce", "broadcast", "allgather"))),
+}
 
-def _in_memory(case: hunt.Case) -> list[str]:
+
+def _in_memory(case: hunt.Case, board: bool) -> list[str]:
     def rank_main(comm):
         call = case.calls[comm.rank]
         comm.segment_bytes = call.segment  # a setting the ranks failed to agree on
         return hunt.play(comm, call)
 
-    reports = run_group(case.world, rank_main, timeout=TIMEOUT, return_errors=True)
+    reports = run_group(case.world, rank_main, timeout=TIMEOUT, return_errors=True,
+                        board=board)
     problems = [f"rank {r}: {rep!r}" for r, rep in enumerate(reports)
                 if not isinstance(rep, dict)]  # an error outside the ops: a bug
     return problems or hunt.judge(case, reports, timeout=TIMEOUT, margin=MARGIN)
 
 
+def _on_the_board(case: hunt.Case, field: str, *, one_size: bool = False) -> bool:
+    """Whether ``case`` is a disagreement in ``field`` about an allreduce left to the
+    automatic choice (which a group with a board runs there); ``one_size``: between dtypes
+    of one size."""
+    return case.field == field and any(
+        c.collective == "allreduce" and c.algorithm is None for c in case.calls) and (
+        not one_size or len({hunt.data(0, 1, c.dtype).itemsize for c in case.calls}) == 1)
+
+
 @pytest.mark.timeout(240)
-def test_the_hunt_over_in_memory_ranks_finds_no_silent_wrong_result():
-    all_cases = hunt.cases(SEED, IN_MEMORY_CASES, worlds=(2, 3, 4, 5, 6))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_hunt_over_in_memory_ranks_finds_no_silent_wrong_result(engine):
+    board, n, how = ENGINES[engine]
+    all_cases = hunt.cases(SEED, n, worlds=(2, 3, 4, 5, 6), **how)
     assert {c.field for c in all_cases} == {None, *hunt.FIELDS}  # every kind is hunted
+    if board:
+        assert any(_on_the_board(c, "op") for c in all_cases)
+        assert any(_on_the_board(c, "dtype", one_size=True) for c in all_cases)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        verdicts = list(pool.map(_in_memory, all_cases))
+        verdicts = list(pool.map(_in_memory, all_cases, [board] * len(all_cases)))
     failed = [f"{case.describe()}\n    " + "\n    ".join(problems)
               for case, problems in zip(all_cases, verdicts, strict=True) if problems]
     assert not failed, f"{len(failed)} of {len(all_cases)} cases failed:\n" + "\n".join(

@@ -7,6 +7,9 @@ closes, and sends back what the test asserts on. A rank that hangs is killed aft
 time limit and one that dies is replaced, so a failure here never blocks the suite. The
 schedules themselves are covered in one process by ``test_algorithms.py``; these tests are
 about what only real processes show: sockets, the wire format, process death and teardown.
+
+The default suite runs every collective and point-to-point op at world 2 (ipc with torch
+tensors, tcp with numpy arrays); the rest is marked slow.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from mp_helpers import IPC_BASE, free_port
 import ringcomm
 from ringcomm import CommError, StoreError, StoreTimeout
 
-pytestmark = pytest.mark.slow
-
+slow = pytest.mark.slow
+FAST_GROUPS = {("ipc", 2, "torch"), ("tcp", 2, "numpy")}  # the default suite's
 GROUPS = [pytest.param(t, w, id=f"{t}-{w}") for t in ("ipc", "tcp") for w in (2, 3)]
 FAST = 5.0  # s: errors come from a peer's abort or a closed connection, far within the jobs'
 # op timeouts (20-30 s), never from a timeout
@@ -35,9 +38,10 @@ FAST = 5.0  # s: errors come from a peer's abort or a closed connection, far wit
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport,world,lib", [
-    *(pytest.param(t, w, lib, id=f"{t}-{w}-{lib}") for t in ("ipc", "tcp") for w in (2, 3)
-      for lib in ("numpy", "torch")),
-    pytest.param("ipc", 4, "torch", id="ipc-4-torch"),
+    *(pytest.param(t, w, lib, id=f"{t}-{w}-{lib}",
+                   marks=() if (t, w, lib) in FAST_GROUPS else slow)
+      for t in ("ipc", "tcp") for w in (2, 3) for lib in ("numpy", "torch")),
+    pytest.param("ipc", 4, "torch", id="ipc-4-torch", marks=slow),
 ])
 def test_every_collective_gives_checked_values(cluster, transport, world, lib):
     """allreduce (sum/max/avg), reduce_scatter and allgather in float32, float64, int64,
@@ -53,7 +57,9 @@ def test_every_collective_gives_checked_values(cluster, transport, world, lib):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport,world", [*GROUPS, ("tcp", 4)])
+@pytest.mark.parametrize("transport,world", [
+    *(pytest.param(*g.values, id=g.id, marks=() if g.id == "ipc-2" else slow) for g in GROUPS),
+    pytest.param("tcp", 4, marks=slow)])
 def test_async_ops_overlap_and_complete_in_issue_order_and_p2p_tags_match(
         cluster, transport, world):
     done = cluster.run(world, "job_async_and_p2p", transport=transport)
@@ -62,6 +68,7 @@ def test_async_ops_overlap_and_complete_in_issue_order_and_p2p_tags_match(
     assert done == [expected] * world
 
 
+@slow
 @pytest.mark.timeout(30)
 def test_world_of_one(cluster):
     assert cluster.run(1, "job_world_one") == [True]
@@ -70,6 +77,7 @@ def test_world_of_one(cluster):
 # --------------------------------------------------------------------------- wrong input
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport,world", GROUPS)
 def test_bad_arguments_raise_on_the_caller_before_anything_is_sent(cluster, transport, world):
@@ -112,6 +120,7 @@ def _either_side(odd: int, world: int, template: str, mine: str, theirs: str) ->
     return found
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", ["dtype", "torch-dtype", "count", "big-count", "op"])
 @pytest.mark.parametrize("transport,world", GROUPS)
@@ -141,6 +150,7 @@ def test_ranks_that_disagree_all_raise_typed_errors(cluster, transport, world, c
     assert "Every rank must call the same collectives" in errs[0]["msg"]
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("algorithm", ["tree", "dbtree", "hd", "rd"])
 @pytest.mark.parametrize("world", [3, 4])
@@ -158,6 +168,7 @@ def test_ranks_in_different_collectives_find_out_by_probing_while_they_stall(
     assert any(n in e["msg"] for e in errs for n in needles), errs
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_rank_that_fails_aborts_peers_that_had_no_way_to_notice(cluster, world):
@@ -170,6 +181,7 @@ def test_a_rank_that_fails_aborts_peers_that_had_no_way_to_notice(cluster, world
     assert "float32" in errs[0]["msg"]
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", ["broadcast-count", "root", "tag"])
 @pytest.mark.parametrize("transport,world", GROUPS)
@@ -232,6 +244,7 @@ def _victim_run(cluster, tmp_path, world, victim, **kw):
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
+@slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport,world,victim,when,how", [
     ("ipc", 2, 1, "before", "exit"),
@@ -252,6 +265,7 @@ def test_a_dead_peer_gives_peer_lost_errors_fast(cluster, tmp_path, transport, w
     _check_peer_death(res, victim, limit=FAST)
 
 
+@slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world,victim,when,how", [
     (2, 1, "sleeping", "kill"),
@@ -268,6 +282,7 @@ def test_a_dead_peer_on_the_shared_board_gives_peer_lost_errors_fast(cluster, tm
     _check_peer_death(res, victim, limit=FAST)
 
 
+@slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport,world", [("ipc", 2), ("tcp", 3)])
 def test_a_rank_that_only_sends_to_a_dead_peer_raises_peer_lost(cluster, tmp_path, transport,
@@ -287,6 +302,7 @@ def test_a_rank_that_only_sends_to_a_dead_peer_raises_peer_lost(cluster, tmp_pat
 # --------------------------------------------------------------------------- store and close
 
 
+@slow
 @pytest.mark.timeout(30)
 def test_an_unreachable_store_fails_fast_with_a_store_error():
     port = free_port()  # nothing listens there
@@ -297,6 +313,7 @@ def test_an_unreachable_store_fails_fast_with_a_store_error():
     assert not [t for t in threading.enumerate() if t.name.startswith("ringcomm")]
 
 
+@slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("bind_host", ["127.0.0.1", "0.0.0.0"])
 def test_serving_the_store_on_a_port_in_use_says_so(bind_host):
@@ -313,6 +330,7 @@ def test_serving_the_store_on_a_port_in_use_says_so(bind_host):
     assert not [t for t in threading.enumerate() if t.name.startswith("ringcomm")]
 
 
+@slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport,world", GROUPS)
 def test_close_releases_files_and_threads_and_init_works_again(cluster, transport, world):
@@ -326,12 +344,14 @@ def test_close_releases_files_and_threads_and_init_works_again(cluster, transpor
         assert dirs == [None] * len(dirs)
 
 
+@slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport,world", [("ipc", 3), ("tcp", 2)])
 def test_ranks_with_different_histories_still_meet(cluster, transport, world):
     assert cluster.run(world, "job_uneven_history", transport=transport) == [world] * world
 
 
+@slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport,world", [("ipc", 3), ("tcp", 4)])
 def test_split_makes_working_sub_communicators(cluster, transport, world):

@@ -73,8 +73,9 @@ class Ranks:
         self.inboxes: list[Any] = [None] * size
         self._ids = itertools.count()
 
-    def start(self) -> None:
-        for r in range(self.size):
+    def start(self, count: int | None = None) -> None:
+        """Start ranks ``0..count-1`` (all of them by default) that are not running."""
+        for r in range(self.size if count is None else count):
             p = self.procs[r]
             if p is None or not p.is_alive():
                 self.inboxes[r] = self.ctx.Queue()
@@ -98,7 +99,7 @@ class Ranks:
             **kwargs: Any) -> list[Any]:
         """Run ``job(rank=r, world=world, **kwargs)`` on ranks ``0..world-1``."""
         world = world or self.size
-        self.start()
+        self.start(world)
         job_id = next(self._ids)
         ports = [free_port() for _ in range(3)]
         with tempfile.TemporaryDirectory(prefix="ringcomm-torch-") as folder:
@@ -729,6 +730,41 @@ def job_another_default_device(rank: int, world: int, port: int, file: str, **_:
         finally:
             torch.set_default_device(None)
     return got
+
+
+def job_staged_async(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
+    """Async calls on tensors the group cannot use in place (a column, a transposed view, a
+    dtype moved as bytes, lists of outputs), every op handed to the worker
+    (RINGCOMM_INLINE_BYTES=0): the results reach the caller's tensors when the work
+    completes, before ``wait`` returns and before its future's callbacks run."""
+    os.environ["RINGCOMM_INLINE_BYTES"] = "0"
+    ranks, last = range(world), world - 1
+    try:
+        with group(rank, world, port, file):
+            m = torch.arange(24.0).reshape(4, 6) * (rank + 1)
+            b = (torch.arange(6) + 10 * rank).reshape(2, 3).t()
+            u16 = [torch.zeros(3, dtype=torch.uint16) for _ in ranks]
+            gathered = [torch.zeros(2, 4).t() for _ in ranks] if rank == 0 else None
+            scattered = torch.zeros(2, 3).t()
+            pieces = [torch.arange(6.0).reshape(3, 2) + 10 * j for j in ranks]
+            works = [
+                dist.all_reduce(m[:, 1], async_op=True),
+                dist.broadcast(b, src=last, async_op=True),
+                dist.gather(vals(rank, 8).reshape(4, 2), gathered, dst=0, async_op=True),
+                dist.scatter(scattered, pieces if rank == last else None, src=last,
+                             async_op=True),
+            ]
+            work = dist.all_gather(u16, torch.full((3,), 60000 + rank, dtype=torch.uint16),
+                                   async_op=True)
+            seen = work.get_future().then(lambda _: [t.int().tolist() for t in u16])
+            for w in [*works, work]:
+                w.wait()
+            return {"all_reduce": m.tolist(), "broadcast": b.tolist(),
+                    "gather": None if gathered is None else [g.tolist() for g in gathered],
+                    "scatter": scattered.tolist(), "all_gather": seen.wait(),
+                    "completed": all(w.is_completed() for w in [*works, work])}
+    finally:
+        del os.environ["RINGCOMM_INLINE_BYTES"]
 
 
 def job_size_mismatch(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
