@@ -3,6 +3,9 @@
     ringcomm schedule allreduce --world-size 4 --count 8      # every rank's steps
     ringcomm schedule allreduce -n 4 -c 8 --rank 1 --segment 1
     ringcomm schedule allreduce_dbtree -n 8 -c 16 --rank 3      # the other algorithms
+    ringcomm schedule --choices -n 4                           # what runs, by size, and why
+    ringcomm trace merge traces/ -o trace.json                 # RINGCOMM_TRACE's files
+    ringcomm trace plot trace.json -o timeline.png
     ringcomm store --port 29500                                # a stand-alone store
     ringcomm tune -n 2 4                                       # fit the cost model here
     ringcomm bench --quick                                     # against gloo (and nccl)
@@ -10,7 +13,8 @@
     ringcomm --version                                         # also: python -m ringcomm
 
 ``schedule`` prints exactly the step lists the executor runs, so a reader can follow a
-collective rank by rank: which chunk goes to which neighbour in which round.
+collective rank by rank: which chunk goes to which neighbour in which round; with
+``--choices`` it prints what the selector runs for each collective and size, and why.
 """
 
 from __future__ import annotations
@@ -61,7 +65,59 @@ _EPILOG = ("Most users meet ringcomm through torch: dist.init_process_group(\"ri
            "DEBUG one per op.")
 
 
+def _print_choices(args: argparse.Namespace) -> None:
+    """The selector's table for a group of this machine's kind: ``--world-size`` ranks on
+    one host (with the shared board where this host has one, unless ``--no-board``), or
+    ``--hosts HxR``."""
+    from .plan.select import Group, Selector, choices
+    from .plan.settings import Settings
+    from .plan.topology import Topology
+    from .runtime.local import simulated_hosts
+    from .transport import board, shm_ring
+
+    if args.hosts:
+        hosts, per_host = _hosts(args.hosts)
+        world = hosts * per_host
+        topology = simulated_hosts(world, [list(range(h * per_host, (h + 1) * per_host))
+                                           for h in range(hosts)])
+        has_board = False
+    else:
+        world = args.world_size
+        if world < 1:
+            raise ArgumentError(f"--world-size must be at least 1, got {world}")
+        topology = Topology.single_host(world)
+        has_board = world > 1 and not args.no_board and board.wanted() and \
+            shm_ring.available()
+    settings = Settings.local()
+    selector = Selector(Group(world, has_board, settings, topology, settings.segment_bytes))
+    collectives = [args.collective] if args.collective else None
+    where = f"{args.hosts} hosts x ranks" if args.hosts else \
+        f"one host, {'with' if has_board else 'without'} a shared board"
+    print(f"what runs for {world} ranks ({where}), by size (float32, sizes at powers of two):")
+    rows = [("collective", "sizes", "engine", "algorithm", "why")]
+    for band in choices(selector, collectives):
+        rows.append((band.collective, band.sizes, band.choice.engine, band.choice.algorithm,
+                     band.choice.why))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4]))
+              + "  " + row[4])
+
+
+def _hosts(text: str) -> tuple[int, int]:
+    hosts, sep, ranks = text.lower().partition("x")
+    if not sep or not hosts.isdigit() or not ranks.isdigit() or int(hosts) < 1 \
+            or int(ranks) < 1:
+        raise ArgumentError(f"--hosts {text!r} is not HOSTSxRANKS, e.g. 2x2")
+    return int(hosts), int(ranks)
+
+
 def _print_schedules(args: argparse.Namespace) -> None:
+    if args.choices:
+        _print_choices(args)
+        return
+    if args.collective is None:
+        raise ArgumentError("name a collective to print its steps, or pass --choices")
     if args.world_size < 1:
         raise ArgumentError(f"--world-size must be at least 1, got {args.world_size}")
     if args.count < 0:
@@ -102,23 +158,39 @@ def _env(args: argparse.Namespace) -> None:
     print(report())
 
 
-def _bench(argv: list[str]) -> None:
-    """The benchmarks live in the ``ringcomm_bench`` package (the ``bench/`` folder), which
-    depends on ringcomm, not the other way round: import it only when asked for. It says
-    itself which extra a run needs."""
+def _trace(args: argparse.Namespace) -> None:
+    if args.action == "merge":
+        from .observe.merge import main as merge
+
+        print(merge(args.source, args.output or "trace.json"))
+    else:
+        from .observe.plot import main as plot
+
+        print(plot(args.source, args.output or "timeline.png"))
+
+
+def _plugin(name: str, argv: list[str]) -> None:
+    """A command another package provides through the ``ringcomm.commands`` entry points:
+    ``bench`` is the harness in ``bench/`` (installed as ``ringcomm_bench``), which depends
+    on ringcomm, never the other way round. It says itself which extra a run needs."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="ringcomm.commands") if ep.name == name]
     try:
-        from ringcomm_bench.cli import main as bench_main
+        if not found:
+            raise ImportError(f"no package provides the command {name!r}")
+        command = found[0].load()
     except ImportError as err:
-        raise SystemExit(f"ringcomm bench: the benchmark harness cannot be imported ({err}); "
+        raise SystemExit(f"ringcomm {name}: the benchmark harness cannot be loaded ({err}); "
                          "install ringcomm with its extra: pip install 'ringcomm[bench]'"
                          ) from None
-    raise SystemExit(bench_main(argv))
+    raise SystemExit(command(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its options are its own, parsed by the bench package
-        _bench(argv[1:])
+        _plugin("bench", argv[1:])
     parser = argparse.ArgumentParser(
         prog="ringcomm", description=__doc__.split("\n\n")[0] + "\n\n" + _EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,8 +199,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     sched = sub.add_parser("schedule", help="print a collective's steps, rank by rank",
                            description="Print the step lists the executor runs.")
-    sched.add_argument("collective", choices=sorted(_SCHEDULES),
+    sched.add_argument("collective", nargs="?", choices=sorted(_SCHEDULES),
                        help="; ".join(f"{k}: {v[0]}" for k, v in _SCHEDULES.items()))
+    sched.add_argument("--choices", action="store_true",
+                       help="print what the selector runs for each collective (or the one "
+                       "named) and size band, on which engine, and why")
+    sched.add_argument("--hosts", default=None, metavar="HxR",
+                       help="with --choices: H hosts of R ranks each (no shared board)")
+    sched.add_argument("--no-board", action="store_true",
+                       help="with --choices: a group without the shared board")
     sched.add_argument("-n", "--world-size", type=int, default=4)
     sched.add_argument("-c", "--count", type=int, default=8, help="elements")
     sched.add_argument("-s", "--segment", type=int, default=0,
@@ -162,6 +241,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     tune.add_argument("-o", "--output", default=None, help="profile file (default: "
                       "$RINGCOMM_PROFILE or ~/.cache/ringcomm/profile.json)")
     tune.set_defaults(run=_tune)
+
+    trace = sub.add_parser("trace", help="merge the timelines of RINGCOMM_TRACE, or plot one",
+                           description="merge FOLDER: every rank's timeline (rank<N>.json) on "
+                           "rank 0's clock, in one Chrome trace-event file for Perfetto or "
+                           "chrome://tracing, with each clock's offset and error. plot FILE: "
+                           "draw a timeline as a PNG (matplotlib).")
+    trace.add_argument("action", choices=("merge", "plot"))
+    trace.add_argument("source", help="merge: the folder of rank files; plot: a timeline")
+    trace.add_argument("-o", "--output", default=None,
+                       help="default: trace.json (merge), timeline.png (plot)")
+    trace.set_defaults(run=_trace)
 
     sub.add_parser("bench", add_help=False,
                    help="benchmark the collectives against gloo and nccl, or DDP training "

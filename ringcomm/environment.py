@@ -59,6 +59,13 @@ def report() -> str:
     others = sorted(k for k in os.environ if k.startswith("RINGCOMM_")
                     and k not in {s.env for s in SETTINGS})
     lines += [f"  {k} = {os.environ[k]!r}" for k in others]
+    from .transport.kinds import KINDS
+
+    lines.append("link kinds, asked in this order for each pair (the first that serves it "
+                 "links it; comm.describe() says which each pair got, and why)")
+    for kind in KINDS:
+        about = (sys.modules[kind.__module__].__doc__ or "").strip().split("\n\n")[0]
+        lines.append(f"  {kind.name}: {' '.join(about.split())}")
     shm = shm_ring.available()
     free = shutil.disk_usage(shm_ring.SHM_DIR).free >> 20 if shm else 0
     lines += ["links on this host",

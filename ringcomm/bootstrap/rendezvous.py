@@ -32,7 +32,9 @@ from .._support import check_platform
 from .._version import __version__
 from ..core import config
 from ..errors import ArgumentError, CommError, StoreError
+from ..observe.clock import through_store
 from ..plan.settings import agree, propose
+from ..plan.topology import RankFacts
 from ..runtime.communicator import Communicator
 from ..transport.group import GroupTransport
 from .link_probe import measure_remote
@@ -50,6 +52,7 @@ def init(
     segment_bytes: int | None = None,
     transport: str | None = None,
     host: str | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Communicator:
     """Join a group and return its communicator.
 
@@ -59,7 +62,9 @@ def init(
     ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
     ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
     the IPv4 address of the interface named by ``RINGCOMM_SOCKET_IFNAME``, else the local
-    end of a route to the store's host).
+    end of a route to the store's host). ``trace`` (or ``RINGCOMM_TRACE``) names a folder
+    this rank writes its timeline to (``rank<r>.json``, when the communicator closes);
+    every rank's clock is measured against rank 0's through the store for it.
     """
     check_platform()  # Linux only: say so before anything else
     rank = rank if rank is not None else env_int("RANK")
@@ -104,10 +109,12 @@ def init(
         try:  # this rank's own settings and address; a mistake here is told to every rank
             proposal, failure = propose(segment_bytes=segment_bytes, transport=transport), None
             host = host or _reachable_host(address)
+            trace = trace if trace is not None else config.value("trace")
         except ArgumentError as err:
             proposal, failure = None, err
         settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal,
-                                   failure=failure)
+                                   failure=failure,
+                                   facts=RankFacts.here(traces=bool(trace)))
         assert host is not None  # found above, or agree raised the failure on every rank
         chans = GroupTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout)
@@ -126,12 +133,24 @@ def init(
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys
         measure_remote(comm)  # several hosts: the link between them, agreed
+        tracing = [r for r, facts in enumerate(topology.ranks) if facts.traces]
+        if tracing:  # every rank's clock against rank 0's, for the timelines to line up
+            clock = through_store(scoped, rank, tracing, timeout)
+            if trace:
+                comm.keep_timeline(_timeline_folder(trace, generation), clock)
     except CommError:
         comm.close()
         raise
     if log.isEnabledFor(logging.INFO):
         log.info("%s", summary(comm))
     return comm
+
+
+def _timeline_folder(trace: str | os.PathLike[str], generation: int) -> str:
+    """Where this communicator's timeline goes: the folder itself for a job's first group on
+    its store, ``group<n>/`` in it for later ones (torch's ``new_group``, ``comm.split``),
+    so that no two groups write the same file and ``ringcomm trace merge`` reads one."""
+    return str(trace) if generation == 1 else os.path.join(str(trace), f"group{generation}")
 
 
 def summary(comm: Communicator) -> str:

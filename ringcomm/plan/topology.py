@@ -39,25 +39,27 @@ def _affinity() -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """One rank's facts: its host's identity and name, the cores it may run on, its pid."""
+    """One rank's facts: its host's identity and name, the cores it may run on, its pid, and
+    whether it keeps a timeline (so that rank 0 answers its clock's questions at init)."""
 
     host: str
     hostname: str
     cpus: tuple[int, ...]
     pid: int
+    traces: bool = False
 
     @classmethod
-    def here(cls) -> RankFacts:
-        return cls(host_identity(), socket.gethostname(), _affinity(), os.getpid())
+    def here(cls, *, traces: bool = False) -> RankFacts:
+        return cls(host_identity(), socket.gethostname(), _affinity(), os.getpid(), traces)
 
     def to_json(self) -> dict[str, Any]:
         return {"host": self.host, "hostname": self.hostname, "cpus": list(self.cpus),
-                "pid": self.pid}
+                "pid": self.pid, "traces": self.traces}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RankFacts:
         return cls(str(raw["host"]), str(raw["hostname"]), tuple(int(c) for c in raw["cpus"]),
-                   int(raw["pid"]))
+                   int(raw["pid"]), bool(raw.get("traces", False)))
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -39,6 +41,8 @@ from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
 from ..engines.wrapping import Wiring, Wrapper
 from ..errors import ArgumentError, CommAborted, DesyncError
+from ..observe.clock import over_links
+from ..observe.timeline import Clock, Timeline
 from ..plan.collectives import COLLECTIVES
 from ..plan.select import Choice, Group, Selector
 from ..plan.settings import Settings
@@ -118,6 +122,7 @@ class Communicator:
         self._p2p_sent = [0] * self.world_size
         self._closed = False
         self._close_lock = threading.Lock()
+        self._write_timeline: weakref.finalize[..., Any] | None = None
         self.wiring = Wiring.of(transport, transport.board, wrappers)
         self.selector = self._selector()
         self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
@@ -190,6 +195,38 @@ class Communicator:
         if self.wiring.wrappers:
             lines.append("wrappers: " + ", ".join(w.name for w in self.wiring.wrappers))
         return "\n".join(lines)
+
+    @contextmanager
+    def tracing(self, folder: str | os.PathLike[str]) -> Iterator[Timeline]:
+        """Record this rank's timeline for the body of a ``with`` and write it to
+        ``folder/rank<r>.json`` at its end (``ringcomm trace merge folder`` puts the ranks
+        together). Every rank enters it together, like a collective: it measures this
+        rank's clock against rank 0's over the links first.
+
+        Example::
+
+            with comm.tracing("traces"):
+                comm.allreduce(x)
+        """
+        self._settle()
+        clock = over_links(self)
+        timeline = Timeline(self.rank, self.world_size, folder, config.value("trace_events"),
+                            clock)
+        with self.wrapped(timeline):
+            yield timeline
+        timeline.write()
+
+    def keep_timeline(self, folder: str | os.PathLike[str], clock: Clock) -> Timeline:
+        """Record this rank's timeline from now on (``RINGCOMM_TRACE``,
+        ``ringcomm.init(trace=)``): written to ``folder/rank<r>.json`` when the communicator
+        closes, or when the program exits without closing it."""
+        timeline = Timeline(self.rank, self.world_size, folder, config.value("trace_events"),
+                            clock)
+        self._settle()
+        self.wiring.install(timeline)
+        self._ops.forget_plans()
+        self._write_timeline = weakref.finalize(self, timeline.write)
+        return timeline
 
     @contextmanager
     def wrapped(self, wrapper: Wrapper) -> Iterator[Wrapper]:
@@ -468,6 +505,8 @@ class Communicator:
                 return
             self._closed = True
         self._ops.stop()
+        if self._write_timeline is not None:
+            self._write_timeline()  # once: the finalizer is spent
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()
