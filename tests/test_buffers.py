@@ -30,6 +30,7 @@ from ringcomm.core.arrays import (
 )
 from ringcomm.core.dtypes import REDUCE_OPS
 from ringcomm.core.fake_device import FakeDeviceArray, FakeDeviceKind, FakeStream
+from ringcomm.core.tensors import TorchCUDAKind
 from ringcomm.runtime.local import run_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,8 +74,23 @@ class Fake:
         return x.to_host().reshape(-1)
 
 
+class TorchCUDA(Torch):
+    """CUDA tensors: device memory, staged through the host by their kind (run where there
+    is a GPU)."""
+
+    kind = TorchCUDAKind
+
+    def make(self, values: np.ndarray) -> torch.Tensor:
+        return super().make(values).cuda()
+
+    def read(self, x: torch.Tensor) -> np.ndarray:
+        return super().read(x.cpu())
+
+
 KINDS = [Numpy(), Torch(), Fake()]
 IDS = ["numpy", "torch", "fake"]
+NEEDS_A_GPU = [pytest.param(TorchCUDA(), id="cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA tensors need a GPU"))]
 
 
 def values(rank: int, count: int, salt: int, dtype: np.dtype) -> np.ndarray:
@@ -88,12 +104,14 @@ def split(src: int, dst: int) -> int:
 
 
 def test_every_registered_kind_is_tested():
-    assert {type(k) for k in kinds()} == {k.kind for k in KINDS}
+    tested = {k.kind for k in KINDS} | {p.values[0].kind for p in NEEDS_A_GPU}
+    assert {type(k) for k in kinds()} == tested
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("lib", KINDS, ids=IDS)
+@pytest.mark.parametrize("lib", [*(pytest.param(k, id=i) for k, i in zip(KINDS, IDS, strict=True)),
+                                 *NEEDS_A_GPU])
 def test_every_op_matches_numpy(lib, world, dtype):
     dt, count = DTYPES[dtype], 7
 
@@ -237,11 +255,11 @@ def test_host_buffers_are_the_callers_memory(lib):
 
 
 def test_inputs_no_kind_takes_are_refused_with_what_to_pass():
-    with pytest.raises(ArgumentError, match="x must be a numpy array or a torch CPU tensor or "
-                       "a ringcomm FakeDeviceArray, got list"):
+    with pytest.raises(ArgumentError, match="x must be a numpy array or .*, got list") as err:
         as_buffer([1.0])
-    with pytest.raises(ArgumentError, match=r"y is on meta; Communicator takes host memory: "
-                       r"copy it with y.cpu\(\).*or use the torch backend"):
+    assert all(kind.noun in str(err.value) for kind in kinds())
+    with pytest.raises(ArgumentError, match=r"y is on meta; Communicator takes host memory "
+                       r"and CUDA tensors: copy it with y.cpu\(\).*or use the torch backend"):
         as_buffer(torch.empty(3, device="meta"), name="y")
     with pytest.raises(ArgumentError, match="dtype <U1 is not supported"):
         as_buffer(FakeDeviceArray(np.array(["a"])))

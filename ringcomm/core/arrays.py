@@ -319,8 +319,8 @@ class NumpyKind(HostKind):
 
 class TorchCPUKind(HostKind):
     """torch tensors, recognised without importing torch; bfloat16 is viewed as
-    ``ml_dtypes.bfloat16``. Tensors on a device are refused here until a kind for them is
-    registered."""
+    ``ml_dtypes.bfloat16``. Tensors on a device are refused here unless a kind for them is
+    registered (CUDA's is, in ``ringcomm.core.tensors``)."""
 
     noun = "a torch CPU tensor"
 
@@ -333,9 +333,9 @@ class TorchCPUKind(HostKind):
 
         if not t.is_cpu:
             raise ArgumentError(
-                f"{name} is on {t.device}; Communicator takes host memory: copy it with "
-                f"{name}.cpu() (and back after the op), or use the torch backend "
-                "(dist.init_process_group('ringcomm')), which stages CUDA tensors itself")
+                f"{name} is on {t.device}; Communicator takes host memory and CUDA tensors: "
+                f"copy it with {name}.cpu() (and back after the op), or use the torch backend "
+                "(dist.init_process_group('ringcomm')), which copies other tensors itself")
         if not t.is_contiguous():
             raise ArgumentError(
                 f"{name} is not contiguous; pass {name}.contiguous() and copy results back")
@@ -397,14 +397,46 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
     raise ArgumentError(f"{name} must be {accepted}, got {type(x).__name__}")
 
 
+class Concatenated(HostBuffer):
+    """Several buffers laid end to end in host memory of their own, as one buffer: for an op
+    that takes a list of arrays (a scatter's inputs, an all-gather into a list). The parts
+    are copied in when it is made (if the op reads them) and copied back into each part
+    after the op (if it writes them); each part is staged by its own kind on the way."""
+
+    __slots__ = ("_parts", "_writes", "_open")
+
+    def __init__(self, parts: Sequence[Buffer], name: str, *, reads: bool = True,
+                 writes: bool = False) -> None:
+        if not parts:
+            raise ArgumentError(f"{name} is empty")
+        super().__init__(np.empty(sum(p.count for p in parts), parts[0].dtype), name)
+        self._parts = [p.staged_for(HOST_ONLY) for p in parts]
+        self._writes = writes
+        self._open = reads  # the parts' before_op has run (they were read now)
+        if reads:
+            offset = 0
+            for part in self._parts:
+                part.before_op()
+                self._host[offset: offset + part.count] = part.region(0, part.count)
+                if not writes:
+                    part.after_op()
+                offset += part.count
+
+    def before_op(self) -> None:
+        if self._writes and not self._open:
+            for part in self._parts:
+                part.before_op()
+
+    def after_op(self) -> None:
+        if self._writes:
+            offset = 0
+            for part in self._parts:
+                part.copy(part.region(0, part.count), self._host[offset: offset + part.count])
+                part.after_op()
+                offset += part.count
+
+
 def concatenate(parts: Sequence[Buffer], name: str) -> HostBuffer:
     """A host buffer holding ``parts`` one after another, copied now: for an op that takes a
     list of arrays as one input."""
-    out = np.empty(sum(p.count for p in parts), parts[0].dtype)
-    offset = 0
-    for part in (p.staged_for(HOST_ONLY) for p in parts):
-        part.before_op()
-        out[offset: offset + part.count] = part.region(0, part.count)
-        part.after_op()
-        offset += part.count
-    return HostBuffer(out, name)
+    return Concatenated(parts, name)

@@ -74,17 +74,26 @@ class Selector:
     def __init__(self, group: Group) -> None:
         self.group = group
         self._priced: dict[tuple[int, int], str] = {}
+        self._made: dict[tuple[str, int, int, str, str | None], Choice] = {}
         self._one_shot = board_schedules.one_shot_bytes(group.world_size)
 
     def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
                memory: str = HOST, forced: str | None = None) -> Choice:
         """The choice for ``collective`` on a buffer of ``nbytes`` (allgather: one rank's
         input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming an allreduce
-        algorithm (an ``ArgumentError`` where it is unknown or cannot run here)."""
-        engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
-        if memory != HOST:
-            why += f"; {memory} memory staged through the host"
-        return Choice(engine, algorithm, self.group.segment_bytes, why)
+        algorithm (an ``ArgumentError`` where it is unknown or cannot run here). Made once
+        per call shape: a program makes the same few calls over and over."""
+        key = (collective, nbytes, itemsize, memory, forced)
+        choice = self._made.get(key)
+        if choice is None:
+            engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
+            if memory != HOST:
+                why += f"; {memory} memory staged through the host"
+            choice = Choice(engine, algorithm, self.group.segment_bytes, why)
+            if len(self._made) >= 1024:  # many shapes: keep the latest
+                del self._made[next(iter(self._made))]
+            self._made[key] = choice
+        return choice
 
     def _rule(self, collective: str, nbytes: int, itemsize: int,
               forced: str | None) -> tuple[str, str, str]:

@@ -35,6 +35,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from ..core import config
+from ..core import tensors as _tensors  # noqa: F401 - registers the kind of CUDA tensors
 from ..core.arrays import HOST, HOST_ONLY, Buffer, HostBuffer, as_buffer, concatenate
 from ..core.config import DEFAULT_INLINE_BYTES
 from ..core.dtypes import dtype_name, reduce_op
@@ -53,6 +54,7 @@ from .ops import CollectiveCall, OpRunner
 from .p2p import P2POp
 
 log = logging.getLogger("ringcomm")
+_ALLREDUCE = COLLECTIVES["allreduce"]
 
 
 _P = ParamSpec("_P")
@@ -319,7 +321,7 @@ class Communicator:
         choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
                                       memory=data.memory, forced=algorithm)
         return self._ops.submit(CollectiveCall(
-            COLLECTIVES["allreduce"], data.dtype, {"data": data}, x, choice, rop,
+            _ALLREDUCE, data.dtype, {"data": data}, x, choice, data.memory, rop,
             count=data.count), async_op)
 
     @_names_bad_input
@@ -341,11 +343,8 @@ class Communicator:
         """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
         self._check_rank(root, "root")
         data = as_buffer(x, name="x", reads=self.rank == root)
-        choice = self.selector.choose("broadcast", data.nbytes, data.dtype.itemsize,
-                                      memory=data.memory)
-        return self._ops.submit(CollectiveCall(
-            COLLECTIVES["broadcast"], data.dtype, {"data": data}, x, choice, arg=root,
-            count=data.count), async_op)
+        return self._collective("broadcast", {"data": data}, x, data.nbytes, async_op,
+                                arg=root, count=data.count)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -543,10 +542,14 @@ class Communicator:
         """Submit collective ``name`` on ``buffers`` as the selector chooses for ``nbytes``
         (the size its rules look at) and where the buffers' memory lives."""
         first = next(iter(buffers.values()))
-        memory = next((b.memory for b in buffers.values() if b.memory != HOST), HOST)
+        memory = HOST
+        for buf in buffers.values():
+            if buf.memory is not HOST:  # a device's: the selector and the engine see it
+                memory = buf.memory
+                break
         choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory)
         return self._ops.submit(CollectiveCall(
-            COLLECTIVES[name], first.dtype, buffers, result, choice, reduce, arg, count,
+            COLLECTIVES[name], first.dtype, buffers, result, choice, memory, reduce, arg, count,
             send_counts, recv_counts), async_op)
 
     def _check_rank(self, r: int, what: str, *, allow_self: bool = True) -> None:

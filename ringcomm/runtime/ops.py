@@ -59,6 +59,7 @@ class CollectiveCall:
     buffers: dict[str, Buffer]
     result: Any
     choice: Choice
+    memory: str  # where the buffers' memory lives (HOST, or a device's where any does)
     reduce: ReduceOp | None = None
     arg: int = -1
     count: int = 0  # the block: what the schedule cuts and every pair agrees on
@@ -201,9 +202,10 @@ class OpRunner:
             return True
         engine, planned = plan
         name = f"allreduce #{seq}"
+        if type(data) is not HostBuffer:
+            data = data.staged_for(engine.moves)
         try:
-            engine.allreduce_now(planned, data.staged_for(engine.moves), seq,
-                                 time.monotonic() + self.timeout, name)
+            engine.allreduce_now(planned, data, seq, time.monotonic() + self.timeout, name)
         except CommError as err:
             self._fail(err, seq)
             self.p2p.fail_all(err)
@@ -299,8 +301,9 @@ class OpRunner:
             max(1, choice.segment_bytes // max(1, dtype.itemsize)), root=call.arg,
             algorithm=choice.algorithm, hosts=self.hosts, send_counts=call.send_counts,
             recv_counts=call.recv_counts, piece=SLOT_BYTES // dtype.itemsize)
-        moves = engine.moves
-        buffers = {role: buf.staged_for(moves) for role, buf in call.buffers.items()}
+        buffers, moves = call.buffers, engine.moves
+        if call.memory not in moves:  # its kind stages each buffer that needs it, once
+            buffers = {role: buf.staged_for(moves) for role, buf in buffers.items()}
         if schedule.scratch:
             buffers["scratch"] = HostBuffer(self.scratch.get(dtype, schedule.scratch), "scratch")
         desc = OpDescriptor(int(call.spec.kind), seq, dtype_code(dtype),

@@ -1,0 +1,124 @@
+"""What the torch backend checks of tensors and how it turns them into buffers.
+
+Every buffer goes through the buffer kinds of ``ringcomm.core.tensors``: a contiguous CPU
+tensor is used in place (as a view of its memory by address, for a call that runs on the
+caller's thread from start to end; as a view of the tensor otherwise), a CUDA tensor as a
+device buffer staged by its kind, anything else copied once; a list of tensors is one
+buffer laid end to end (``Concatenated``), copied back into each after the op. Ops that only
+move data take any dtype, as its bytes; reductions take the dtypes the core reduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from ..core.arrays import Buffer, Concatenated
+from ..core.tensors import HostViews, tensor_buffer
+from ..errors import ArgumentError
+
+# dtypes the core reduces and moves as they are (see ringcomm.core.dtypes)
+CORE_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+})
+_OPS = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.AVG: "avg",
+    ReduceOp.PRODUCT: "prod",
+    ReduceOp.MIN: "min",
+    ReduceOp.MAX: "max",
+    ReduceOp.BAND: "band",
+    ReduceOp.BOR: "bor",
+    ReduceOp.BXOR: "bxor",
+}
+_OPS_BY_CODE = {kind.value: name for kind, name in _OPS.items()}  # hashing torch's enum is slow
+_SUM = ReduceOp.SUM
+_STRIDED = torch.strided
+
+
+def reduce_op(opts: Any) -> str:
+    """The communicator's name of the reduce op in torch's ``opts``."""
+    if opts is None:
+        return "sum"
+    red = opts.reduceOp
+    if red == _SUM:  # the commonest, told at a third of the cost of the lookup below
+        return "sum"
+    name = _OPS_BY_CODE.get(getattr(red, "op", red).value)
+    if name is not None:
+        return name
+    raise ArgumentError(f"reduce op {red} is not supported by ringcomm; use SUM, AVG, PRODUCT, "
+                        "MIN, MAX, BAND, BOR or BXOR")
+
+
+def check(t: Any, what: str, *, reduce: bool = False) -> None:
+    """Refuse what ringcomm cannot take, saying what to do instead."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ArgumentError(f"{what} is a {t.layout} tensor; ringcomm takes dense tensors "
+                            "here (call .to_dense())")
+    if reduce and t.dtype not in CORE_DTYPES:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in CORE_DTYPES))
+        raise ArgumentError(f"{what} has dtype {t.dtype}, which ringcomm cannot reduce; "
+                            f"use one of: {supported}")
+
+
+def in_place(t: Any) -> bool:
+    """Whether the communicator can work on ``t``'s memory as it is (the short way)."""
+    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.dtype in CORE_DTYPES)
+
+
+def movable(dtype: torch.dtype) -> int:
+    """Elements of the buffer per element of ``dtype``: 1, or its size when the core does
+    not know the dtype and moves its bytes."""
+    return 1 if dtype in CORE_DTYPES else dtype.itemsize
+
+
+def same(tensors: Sequence[torch.Tensor], what: str, numel: int, dtype: torch.dtype) -> None:
+    for i, t in enumerate(tensors):
+        if t.numel() != numel:
+            raise ArgumentError(f"{what}[{i}] has {t.numel()} elements but must have {numel} "
+                                "(as many as the input)")
+        if t.dtype != dtype:
+            raise ArgumentError(f"{what}[{i}] is {t.dtype} but the input is {dtype}; they "
+                                "must match")
+
+
+def one(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ArgumentError(f"{what} must hold exactly one entry per call on this backend, "
+                            f"got {len(tensors)}")
+    return tensors[0]
+
+
+class CallBuffers:
+    """The buffers of one call. ``views``: the process group's host views by address, for a
+    call whose ops run on the caller's thread from start to end before it returns (the
+    caller holds its tensors meanwhile; a view by address keeps none alive, so an op that
+    may outlive the call takes views of the tensors instead)."""
+
+    __slots__ = ("views",)
+
+    def __init__(self, views: HostViews | None = None) -> None:
+        self.views = views
+
+    def of(self, t: Any, what: str, *, reduce: bool = False, write: bool = False,
+           read: bool = True) -> Buffer:
+        """``t`` as a buffer of its kind (checked; results written back if ``write``)."""
+        check(t, what, reduce=reduce)
+        return tensor_buffer(t, what, CORE_DTYPES, reads=read, writes=write, views=self.views)
+
+    def joined(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False,
+               read: bool = True, write: bool = False) -> Buffer:
+        """``tensors`` laid end to end as one buffer (copied back into each if ``write``)."""
+        if not tensors:
+            raise ArgumentError(f"{what} is empty")
+        parts = [self.of(t, f"{what}[{i}]", reduce=reduce, write=write, read=read)
+                 for i, t in enumerate(tensors)]
+        return Concatenated(parts, what, reads=read, writes=write)
