@@ -40,7 +40,7 @@ CALLS = {
 # the communicator's public methods that are not collectives
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
                    "allreduce_now",  # allreduce's short way, not a collective of its own
-                   "choose", "describe", "wrapped"}
+                   "choose", "describe", "wrapped", "tracing", "keep_timeline"}
 
 
 def contribution(rank: int, size: int, dtype: str) -> np.ndarray:
