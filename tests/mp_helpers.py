@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -49,31 +50,68 @@ def free_port() -> int:
 def transport_pair(mode: str = "ipc", shm: bool = True,
                    hosts: tuple[str, str] = ("h", "h")) -> list:
     """Two connected GroupTransports (ranks 0 and 1 of this process), made in threads."""
+    return transport_group(2, mode, shm, hosts)
+
+
+def transport_group(world: int, mode: str = "ipc", shm: bool | Sequence[bool] = True,
+                    hosts: Sequence[str] | None = None) -> list:
+    """``world`` connected GroupTransports (ranks of this process), made in threads through
+    a real store. ``shm`` may differ per rank (one bool per rank); ``hosts``: each rank's
+    host identity (default: one host)."""
     from ringcomm.bootstrap.store import StoreClient, StoreServer
     from ringcomm.transport.group import GroupTransport
 
+    shms = [shm] * world if isinstance(shm, bool) else list(shm)
+    hosts = list(hosts) if hosts is not None else ["h"] * world
     port = free_port()
     server = StoreServer("127.0.0.1", port)
-    made, errors = [None, None], []
+    made: list[Any] = [None] * world
+    errors: list[BaseException] = []
 
     def make(rank: int) -> None:
         client = StoreClient(f"127.0.0.1:{port}", timeout=10)
         try:
-            made[rank] = GroupTransport(rank, 2, client, hosts=list(hosts), mode=mode, shm=shm,
-                                      timeout=10)
+            made[rank] = GroupTransport(rank, world, client, hosts=hosts, mode=mode,
+                                        shm=shms[rank], timeout=10)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
         finally:
             client.close()
 
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    in_threads(world, make, timeout=20)
     server.close()
+    if errors:
+        for transport in made:
+            if transport is not None:
+                transport.close()
     assert not errors, errors
     return made
+
+
+def in_threads(world: int, fn: Callable[[int], Any], timeout: float = 30.0) -> list[Any]:
+    """``fn(rank)`` for every rank at once, each on a thread of its own; their results in
+    rank order. The first rank's error is raised once every thread has stopped; a thread
+    still running after ``timeout`` seconds fails the test."""
+    results: list[Any] = [None] * world
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as err:  # noqa: BLE001 - raised below
+            results[rank] = err
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"a rank did not finish within {timeout} s (hang)")
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    return results
 
 
 # --------------------------------------------------------------------------- the pool

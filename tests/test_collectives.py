@@ -2,8 +2,8 @@
 answers, every collective the communicator runs matches its reference, and the
 communicator, ``ringcomm schedule`` and the table agree on names, schedules and sizes.
 
-Calls are made through ``CALLS`` (one per collective, as torchft's tests keep
-``_COLLECTIVE_TO_FUNC``), with buffers built from the table's roles and sizes.
+Calls are made through ``what_runs.CALLS`` (one per collective), with buffers built from the
+table's roles and sizes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
+from what_runs import CALLS, contribution
 
 from ringcomm import cli
 from ringcomm.plan.collectives import COLLECTIVES
@@ -25,26 +26,10 @@ from ringcomm.transport.header import ALGORITHM_CODES, OpKind
 
 pytestmark = pytest.mark.timeout(60)
 
-# name -> call(comm, buffers by role, op, root)
-CALLS = {
-    "allreduce": lambda comm, b, op, root: comm.allreduce(b["data"], op),
-    "reduce_scatter": lambda comm, b, op, root: comm.reduce_scatter(b["output"], b["input"], op),
-    "allgather": lambda comm, b, op, root: comm.allgather(b["output"], b["input"]),
-    "broadcast": lambda comm, b, op, root: comm.broadcast(b["data"], root),
-    "reduce": lambda comm, b, op, root: comm.reduce(b["data"], root, op),
-    "gather": lambda comm, b, op, root: comm.gather(b.get("output"), b["input"], root),
-    "scatter": lambda comm, b, op, root: comm.scatter(b["output"], b.get("input"), root),
-    "alltoall": lambda comm, b, op, root: comm.alltoall(b["output"], b["input"]),
-    "barrier": lambda comm, b, op, root: comm.barrier(),
-}
 # the communicator's public methods that are not collectives
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
                    "allreduce_now",  # allreduce's short way, not a collective of its own
                    "choose", "describe", "wrapped", "tracing", "keep_timeline"}
-
-
-def contribution(rank: int, size: int, dtype: str) -> np.ndarray:
-    return ((np.arange(size) * 7 + rank * 13) % 23 - 11).astype(dtype)
 
 
 def test_the_table_and_the_communicator_name_the_same_collectives():
