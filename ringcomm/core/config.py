@@ -155,9 +155,10 @@ SETTINGS: tuple[Setting, ...] = (
             "forces one allreduce algorithm (" + ", ".join(ALLREDUCE_OVER_LINKS) + ") for "
             "every call", None, _algorithm, "unset: chosen per call"),
     Setting("transport", Scope.MUST_MATCH, "RINGCOMM_TRANSPORT", "transport",
-            "ipc, tcp or auto (pipes and shared memory on a host where both ends offer "
-            "them, else ipc sockets; tcp across hosts): ipc and tcp force sockets of that "
-            "kind for every pair", "auto", _choice("auto", "ipc", "tcp")),
+            "auto, ipc or tcp: auto links ranks of one host by pipes and shared memory "
+            "where both ends offer them, else by ipc sockets, and other hosts by tcp; ipc "
+            "uses ipc sockets where auto would use tcp; tcp makes every pair a tcp socket "
+            "(no shared memory, no board)", "auto", _choice("auto", "ipc", "tcp")),
     Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
             "bytes per message segment", None, None,
             "the profile's tuned size, else 2 MiB"),
