@@ -41,6 +41,16 @@ from .context import OpContext, TraceEvent
 __all__ = ["LinkEngine", "run_schedule"]
 
 
+def run_schedule(
+    schedule: Schedule,
+    buffers: Mapping[str, Buffer],
+    transport: Transport,
+    ctx: OpContext,
+) -> None:
+    """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
+    LinkEngine(transport).run(schedule, buffers, ctx)
+
+
 class LinkEngine(Engine):
     """Schedules of messages between pairs of ranks, over ``transport``'s links."""
 
@@ -50,7 +60,8 @@ class LinkEngine(Engine):
         self.transport = transport
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
-        run_schedule(schedule, buffers, self.transport, ctx)
+        """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
+        _run(schedule, buffers, self.transport, ctx)
 
     def describe(self) -> str:
         kinds = sorted({link.kind for link in self.transport.links if link is not None})
@@ -91,13 +102,12 @@ class _PendingSends:
             self._transport.wait_sent(peer, handle, self._ctx.deadline, self._ctx.name)
 
 
-def run_schedule(
+def _run(
     schedule: Schedule,
     buffers: Mapping[str, Buffer],
     transport: Transport,
     ctx: OpContext,
 ) -> None:
-    """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
     if schedule.on_board:
         raise ValueError(f"{schedule.algorithm} {schedule.collective} is a board schedule: "
                          "the board engine runs it")

@@ -41,6 +41,8 @@ from .settings import Settings
 from .topology import Topology
 
 SMALL_BROADCAST_BYTES = 64 * 1024  # up to this a binomial tree beats the pipelined chain
+# collectives whose choice depends on the group only, never on the call's size
+_SIZE_FREE = frozenset({"reduce", "reduce_scatter", "gather", "scatter", "alltoall", "barrier"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Selector:
         self.group = group
         self._priced: dict[tuple[int, int], str] = {}
         self._made: dict[tuple[str, int, int, str, str | None], Choice] = {}
+        self._fixed: dict[str, Choice] = {}  # the collectives whose choice has no size
         self._one_shot = board_schedules.one_shot_bytes(group.world_size)
 
     def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
@@ -82,18 +85,29 @@ class Selector:
         """The choice for ``collective`` on a buffer of ``nbytes`` (allgather: one rank's
         input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming an allreduce
         algorithm (an ``ArgumentError`` where it is unknown or cannot run here). Made once
-        per call shape: a program makes the same few calls over and over."""
+        per call shape (once per collective where its size does not matter): a program
+        makes the same few calls over and over."""
+        if collective in _SIZE_FREE and memory is HOST and forced is None:
+            choice = self._fixed.get(collective)
+            if choice is None:
+                choice = self._fixed[collective] = self._make(collective, 0, itemsize,
+                                                              memory, forced)
+            return choice
         key = (collective, nbytes, itemsize, memory, forced)
         choice = self._made.get(key)
         if choice is None:
-            engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
-            if memory != HOST:
-                why += f"; {memory} memory staged through the host"
-            choice = Choice(engine, algorithm, self.group.segment_bytes, why)
+            choice = self._make(collective, nbytes, itemsize, memory, forced)
             if len(self._made) >= 1024:  # many shapes: keep the latest
                 del self._made[next(iter(self._made))]
             self._made[key] = choice
         return choice
+
+    def _make(self, collective: str, nbytes: int, itemsize: int, memory: str,
+              forced: str | None) -> Choice:
+        engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
+        if memory != HOST:
+            why += f"; {memory} memory staged through the host"
+        return Choice(engine, algorithm, self.group.segment_bytes, why)
 
     def _rule(self, collective: str, nbytes: int, itemsize: int,
               forced: str | None) -> tuple[str, str, str]:

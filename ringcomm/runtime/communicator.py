@@ -152,12 +152,9 @@ class Communicator:
         self._choose_afresh()
 
     def _choose_afresh(self) -> None:
-        self.selector = self._selector()
-        ops = getattr(self, "_ops", None)
-        if ops is not None:
-            ops.selector = self.selector
-            ops.segment_bytes = self._segment_bytes
-            ops.forget_plans()
+        self.selector = self._ops.selector = self._selector()
+        self._ops.segment_bytes = self._segment_bytes
+        self._ops.forget_plans()
 
     @property
     def engines(self) -> dict[str, Engine]:
@@ -541,12 +538,12 @@ class Communicator:
                     recv_counts: tuple[int, ...] | None = None) -> Any:
         """Submit collective ``name`` on ``buffers`` as the selector chooses for ``nbytes``
         (the size its rules look at) and where the buffers' memory lives."""
-        first = next(iter(buffers.values()))
-        memory = HOST
-        for buf in buffers.values():
-            if buf.memory is not HOST:  # a device's: the selector and the engine see it
-                memory = buf.memory
-                break
+        first, *others = buffers.values()
+        memory = first.memory  # a device's, where any buffer is on one: the selector and
+        if memory is HOST:     # the engine see it
+            for buf in others:
+                if buf.memory is not HOST:
+                    memory = buf.memory
         choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory)
         return self._ops.submit(CollectiveCall(
             COLLECTIVES[name], first.dtype, buffers, result, choice, memory, reduce, arg, count,
