@@ -36,7 +36,7 @@ from ..schedules.schedule import Kind, Region, Schedule
 from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
 from .base import Engine
-from .context import OpContext, StepObserver, TraceEvent
+from .context import OpContext, StepObserver
 
 _COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
 _INDEX = slice(32, 36)  # the header's ``index`` field, packed
@@ -98,7 +98,7 @@ class BoardProgram:
             channel.post(header, buffers[post.buf].region(post.offset, post.count)
                          if post is not None else None, deadline, name, place)
             if observe is not None:
-                started = self._traced(observe, step, started, channel.rank, ctx)
+                started = self._observed(observe, step, started)
             step += 1
             for peer, does, final, role, offset, count, at in takes:
                 payload = channel.take(peer, header, dtype, count, deadline, name, at)
@@ -112,7 +112,7 @@ class BoardProgram:
                     else:
                         target.copy(into, payload)
                 if observe is not None:
-                    started = self._traced(observe, step, started, channel.rank, ctx)
+                    started = self._observed(observe, step, started)
                 step += 1
 
     def run_whole(self, channel: BoardChannel, data: np.ndarray, header: bytes,
@@ -125,7 +125,7 @@ class BoardProgram:
         started = time.perf_counter() if observe is not None else 0.0
         channel.post(header, data, deadline, name)
         if observe is not None:
-            started = self._observed(observe, 0, started, channel.rank, name)
+            started = self._observed(observe, 0, started)
         dtype, count = data.dtype, data.size
         for step, (peer, reduces, final) in enumerate(self.whole, 1):
             payload = channel.take(peer, header, dtype, count, deadline, name)
@@ -137,17 +137,11 @@ class BoardProgram:
             else:
                 np.copyto(data, payload)
             if observe is not None:
-                started = self._observed(observe, step, started, channel.rank, name)
+                started = self._observed(observe, step, started)
 
-    def _traced(self, observe: StepObserver, index: int, started: float, rank: int,
-                ctx: OpContext) -> float:
-        return self._observed(observe, index, started, rank, ctx.name)
-
-    def _observed(self, observe: StepObserver, index: int, started: float, rank: int,
-                  name: str) -> float:
+    def _observed(self, observe: StepObserver, index: int, started: float) -> float:
         now = time.perf_counter()
-        observe(TraceEvent(rank, index, self.schedule.steps[index], started, now, name,
-                           self.schedule.algorithm, "board"))
+        observe(index, self.schedule.steps[index], started, now)
         return now
 
 

@@ -1,5 +1,5 @@
-"""What one op carries while an engine runs it (``OpContext``), and what a step observer is
-told of each step (``TraceEvent``)."""
+"""What one op carries while an engine runs it (``OpContext``), what a step observer is told
+of each step (``StepObserver``), and the record of one step a test keeps (``TraceEvent``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ class TraceEvent:
     engine: str = ""
 
 
-# told of every step an engine runs, where someone watches (a tracer): None costs nothing
-StepObserver = Callable[[TraceEvent], None]
+# told of every step an engine runs, where someone watches (a tracer): the step's index in
+# its schedule, the step, and when it started and ended (``time.perf_counter``); None costs
+# nothing. The op, algorithm and engine are the watcher's to know (it wraps the engine).
+StepObserver = Callable[[int, Step, float, float], None]
 
 
 @dataclass(slots=True)  # made once per op

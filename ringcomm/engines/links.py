@@ -36,7 +36,7 @@ from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport
 from ..transport.header import Header
 from .base import Engine
-from .context import OpContext, TraceEvent
+from .context import OpContext
 
 __all__ = ["LinkEngine", "run_schedule"]
 
@@ -206,8 +206,7 @@ def _run(
                 rank=rank, op=ctx.name, peer=err.peer,
             ) from None
         if observe is not None:
-            observe(TraceEvent(rank, index, step, started, time.perf_counter(), ctx.name,
-                               schedule.algorithm, "links"))
+            observe(index, step, started, time.perf_counter())
     try:
         pending.wait_all()
         if transport.checks_delivery:

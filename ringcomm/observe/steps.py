@@ -3,14 +3,14 @@ that ask which steps ran, in which order, by which algorithm on which engine."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.arrays import Buffer
 from ..engines.base import Engine, EngineWrapper
-from ..engines.context import OpContext, TraceEvent
+from ..engines.context import OpContext, StepObserver, TraceEvent
 from ..engines.wrapping import Wrapper
-from ..schedules.schedule import Schedule
+from ..schedules.schedule import Schedule, Step
 
 
 class StepLog(Wrapper):
@@ -27,14 +27,23 @@ class StepLog(Wrapper):
 
 
 class _Logged(EngineWrapper):
-    def __init__(self, inner: Engine, append: Any) -> None:
+    def __init__(self, inner: Engine, append: Callable[[TraceEvent], None]) -> None:
         super().__init__(inner)
         self._append = append
 
+    def _observer(self, rank: int, op: str, algorithm: str) -> StepObserver:
+        append, engine = self._append, self.name
+
+        def observe(index: int, step: Step, start: float, end: float) -> None:
+            append(TraceEvent(rank, index, step, start, end, op, algorithm, engine))
+        return observe
+
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
-        ctx.observe = self._append
+        ctx.observe = self._observer(schedule.rank, ctx.name, schedule.algorithm)
         self.inner.run(schedule, buffers, ctx)
 
     def allreduce_now(self, plan: Any, data: Buffer, seq: int, deadline: float, name: str,
                       observe: Any = None) -> None:
-        self.inner.allreduce_now(plan, data, seq, deadline, name, self._append)
+        schedule = plan.program.schedule
+        self.inner.allreduce_now(plan, data, seq, deadline, name,
+                                 self._observer(schedule.rank, name, schedule.algorithm))

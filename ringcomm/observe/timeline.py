@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -40,11 +40,11 @@ import numpy as np
 from ..core.arrays import Buffer
 from ..core.dtypes import dtype_name
 from ..engines.base import Engine, EngineWrapper
-from ..engines.context import OpContext, TraceEvent
+from ..engines.context import OpContext
 from ..engines.wrapping import Wrapper
-from ..schedules.schedule import Kind, Schedule
+from ..schedules.schedule import Kind, Schedule, Step
 from ..transport.board_channel import BoardChannel
-from ..transport.header import Header, OpDescriptor, OpKind
+from ..transport.header import ALGORITHMS, Header, OpKind, reduce_name
 from ..transport.link import Link, SendHandle, Wait
 from ..transport.wrappers import BoardChannelWrapper, LinkWrapper
 
@@ -58,12 +58,9 @@ PEER_TRACK = 100  # + the peer's rank
 _STEP_NAMES = {Kind.SEND: "send", Kind.RECV: "recv", Kind.RECV_REDUCE: "recv+reduce",
                Kind.RECV_REDUCE_SEND: "recv+reduce+send", Kind.COPY: "copy",
                Kind.POST: "post", Kind.TAKE: "take", Kind.TAKE_REDUCE: "take+reduce"}
-_REDUCE_NAMES = {0: None, 1: "sum", 2: "prod", 3: "min", 4: "max", 5: "avg", 6: "band",
-                 7: "bor", 8: "bxor"}
 
 
-def _now_us() -> float:
-    return time.perf_counter() * 1e6
+_OP, _STEP, _WAIT, _MESSAGE, _POST, _TAKE = range(6)  # what an event records
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,11 @@ class Clock:
 
 class Timeline(Wrapper):
     """A rank's timeline (see the module docstring): ``rank`` of ``world_size``, written to
-    ``folder`` by ``write``."""
+    ``folder`` by ``write``.
+
+    Recording is kept to appending a tuple of what happened (times from
+    ``time.perf_counter``, the objects involved, which are not copied); names, arguments
+    and microseconds are made when the file is written."""
 
     name = "trace"
 
@@ -92,9 +93,9 @@ class Timeline(Wrapper):
         self.clock = clock or Clock()
         self.events: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.recorded = 0
-        self.started_us = _now_us()
         self.track = ENGINE_TRACKS["links"]  # the engine track of the op running now
         self.itemsize = 1  # of the op running now: step regions count its elements
+        self.op = ""  # the name of the op running now
 
     # ----------------------------------------------------------------- the hook
     def link(self, link: Link) -> Link:
@@ -107,48 +108,69 @@ class Timeline(Wrapper):
         return _TracedEngine(engine, self)
 
     # ----------------------------------------------------------------- recording
-    def span(self, name: str, track: int, start_us: float, end_us: float,
-             cat: str, args: dict[str, Any] | None = None) -> None:
-        """One complete event (``ph: X``) on ``track``."""
-        self.events.append((name, cat, track, start_us, end_us - start_us, args))
+    def record(self, event: tuple[Any, ...]) -> None:
+        self.events.append(event)
         self.recorded += 1
 
     @property
     def dropped(self) -> int:
         return self.recorded - len(self.events)
 
-    def step(self, event: TraceEvent) -> None:
-        """A step an engine ran (its ``ctx.observe``)."""
-        step = event.step
-        region = step.src if step.src is not None else step.dst
-        args: dict[str, Any] = {"index": event.index, "op": event.op}
-        if step.peer >= 0 and step.kind not in (Kind.COPY, Kind.POST):
-            args["peer"] = step.peer
-        if step.kind is Kind.RECV_REDUCE_SEND:
-            args["to"] = step.to
-        if region is not None:
-            args["bytes"] = region.count * self.itemsize
-        self.span(_STEP_NAMES.get(step.kind, step.kind.name.lower()),
-                  ENGINE_TRACKS.get(event.engine, 1), event.start * 1e6, event.end * 1e6,
-                  "step", args)
-
-    def op(self, engine: str, name: str, desc: OpDescriptor, dtype: np.dtype,
-           start_us: float, end_us: float, failed: str | None = None) -> None:
-        kind = OpKind(desc.kind).name.lower() if desc.kind in OpKind._value2member_map_ \
-            else str(desc.kind)
-        from ..transport.header import ALGORITHMS
-
-        args = {"collective": kind, "seq": desc.seq, "engine": engine,
-                "algorithm": ALGORITHMS[desc.algorithm], "count": desc.count,
-                "bytes": desc.count * dtype.itemsize, "dtype": dtype_name(dtype),
-                "reduce": _REDUCE_NAMES.get(desc.reduce)}
-        if desc.send_counts is not None:
-            args["bytes"] = sum(desc.send_counts) * dtype.itemsize
-        if failed is not None:
-            args["error"] = failed
-        self.span(name, ENGINE_TRACKS.get(engine, 1), start_us, end_us, "op", args)
+    def step(self, index: int, step: Step, start: float, end: float) -> None:
+        """A step the engine of the op running now ran (its ``ctx.observe``)."""
+        self.events.append((_STEP, self.track, start, end, index, step, self.op,
+                            self.itemsize))
+        self.recorded += 1
 
     # ----------------------------------------------------------------- the file
+    def _chrome_event(self, event: tuple[Any, ...]) -> dict[str, Any]:
+        kind, track, start, end = event[:4]
+        if kind == _STEP:
+            index, step, op, itemsize = event[4:]
+            region = step.src if step.src is not None else step.dst
+            args: dict[str, Any] = {"index": index, "op": op}
+            if step.peer >= 0 and step.kind not in (Kind.COPY, Kind.POST):
+                args["peer"] = step.peer
+            if step.kind is Kind.RECV_REDUCE_SEND:
+                args["to"] = step.to
+            if region is not None:
+                args["bytes"] = region.count * itemsize
+            name, cat = _STEP_NAMES.get(step.kind, step.kind.name.lower()), "step"
+        elif kind == _OP:
+            engine, name, desc, seq, dtype, failed = event[4:]
+            collective = OpKind(desc.kind).name.lower() \
+                if desc.kind in OpKind._value2member_map_ else str(desc.kind)
+            nbytes = (desc.count if desc.send_counts is None else sum(desc.send_counts)) \
+                * dtype.itemsize
+            args = {"collective": collective, "seq": seq, "engine": engine,
+                    "algorithm": ALGORITHMS[desc.algorithm], "count": desc.count,
+                    "bytes": nbytes, "dtype": dtype_name(dtype),
+                    "reduce": reduce_name(desc.reduce)}
+            if failed is not None:
+                args["error"] = failed
+            cat = "op"
+        elif kind == _WAIT:
+            what, peer, op = event[4:]
+            name, cat, args = what, "wait", {"op": op}
+            if peer is not None:
+                args["peer"] = peer
+        elif kind == _MESSAGE:
+            direction, header, op, peer = event[4:]
+            name, cat = f"{direction} {header.nbytes} B", "message"
+            args = {"op": op, "index": header.index, "bytes": header.nbytes, "peer": peer,
+                    "direction": direction}
+        else:  # a post or a take on the board
+            nbytes, op, peer, number = event[4:]
+            what = "post" if kind == _POST else "take"
+            name, cat = f"{what} {nbytes} B", what
+            args = {"op": op, "bytes": nbytes, "number": number}
+            if peer is not None:
+                args["peer"] = peer
+        start_us = start * 1e6
+        return {"ph": "X", "name": name, "cat": cat, "pid": self.rank, "tid": track,
+                "ts": round(start_us, 3), "dur": round(max(end * 1e6 - start_us, 0.0), 3),
+                "args": args}
+
     def chrome(self) -> dict[str, Any]:
         """The timeline as a Chrome trace-event object (times in microseconds of this
         rank's clock; ``otherData.clock`` says how to bring them to rank 0's)."""
@@ -162,19 +184,14 @@ class Timeline(Wrapper):
              "args": {"name": f"rank {self.rank}"}},
             {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
              "args": {"sort_index": self.rank}}]
-        used = {event[2] for event in self.events}
+        used = {event[1] for event in self.events}
         for tid, label in sorted(tracks.items()):
             if tid in used:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                                "args": {"name": label}})
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid,
                                "tid": tid, "args": {"sort_index": tid}})
-        for name, cat, tid, ts, dur, args in self.events:
-            event = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
-                     "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3)}
-            if args:
-                event["args"] = args
-            events.append(event)
+        events += [self._chrome_event(event) for event in list(self.events)]
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size,
             "clock": {"offset_us": self.clock.offset_us, "error_us": self.clock.error_us},
@@ -204,32 +221,33 @@ class _TracedEngine(EngineWrapper):
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
         timeline = self.timeline
-        timeline.track, timeline.itemsize = self._track, ctx.dtype.itemsize
+        timeline.track, timeline.itemsize, timeline.op = \
+            self._track, ctx.dtype.itemsize, ctx.name
         ctx.observe = timeline.step
-        start, failed = _now_us(), None
+        start, failed = perf_counter(), None
         try:
             self.inner.run(schedule, buffers, ctx)
         except Exception as err:
             failed = f"{type(err).__name__}: {err}"
             raise
         finally:
-            timeline.op(self.name, ctx.name, ctx.desc, ctx.dtype, start, _now_us(), failed)
+            timeline.record((_OP, self._track, start, perf_counter(), self.name, ctx.name,
+                             ctx.desc, ctx.desc.seq, ctx.dtype, failed))
 
     def allreduce_now(self, plan: Any, data: Buffer, seq: int, deadline: float, name: str,
                       observe: Any = None) -> None:
         timeline = self.timeline
-        timeline.track, timeline.itemsize = self._track, data.dtype.itemsize
-        start, failed = _now_us(), None
+        timeline.track, timeline.itemsize, timeline.op = \
+            self._track, data.dtype.itemsize, name
+        start, failed = perf_counter(), None
         try:
             self.inner.allreduce_now(plan, data, seq, deadline, name, timeline.step)
         except Exception as err:
             failed = f"{type(err).__name__}: {err}"
             raise
         finally:
-            desc = plan.desc
-            timeline.op(self.name, name, OpDescriptor(
-                desc.kind, seq, desc.dtype, desc.algorithm, desc.reduce, desc.arg,
-                desc.segment, desc.count), data.dtype, start, _now_us(), failed)
+            timeline.record((_OP, self._track, start, perf_counter(), self.name, name,
+                             plan.desc, seq, data.dtype, failed))
 
 
 class _TracedLink(LinkWrapper):
@@ -244,24 +262,27 @@ class _TracedLink(LinkWrapper):
         self._arrived = 0.0
 
     def send(self, header: Header, payload: np.ndarray | None, op: str) -> SendHandle | None:
-        start = _now_us()
+        start = perf_counter()
         handle = self.inner.send(header, payload, op)
-        self._message("send", header, op, start)
+        self.timeline.record((_MESSAGE, self._track, start, perf_counter(), "send", header,
+                              op, self.peer))
         return handle
 
     def send_reserved(self, header: Header, op: str) -> SendHandle | None:
-        start = _now_us()
+        start = perf_counter()
         handle = self.inner.send_reserved(header, op)
-        self._message("send", header, op, start)
+        self.timeline.record((_MESSAGE, self._track, start, perf_counter(), "send", header,
+                              op, self.peer))
         return handle
 
     def recv_header(self, wait: Wait) -> Header:
-        start = _now_us()
+        start = perf_counter()
         header = self.inner.recv_header(wait)
-        now = _now_us()
-        if now - start >= 1.0:
-            self.timeline.span(f"wait for rank {self.peer}", self.timeline.track, start, now,
-                               "wait", {"peer": self.peer, "op": wait.op})
+        now = perf_counter()
+        if now - start >= 1e-6:
+            timeline = self.timeline
+            timeline.record((_WAIT, timeline.track, start, now, f"wait for rank {self.peer}",
+                             self.peer, wait.op))
         self._header, self._arrived = header, now
         return header
 
@@ -279,13 +300,8 @@ class _TracedLink(LinkWrapper):
         header = self._header
         if header is not None:
             self._header = None
-            self._message("recv", header, op, self._arrived)
-
-    def _message(self, what: str, header: Header, op: str, start: float) -> None:
-        self.timeline.span(f"{what} {header.nbytes} B", self._track, start, _now_us(),
-                           "message", {"op": op, "index": header.index,
-                                       "bytes": header.nbytes, "peer": self.peer,
-                                       "direction": what})
+            self.timeline.record((_MESSAGE, self._track, self._arrived, perf_counter(),
+                                  "recv", header, op, self.peer))
 
 
 class _TracedBoard(BoardChannelWrapper):
@@ -298,30 +314,26 @@ class _TracedBoard(BoardChannelWrapper):
 
     def post(self, header: bytes, payload: np.ndarray | None, deadline: float,
              op: str, at: int = 0) -> None:
-        board = self.inner.board
+        board, timeline = self.inner.board, self.timeline
         waits = bool(board.behind())
-        start = _now_us()
+        start = perf_counter()
         self.inner.post(header, payload, deadline, op, at)
-        end = _now_us()
-        nbytes = 0 if payload is None else payload.nbytes
+        end = perf_counter()
         if waits:
-            self.timeline.span("wait for a slot", self.timeline.track, start, end, "wait",
-                               {"op": op})
-        self.timeline.span(f"post {nbytes} B", BOARD_TRACK, start, end, "post",
-                           {"op": op, "bytes": nbytes, "number": board.number})
+            timeline.record((_WAIT, timeline.track, start, end, "wait for a slot", None, op))
+        timeline.record((_POST, BOARD_TRACK, start, end,
+                         0 if payload is None else payload.nbytes, op, None, board.number))
 
     def take(self, peer: int, header: bytes, dtype: np.dtype, count: int, deadline: float,
              op: str, at: int = 0) -> np.ndarray:
-        board = self.inner.board
+        board, timeline = self.inner.board, self.timeline
         waits = board.posted(peer) < board.number
-        start = _now_us()
+        start = perf_counter()
         payload = self.inner.take(peer, header, dtype, count, deadline, op, at)
-        end = _now_us()
+        end = perf_counter()
         if waits:
-            self.timeline.span(f"wait for rank {peer}'s post", self.timeline.track, start,
-                               end, "wait", {"peer": peer, "op": op})
-        nbytes = count * dtype.itemsize
-        self.timeline.span(f"take {nbytes} B", BOARD_TRACK, start, end, "take",
-                           {"op": op, "bytes": nbytes, "peer": peer,
-                            "number": board.number})
+            timeline.record((_WAIT, timeline.track, start, end, f"wait for rank {peer}'s post",
+                             peer, op))
+        timeline.record((_TAKE, BOARD_TRACK, start, end, count * dtype.itemsize, op, peer,
+                         board.number))
         return payload

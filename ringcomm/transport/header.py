@@ -61,6 +61,11 @@ def algorithm_code(name: str) -> int:
                          "ringcomm.core.algorithms") from None
 
 
+def reduce_name(code: int) -> str | None:
+    """The name of the reduction a header's ``reduce`` field holds (None for none)."""
+    return _REDUCE_NAMES.get(code)
+
+
 def reduce_code(op: ReduceOp | None) -> int:
     """The wire code of a reduction (0 for ops that do not reduce)."""
     return 0 if op is None else op.code + 1
