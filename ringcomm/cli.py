@@ -178,7 +178,8 @@ def _plugin(name: str, argv: list[str]) -> None:
     found = [ep for ep in entry_points(group="ringcomm.commands") if ep.name == name]
     try:
         if not found:
-            raise ImportError(f"no package provides the command {name!r}")
+            raise ImportError(f"no installed package provides the command {name!r} (an "
+                              "install older than its entry point: reinstall ringcomm)")
         command = found[0].load()
     except ImportError as err:
         raise SystemExit(f"ringcomm {name}: the benchmark harness cannot be loaded ({err}); "

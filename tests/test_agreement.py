@@ -141,6 +141,8 @@ def test_every_setting_is_read_through_its_row_of_the_table():
     ("RINGCOMM_ALGO", "treee", "RINGCOMM_ALGO='treee' is not an allreduce algorithm"),
     ("RINGCOMM_SOCKET_IFNAME", "nosuch0", "RINGCOMM_SOCKET_IFNAME='nosuch0': interface "
                                           "'nosuch0' does not exist"),
+    # read only deep in the set-up of links: checked at init with every other setting
+    ("RINGCOMM_BOARD", "maybe", "RINGCOMM_BOARD='maybe' is not a switch"),
 ])
 def test_a_rank_whose_own_setting_is_wrong_is_named_by_every_rank_at_once(
         cluster, variable, value, says):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ringcomm import ArgumentError, tune
-from ringcomm.engines.context import TraceEvent
+from ringcomm.observe.steps import TraceEvent
 from ringcomm.plan import cost
 from ringcomm.runtime.local import run_group
 from ringcomm.schedules import ALLREDUCE, Region

@@ -24,7 +24,7 @@ import pytest
 from what_runs import Call, contribution, sent_bytes
 
 from ringcomm import cli
-from ringcomm.observe.timeline import BOARD_TRACK, ENGINE_TRACKS, FORMAT, PEER_TRACK
+from ringcomm.observe.timeline import BOARD_TRACK, ENGINE_TRACKS, FORMAT, PEER_TRACK, Clock
 from ringcomm.plan.settings import Settings
 from ringcomm.runtime.communicator import Communicator
 from ringcomm.runtime.local import run_group
@@ -236,6 +236,60 @@ def test_a_timeline_keeps_its_latest_events_and_counts_the_rest(tmp_path, monkey
         assert f"barrier #{len(calls) - 1}" in {e["name"] for e in kept}
         assert not any(e.get("args", {}).get("op") == "allreduce #0" or
                        e["name"] == "allreduce #0" for e in kept)
+
+
+@pytest.mark.timeout(60)
+def test_two_watchers_of_one_op_each_see_every_step(tmp_path):
+    """A step log (``run_group(trace=)``) and a timeline (``comm.tracing``) in front of the
+    same engines: each sees every step, the fast entry's included."""
+    steps: list = []
+
+    def fn(comm: Communicator) -> int:
+        with comm.tracing(tmp_path):
+            comm.allreduce(np.ones(4, np.float32))  # the board engine's fast entry
+            comm.allreduce(np.ones(1 << 18, np.float32))  # two-shot, through run
+        return comm.rank
+
+    run_group(2, fn, board=True, trace=steps)
+    for rank, trace in enumerate(read_timelines(tmp_path, 2)):
+        logged = [e for e in steps if e.rank == rank]
+        assert len(spans(trace, "step")) == len(logged) > 2, (rank, len(logged))
+
+
+@pytest.mark.timeout(60)
+def test_a_timeline_that_cannot_be_written_loses_itself_only(tmp_path, caplog):
+    """Closing writes the timeline last: a folder it cannot write costs the timeline (a
+    warning says so), never the links, the store or the files of the group."""
+    where = tmp_path / "a-file"
+    where.write_text("not a folder")
+
+    def fn(comm: Communicator) -> bool:
+        comm.keep_timeline(where, Clock())
+        comm.allreduce(np.ones(4))
+        comm.close()
+        return comm.transport._closed
+
+    with caplog.at_level("WARNING", logger="ringcomm"):
+        assert run_group(2, fn) == [True, True]
+    assert "could not write its timeline" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_point_to_point_wait_is_drawn_on_its_peers_track(tmp_path):
+    """A receive is no op of an engine: the time it waits goes on the link's track."""
+    def fn(comm: Communicator) -> None:
+        with comm.tracing(tmp_path):
+            comm.allreduce(np.ones(4))  # an engine ran last
+            if comm.rank == 1:
+                time.sleep(NAP)
+                comm.send(np.ones(2), 0)
+            else:
+                comm.recv(np.empty(2), 1)
+
+    run_group(2, fn, board=True)
+    waits = spans(read_timelines(tmp_path, 2)[0], "wait")
+    peer = [w for w in waits if w["args"].get("op", "").startswith("recv")]
+    assert peer and all(w["tid"] == PEER_TRACK + 1 for w in peer), waits
 
 
 # --------------------------------------------------------------------------- torchrun

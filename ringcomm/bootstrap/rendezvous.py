@@ -107,6 +107,7 @@ def init(
         generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
         scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
         try:  # this rank's own settings and address; a mistake here is told to every rank
+            config.check_all()  # every setting this rank reads later, read now
             proposal, failure = propose(segment_bytes=segment_bytes, transport=transport), None
             host = host or _reachable_host(address)
             trace = trace if trace is not None else config.value("trace")
@@ -148,8 +149,9 @@ def init(
 
 def _timeline_folder(trace: str | os.PathLike[str], generation: int) -> str:
     """Where this communicator's timeline goes: the folder itself for a job's first group on
-    its store, ``group<n>/`` in it for later ones (torch's ``new_group``, ``comm.split``),
-    so that no two groups write the same file and ``ringcomm trace merge`` reads one."""
+    its store, ``group<n>/`` in it for later ones (torch's ``new_group``), so that no two
+    groups write the same file and ``ringcomm trace merge`` reads one. (A ``comm.split``
+    subgroup keeps no timeline of its own.)"""
     return str(trace) if generation == 1 else os.path.join(str(trace), f"group{generation}")
 
 

@@ -64,7 +64,3 @@ WIRE_CODES = MappingProxyType({name: code for code, name in enumerate(WIRE_NAMES
 ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allreduce)
 ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
 
-
-def engine_of(name: str) -> str:
-    """The engine that runs algorithm ``name``."""
-    return ALGORITHMS[name].engine

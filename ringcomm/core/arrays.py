@@ -409,6 +409,10 @@ class Concatenated(HostBuffer):
                  writes: bool = False) -> None:
         if not parts:
             raise ArgumentError(f"{name} is empty")
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) > 1:
+            raise ArgumentError(f"{name} holds arrays of several dtypes ("
+                                f"{', '.join(sorted(map(str, dtypes)))}); they must share one")
         super().__init__(np.empty(sum(p.count for p in parts), parts[0].dtype), name)
         self._parts = [p.staged_for(HOST_ONLY) for p in parts]
         self._writes = writes
@@ -436,7 +440,3 @@ class Concatenated(HostBuffer):
                 offset += part.count
 
 
-def concatenate(parts: Sequence[Buffer], name: str) -> HostBuffer:
-    """A host buffer holding ``parts`` one after another, copied now: for an op that takes a
-    list of arrays as one input."""
-    return Concatenated(parts, name)

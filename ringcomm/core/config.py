@@ -249,3 +249,13 @@ def value(name: str) -> Any:
         raise ArgumentError(f"{setting.env}={reading.raw!r} {reading.problem}; unset it for "
                             f"the default ({setting.shown_default})")
     return reading.value
+
+
+def check_all() -> None:
+    """Read every setting this process's environment sets, raising the first refused one:
+    at init, so that a rank with a bad value fails before any link exists, and every rank
+    hears of it at once (rather than one rank failing deep in the set-up while the others
+    wait for it)."""
+    for setting in SETTINGS:
+        if setting.env is not None and setting.name != "debug":  # warned of at import
+            value(setting.name)

@@ -38,14 +38,14 @@ def _torch() -> Any:
 _NUMPY_DTYPES: dict[Any, np.dtype] = {}
 
 
-def numpy_dtype(dtype: Any) -> np.dtype:
+def numpy_dtype(dtype: Any, name: str = "tensor") -> np.dtype:
     """numpy's name for the core dtype of torch ``dtype`` (``ml_dtypes``' for bfloat16), as
-    the core views it."""
+    the core views it; an ``ArgumentError`` naming ``name`` for a dtype it does not know."""
     host = _NUMPY_DTYPES.get(dtype)
     if host is None:
         torch = _torch()
         empty = torch.empty(0, dtype=dtype, device="cpu")
-        host = _NUMPY_DTYPES[dtype] = as_buffer(empty, name="t").dtype
+        host = _NUMPY_DTYPES[dtype] = as_buffer(empty, name=name).dtype
     return host
 
 
@@ -150,10 +150,13 @@ class TorchCUDAKind(DeviceKind):
         return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
     def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
+        if x.layout != _torch().strided:
+            raise ArgumentError(f"{name} is a {x.layout} tensor; ringcomm takes dense tensors "
+                                "(call .to_dense())")
         if x.is_conj() or x.is_neg():
             raise ArgumentError(f"{name} is a conjugate or negated view; pass "
                                 f"{name}.resolve_conj().resolve_neg()")
-        return numpy_dtype(x.dtype), x.numel()
+        return numpy_dtype(x.dtype, name), x.numel()
 
     def producer(self, x: Any) -> Any:
         torch = _torch()
@@ -200,6 +203,6 @@ def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool
     known = t.dtype in core_dtypes
     if t.is_cuda and known:
         return CUDA_KIND.buffer(t, name, writes, reads)
-    if known or not t.is_cpu or not t.is_contiguous():
+    if known or not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
         return CopiedBuffer(t, name, reads=reads, writes=writes, as_bytes=not known)
-    return HostBuffer(_flat_host(t.detach().reshape(-1).view(_torch().uint8)), name)
+    return HostBuffer(_flat_host(t.detach().reshape(-1).view(_torch().uint8)), name)  # bytes

@@ -23,8 +23,8 @@ from .context import OpContext
 
 
 class Engine(abc.ABC):
-    """Runs schedules of one kind (``runs``: the registry's engine name of the algorithms
-    it takes) for one rank of a group."""
+    """Runs one rank's schedules of the algorithms the registry gives it (``name``: the
+    engine the registry of algorithms names, ``ringcomm.core.algorithms``)."""
 
     name = "engine"
     moves = HOST_ONLY

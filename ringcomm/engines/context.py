@@ -1,5 +1,5 @@
-"""What one op carries while an engine runs it (``OpContext``), what a step observer is told
-of each step (``StepObserver``), and the record of one step a test keeps (``TraceEvent``)."""
+"""What one op carries while an engine runs it (``OpContext``), and what a step observer is
+told of each step (``StepObserver``)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,22 @@ from ..core.dtypes import ReduceOp
 from ..schedules.schedule import Step
 from ..transport.header import OpDescriptor
 
-
-@dataclass(slots=True)
-class TraceEvent:
-    """One executed step: when it started and ended (``time.perf_counter``), in which op,
-    run by which algorithm on which engine (so a trace shows every automatic choice)."""
-
-    rank: int
-    index: int
-    step: Step
-    start: float
-    end: float
-    op: str = ""
-    algorithm: str = ""
-    engine: str = ""
-
-
 # told of every step an engine runs, where someone watches (a tracer): the step's index in
 # its schedule, the step, and when it started and ended (``time.perf_counter``); None costs
 # nothing. The op, algorithm and engine are the watcher's to know (it wraps the engine).
 StepObserver = Callable[[int, Step, float, float], None]
+
+
+def also(first: StepObserver | None, then: StepObserver) -> StepObserver:
+    """An observer that tells ``first`` (if any) then ``then``: two watchers of one op (a
+    timeline and a step log) each see every step."""
+    if first is None:
+        return then
+
+    def both(index: int, step: Step, start: float, end: float) -> None:
+        first(index, step, start, end)
+        then(index, step, start, end)
+    return both
 
 
 @dataclass(slots=True)  # made once per op

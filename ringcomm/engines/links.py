@@ -38,17 +38,7 @@ from ..transport.header import Header
 from .base import Engine
 from .context import OpContext
 
-__all__ = ["LinkEngine", "run_schedule"]
-
-
-def run_schedule(
-    schedule: Schedule,
-    buffers: Mapping[str, Buffer],
-    transport: Transport,
-    ctx: OpContext,
-) -> None:
-    """Execute ``schedule`` on ``buffers`` (of ``ctx.dtype``, keyed by role)."""
-    LinkEngine(transport).run(schedule, buffers, ctx)
+__all__ = ["LinkEngine"]
 
 
 class LinkEngine(Engine):

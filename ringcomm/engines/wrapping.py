@@ -7,11 +7,14 @@ the object itself, or one of the stand-ins of ``ringcomm.transport.wrappers`` an
 checksum are each one small class that sees every message of every collective, the board's
 posts and point-to-point included, and every op of every engine.
 
-The communicator installs the wrappers its settings name when it is made, and a context
-(``comm.tracing``) may install one for a while and take it out again; ``Wiring`` holds the
-objects as they were, so taking wrappers out restores them exactly. A wrapper that changes
-what goes on the wire (faults, checksums) says so (``agreed``): such a wrapper must be the
-same on every rank, which the settings agreed at init guarantee.
+A communicator installs the wrappers it is given when it is made (``ringcomm.init`` adds the
+timeline ``RINGCOMM_TRACE`` asks for), and a context (``comm.wrapped``, ``comm.tracing``)
+may install one for a while and take it out again, on the worker between two ops;
+``Wiring`` holds the objects as they were, so taking wrappers out restores them exactly. A
+wrapper that changes what goes on the wire (faults, checksums) must be the same on every
+rank: the setting that asks for it belongs to the must-match or agreed class of the table
+of settings (``ringcomm.core.config``), so the ranks settle it at init. One that only
+watches (a timeline) may differ from rank to rank.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ class Wrapper:
     """Puts something in front of a group's links, board and engines; by default nothing."""
 
     name = "wrapper"
-    agreed = False  # whether it changes the wire, so that every rank must run it alike
 
     def link(self, link: Link) -> Link:
         return link

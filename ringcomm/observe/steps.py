@@ -4,13 +4,29 @@ that ask which steps ran, in which order, by which algorithm on which engine."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.arrays import Buffer
 from ..engines.base import Engine, EngineWrapper
-from ..engines.context import OpContext, StepObserver, TraceEvent
+from ..engines.context import OpContext, StepObserver, also
 from ..engines.wrapping import Wrapper
 from ..schedules.schedule import Schedule, Step
+
+
+@dataclass(slots=True)
+class TraceEvent:
+    """One executed step: when it started and ended (``time.perf_counter``), in which op,
+    run by which algorithm on which engine (so a trace shows every automatic choice)."""
+
+    rank: int
+    index: int
+    step: Step
+    start: float
+    end: float
+    op: str = ""
+    algorithm: str = ""
+    engine: str = ""
 
 
 class StepLog(Wrapper):
@@ -39,11 +55,13 @@ class _Logged(EngineWrapper):
         return observe
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
-        ctx.observe = self._observer(schedule.rank, ctx.name, schedule.algorithm)
+        ctx.observe = also(ctx.observe, self._observer(schedule.rank, ctx.name,
+                                                       schedule.algorithm))
         self.inner.run(schedule, buffers, ctx)
 
     def allreduce_now(self, plan: Any, data: Buffer, seq: int, deadline: float, name: str,
                       observe: Any = None) -> None:
         schedule = plan.program.schedule
         self.inner.allreduce_now(plan, data, seq, deadline, name,
-                                 self._observer(schedule.rank, name, schedule.algorithm))
+                                 also(observe, self._observer(schedule.rank, name,
+                                                              schedule.algorithm)))

@@ -40,7 +40,7 @@ import numpy as np
 from ..core.arrays import Buffer
 from ..core.dtypes import dtype_name
 from ..engines.base import Engine, EngineWrapper
-from ..engines.context import OpContext
+from ..engines.context import OpContext, also
 from ..engines.wrapping import Wrapper
 from ..schedules.schedule import Kind, Schedule, Step
 from ..transport.board_channel import BoardChannel
@@ -93,7 +93,7 @@ class Timeline(Wrapper):
         self.clock = clock or Clock()
         self.events: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.recorded = 0
-        self.track = ENGINE_TRACKS["links"]  # the engine track of the op running now
+        self.track: int | None = None  # the engine track of the op running now, if one is
         self.itemsize = 1  # of the op running now: step regions count its elements
         self.op = ""  # the name of the op running now
 
@@ -118,8 +118,8 @@ class Timeline(Wrapper):
 
     def step(self, index: int, step: Step, start: float, end: float) -> None:
         """A step the engine of the op running now ran (its ``ctx.observe``)."""
-        self.events.append((_STEP, self.track, start, end, index, step, self.op,
-                            self.itemsize))
+        self.events.append((_STEP, self.track or ENGINE_TRACKS["links"], start, end, index,
+                            step, self.op, self.itemsize))
         self.recorded += 1
 
     # ----------------------------------------------------------------- the file
@@ -184,18 +184,19 @@ class Timeline(Wrapper):
              "args": {"name": f"rank {self.rank}"}},
             {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
              "args": {"sort_index": self.rank}}]
-        used = {event[1] for event in self.events}
+        recorded = list(self.events)  # once: the worker may still be appending
+        used = {event[1] for event in recorded}
         for tid, label in sorted(tracks.items()):
             if tid in used:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                                "args": {"name": label}})
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid,
                                "tid": tid, "args": {"sort_index": tid}})
-        events += [self._chrome_event(event) for event in list(self.events)]
+        events += [self._chrome_event(event) for event in recorded]
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size,
             "clock": {"offset_us": self.clock.offset_us, "error_us": self.clock.error_us},
-            "events": len(self.events), "dropped": self.dropped,
+            "events": len(recorded), "dropped": self.recorded - len(recorded),
             "capacity": self.capacity, "pid": os.getpid()}}
 
     def path(self) -> Path:
@@ -223,7 +224,7 @@ class _TracedEngine(EngineWrapper):
         timeline = self.timeline
         timeline.track, timeline.itemsize, timeline.op = \
             self._track, ctx.dtype.itemsize, ctx.name
-        ctx.observe = timeline.step
+        ctx.observe = also(ctx.observe, timeline.step)
         start, failed = perf_counter(), None
         try:
             self.inner.run(schedule, buffers, ctx)
@@ -233,6 +234,7 @@ class _TracedEngine(EngineWrapper):
         finally:
             timeline.record((_OP, self._track, start, perf_counter(), self.name, ctx.name,
                              ctx.desc, ctx.desc.seq, ctx.dtype, failed))
+            timeline.track = None
 
     def allreduce_now(self, plan: Any, data: Buffer, seq: int, deadline: float, name: str,
                       observe: Any = None) -> None:
@@ -241,13 +243,15 @@ class _TracedEngine(EngineWrapper):
             self._track, data.dtype.itemsize, name
         start, failed = perf_counter(), None
         try:
-            self.inner.allreduce_now(plan, data, seq, deadline, name, timeline.step)
+            self.inner.allreduce_now(plan, data, seq, deadline, name,
+                                     also(observe, timeline.step))
         except Exception as err:
             failed = f"{type(err).__name__}: {err}"
             raise
         finally:
             timeline.record((_OP, self._track, start, perf_counter(), self.name, name,
                              plan.desc, seq, data.dtype, failed))
+            timeline.track = None
 
 
 class _TracedLink(LinkWrapper):
@@ -279,9 +283,10 @@ class _TracedLink(LinkWrapper):
         start = perf_counter()
         header = self.inner.recv_header(wait)
         now = perf_counter()
-        if now - start >= 1e-6:
-            timeline = self.timeline
-            timeline.record((_WAIT, timeline.track, start, now, f"wait for rank {self.peer}",
+        if now - start >= 1e-6:  # inside the step that waited; a point-to-point receive,
+            timeline = self.timeline  # which is no op's, on the peer's track
+            track = self._track if timeline.track is None else timeline.track
+            timeline.record((_WAIT, track, start, now, f"wait for rank {self.peer}",
                              self.peer, wait.op))
         self._header, self._arrived = header, now
         return header
@@ -320,7 +325,8 @@ class _TracedBoard(BoardChannelWrapper):
         self.inner.post(header, payload, deadline, op, at)
         end = perf_counter()
         if waits:
-            timeline.record((_WAIT, timeline.track, start, end, "wait for a slot", None, op))
+            timeline.record((_WAIT, timeline.track or BOARD_TRACK, start, end,
+                             "wait for a slot", None, op))
         timeline.record((_POST, BOARD_TRACK, start, end,
                          0 if payload is None else payload.nbytes, op, None, board.number))
 
@@ -332,8 +338,8 @@ class _TracedBoard(BoardChannelWrapper):
         payload = self.inner.take(peer, header, dtype, count, deadline, op, at)
         end = perf_counter()
         if waits:
-            timeline.record((_WAIT, timeline.track, start, end, f"wait for rank {peer}'s post",
-                             peer, op))
+            timeline.record((_WAIT, timeline.track or BOARD_TRACK, start, end,
+                             f"wait for rank {peer}'s post", peer, op))
         timeline.record((_TAKE, BOARD_TRACK, start, end, count * dtype.itemsize, op, peer,
                          board.number))
         return payload

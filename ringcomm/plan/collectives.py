@@ -73,11 +73,6 @@ class Algorithm:
                              "algorithms (ringcomm.core.algorithms): add one")
 
     @property
-    def engine(self) -> str:
-        """The engine that runs it (``links`` or ``board``), as the registry says."""
-        return ALGORITHMS[self.name].engine
-
-    @property
     def word(self) -> str:
         return self.label or self.name
 

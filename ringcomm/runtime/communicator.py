@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core import config
 from ..core import tensors as _tensors  # noqa: F401 - registers the kind of CUDA tensors
-from ..core.arrays import HOST, HOST_ONLY, Buffer, HostBuffer, as_buffer, concatenate
+from ..core.arrays import HOST, HOST_ONLY, Buffer, Concatenated, HostBuffer, as_buffer
 from ..core.config import DEFAULT_INLINE_BYTES
 from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
@@ -49,6 +49,7 @@ from ..plan.select import Choice, Group, Selector
 from ..plan.settings import Settings
 from ..plan.topology import Topology
 from ..transport.base import Transport
+from ..transport.group import GroupTransport
 from ..transport.kinds import KINDS
 from .ops import CollectiveCall, OpRunner
 from .p2p import P2POp
@@ -186,9 +187,10 @@ class Communicator:
     def describe(self) -> str:
         """How this rank reaches its peers (the kind of each link, and why), the engines
         the group runs ops on, and the wrappers in front of them: for people."""
-        lines = [f"rank {self.rank} of {self.world_size}: link kinds, in the order asked: "
-                 + ", ".join(kind.name for kind in KINDS),
-                 self.transport.describe(),
+        lines = [f"rank {self.rank} of {self.world_size}"]
+        if isinstance(self.transport, GroupTransport):  # linked through the registry
+            lines[0] += ": link kinds, in the order asked: " + ", ".join(k.name for k in KINDS)
+        lines += [self.transport.describe(),
                  "engines: " + "; ".join(f"{name}: {engine.describe()}"
                                          for name, engine in self.engines.items())]
         if self.wiring.wrappers:
@@ -198,22 +200,23 @@ class Communicator:
     @contextmanager
     def tracing(self, folder: str | os.PathLike[str]) -> Iterator[Timeline]:
         """Record this rank's timeline for the body of a ``with`` and write it to
-        ``folder/rank<r>.json`` at its end (``ringcomm trace merge folder`` puts the ranks
-        together). Every rank enters it together, like a collective: it measures this
-        rank's clock against rank 0's over the links first.
+        ``folder/rank<r>.json`` at its end, also when the body raises (``ringcomm trace merge
+        folder`` puts the ranks together). Every rank enters it together, like a
+        collective: it measures this rank's clock against rank 0's over the links first.
 
         Example::
 
             with comm.tracing("traces"):
                 comm.allreduce(x)
         """
-        self._settle()
         clock = over_links(self)
         timeline = Timeline(self.rank, self.world_size, folder, config.value("trace_events"),
                             clock)
-        with self.wrapped(timeline):
-            yield timeline
-        timeline.write()
+        try:
+            with self.wrapped(timeline):
+                yield timeline
+        finally:
+            timeline.write()
 
     def keep_timeline(self, folder: str | os.PathLike[str], clock: Clock) -> Timeline:
         """Record this rank's timeline from now on (``RINGCOMM_TRACE``,
@@ -221,9 +224,7 @@ class Communicator:
         closes, or when the program exits without closing it."""
         timeline = Timeline(self.rank, self.world_size, folder, config.value("trace_events"),
                             clock)
-        self._settle()
-        self.wiring.install(timeline)
-        self._ops.forget_plans()
+        self._rewire(self.wiring.install, timeline)
         self._write_timeline = weakref.finalize(self, timeline.write)
         return timeline
 
@@ -231,21 +232,22 @@ class Communicator:
     def wrapped(self, wrapper: Wrapper) -> Iterator[Wrapper]:
         """Put ``wrapper`` in front of every link, the board and every engine for the body
         of a ``with`` (this rank only: one that changes the wire must be put in on every
-        rank between the same two ops). Waits for queued ops first."""
-        self._settle()
-        self.wiring.install(wrapper)
-        self._ops.forget_plans()
+        rank between the same two ops). It goes in once every op issued before has finished,
+        and out once every op issued in the body has."""
+        self._rewire(self.wiring.install, wrapper)
         try:
             yield wrapper
         finally:
-            self._settle()
-            self.wiring.remove(wrapper)
+            self._rewire(self.wiring.remove, wrapper)
+
+    def _rewire(self, change: Callable[[Wrapper], None], wrapper: Wrapper) -> None:
+        """Put a wrapper in or take it out between two ops, on the worker, where no message
+        is half read; the plans of the fast entry name the engines, so they go too."""
+        def rewire() -> None:
+            change(wrapper)
             self._ops.forget_plans()
 
-    def _settle(self) -> None:
-        """Return once every collective issued on this rank so far has finished: wrappers
-        change only between ops."""
-        self._ops.settle()
+        self._ops.between_ops(rewire)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -410,7 +412,7 @@ class Communicator:
                 for i, part in enumerate(parts):
                     self._check_same_dtype(part, result, f"inputs[{i}]", "x")
                     self._check_size(part, result.count, f"inputs[{i}]", "x.size")
-                source: Buffer = concatenate(parts, "inputs")
+                source: Buffer = Concatenated(parts, "inputs")
             else:
                 source = as_buffer(inputs, name="inputs", writable=False)
                 self._check_same_dtype(source, result, "inputs", "x")
@@ -501,8 +503,6 @@ class Communicator:
                 return
             self._closed = True
         self._ops.stop()
-        if self._write_timeline is not None:
-            self._write_timeline()  # once: the finalizer is spent
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()
@@ -511,6 +511,11 @@ class Communicator:
         self.transport.close()
         for fn in self._on_close:
             fn()
+        if self._write_timeline is not None:
+            try:
+                self._write_timeline()  # once: the finalizer is spent
+            except OSError as lost:  # the timeline is lost; nothing else may be
+                log.warning("rank %d: could not write its timeline: %s", self.rank, lost)
         if stray is not None:
             err = DesyncError(
                 f"a message of rank {stray.sender}'s {stray.describe()} was still waiting "

@@ -12,9 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..engines.context import TraceEvent
 from ..errors import CommError
-from ..observe.steps import StepLog
+from ..observe.steps import StepLog, TraceEvent
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator

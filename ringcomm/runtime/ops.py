@@ -25,11 +25,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..core.algorithms import BOARD
 from ..core.arrays import HOST_ONLY, Buffer, HostBuffer
 from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
 from ..engines.context import OpContext
@@ -67,9 +69,16 @@ class CollectiveCall:
     recv_counts: tuple[int, ...] | None = None
 
 
-# What the worker's queue carries: a collective with its sequence number and name, or a
-# point-to-point op.
-Queued = tuple[CollectiveCall, int, str] | P2POp
+@dataclass(frozen=True)
+class _BetweenOps:
+    """Work for the worker between two ops (``OpRunner.between_ops``)."""
+
+    run: Callable[[], Any]
+
+
+# What the worker's queue carries: a collective with its sequence number and name, a
+# point-to-point op, or work between ops.
+Queued = tuple[CollectiveCall, int, str] | P2POp | _BetweenOps
 
 _ALONE = object()  # the plan of every allreduce in a group of one: nothing to exchange
 _NO_PLAN = object()  # a call the fast entry does not take (the general way runs it)
@@ -123,7 +132,7 @@ class OpRunner:
     def enqueue(self, item: Queued, name: str, async_op: bool) -> Any:
         if self.closed:
             raise CommAborted("this communicator is closed", rank=self.rank)
-        inline = not isinstance(item, P2POp) and (not async_op or self._small(item[0]))
+        inline = isinstance(item, tuple) and (not async_op or self._small(item[0]))
         with self._count_lock:
             # A collective with nothing ahead of it runs on the caller's thread when the
             # caller waits for it anyway, or when it is no larger than ``inline_bytes``
@@ -135,7 +144,7 @@ class OpRunner:
             inline = inline and self.idle
             self._outstanding += 1
         if inline:
-            assert not isinstance(item, P2POp)  # only collectives run inline
+            assert isinstance(item, tuple)  # only collectives run inline
             try:
                 result = self._run(*item)
             except BaseException as err:
@@ -202,9 +211,9 @@ class OpRunner:
             return True
         engine, planned = plan
         name = f"allreduce #{seq}"
-        if type(data) is not HostBuffer:
-            data = data.staged_for(engine.moves)
         try:
+            if type(data) is not HostBuffer:
+                data = data.staged_for(engine.moves)
             engine.allreduce_now(planned, data, seq, time.monotonic() + self.timeout, name)
         except CommError as err:
             self._fail(err, seq)
@@ -222,6 +231,8 @@ class OpRunner:
             return _ALONE
         choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
                                       memory=data.memory)
+        if choice.engine != BOARD:  # the only engine with a fast entry
+            return _NO_PLAN
         engine = self.wiring.engines[choice.engine]
         itemsize = data.dtype.itemsize
         schedule = COLLECTIVES["allreduce"].schedule(
@@ -255,6 +266,12 @@ class OpRunner:
                 if isinstance(item, P2POp):
                     p2p.start(item, future)
                     continue
+                if isinstance(item, _BetweenOps):
+                    try:
+                        future.set_result(item.run())
+                    except BaseException as err:  # noqa: BLE001 - delivered via the future
+                        future.set_exception(err)
+                    continue
                 try:
                     future.set_result(self._run(*item))
                 except BaseException as err:  # noqa: BLE001 - delivered via the future
@@ -264,11 +281,17 @@ class OpRunner:
             finally:
                 self._op_done()
 
-    def settle(self) -> None:
-        """Return once every collective issued so far has finished (nothing is sent; the
-        worker keeps serving posted receives)."""
-        while self._outstanding and self._failure is None and not self.closed:
-            time.sleep(0.0005)
+    def between_ops(self, run: Callable[[], Any]) -> Any:
+        """Run ``run`` on the worker once every op issued before has finished and before any
+        issued after starts, while no point-to-point message is half read: where the links
+        an op uses may be swapped (wrappers put in or taken out). Returns what it returns."""
+        if self.closed:
+            raise CommAborted("this communicator is closed", rank=self.rank)
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._count_lock:
+            self._outstanding += 1  # nothing runs inline meanwhile
+        self._queue.put((_BetweenOps(run), future))
+        return future.result()
 
     def stop(self) -> None:
         """Finish what is queued, then stop the worker (from any thread but the worker)."""

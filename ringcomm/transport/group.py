@@ -96,12 +96,13 @@ class GroupTransport(Transport):
         if mode not in ("auto", "ipc", "tcp"):
             raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
         self.mode = mode
+        shm = bool(config.value("shm")) if shm is None else shm
+        spin_s = spin_seconds()  # settings first: a bad one must not strand a ZeroMQ context
         self._sockets = Sockets(io_threads)
         control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
         super().__init__(rank, world_size, [None] * world_size, control)
-        self.setup = SetUp(rank, world_size, list(hosts), host, mode,
-                           bool(config.value("shm")) if shm is None else shm, spin_seconds(),
-                           timeout, store, prefix, self._sockets, control)
+        self.setup = SetUp(rank, world_size, list(hosts), host, mode, shm, spin_s, timeout,
+                           store, prefix, self._sockets, control)
         self.spin_s = self.setup.spin_s
         self._remove_files = weakref.finalize(self, self.setup.files.remove)
         self._abandon = False  # set-up failed: close without waiting for any socket

@@ -4,8 +4,8 @@ A tracer, a fault injector and a checksum each need to see every message a rank 
 receives, on every kind of link and on the board. Each is a subclass of these classes that
 overrides the few calls it cares about; everything else goes through to the wrapped object
 (``inner``) unchanged. They are put in front of a transport's links and its board by one
-hook (``ringcomm.engines.wrapping``), chosen from the settings, so neither the links, the
-board nor the engines know they are there, and a group without such a wrapper pays nothing.
+hook (``ringcomm.engines.wrapping``), so neither the links, the board nor the engines know
+they are there, and a group without such a wrapper pays nothing.
 """
 
 from __future__ import annotations
