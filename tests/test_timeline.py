@@ -247,12 +247,15 @@ def test_two_watchers_of_one_op_each_see_every_step(tmp_path):
     def fn(comm: Communicator) -> int:
         with comm.tracing(tmp_path):
             comm.allreduce(np.ones(4, np.float32))  # the board engine's fast entry
-            comm.allreduce(np.ones(1 << 18, np.float32))  # two-shot, through run
+            comm.broadcast(np.ones(4, np.float32))  # the board engine's run
+            comm.allgather(np.empty(2 << 17), np.ones(1 << 17))  # the link engine's
         return comm.rank
 
     run_group(2, fn, board=True, trace=steps)
     for rank, trace in enumerate(read_timelines(tmp_path, 2)):
         logged = [e for e in steps if e.rank == rank]
+        engines = {e.engine for e in logged}
+        assert engines == {"board", "links"}, engines
         assert len(spans(trace, "step")) == len(logged) > 2, (rank, len(logged))
 
 
