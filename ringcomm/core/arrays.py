@@ -212,25 +212,23 @@ class StagedBuffer(HostBuffer):
     """A device buffer staged for host memory (see the module docstring): regions, copies and
     reductions work on a host mirror of all of it; the hooks move it."""
 
-    __slots__ = ("_kind", "_array", "_reads", "_writes", "_producer")
+    __slots__ = ("_device",)
 
     def __init__(self, device: DeviceBuffer) -> None:
         super().__init__(np.empty(device.count, device.dtype), device.name)
-        self._kind = device.kind
-        self._array = device.array
-        self._reads = device.reads
-        self._writes = device.writes
-        self._producer = device.producer
+        self._device = device
 
     def before_op(self) -> None:
-        self._kind.wait_for(self._array, self._producer)
-        if self._reads:
-            self._kind.to_host(self._array, self._host)
+        device = self._device
+        device.kind.wait_for(device.array, device.producer)
+        if device.reads:
+            device.kind.to_host(device.array, self._host)
 
     def after_op(self) -> None:
-        if self._writes:
-            self._kind.from_host(self._array, self._host)
-        self._kind.record(self._array)
+        device = self._device
+        if device.writes:
+            device.kind.from_host(device.array, self._host)
+        device.kind.record(device.array)
 
 
 # --------------------------------------------------------------------------- kinds

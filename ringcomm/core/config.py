@@ -144,6 +144,7 @@ def _debug(raw: str) -> str:
     return "WARNING" if value == "WARN" else value
 
 
+TRANSPORT_MODES = ("auto", "ipc", "tcp")
 DEFAULT_SPIN_US = 50.0
 DEFAULT_INLINE_BYTES = 64 * 1024
 DEFAULT_TRACE_EVENTS = 200_000
@@ -158,7 +159,7 @@ SETTINGS: tuple[Setting, ...] = (
             "auto, ipc or tcp: auto links ranks of one host by pipes and shared memory "
             "where both ends offer them, else by ipc sockets, and other hosts by tcp; ipc "
             "uses ipc sockets where auto would use tcp; tcp makes every pair a tcp socket "
-            "(no shared memory, no board)", "auto", _choice("auto", "ipc", "tcp")),
+            "(no shared memory, no board)", "auto", _choice(*TRANSPORT_MODES)),
     Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
             "bytes per message segment", None, None,
             "the profile's tuned size, else 2 MiB"),
@@ -259,3 +260,13 @@ def check_all() -> None:
     for setting in SETTINGS:
         if setting.env is not None and setting.name != "debug":  # warned of at import
             value(setting.name)
+
+
+def transport_mode(forced: str | None) -> str:
+    """The socket kind a group's links use: ``forced`` (``init(transport=)``), else
+    ``RINGCOMM_TRANSPORT``; an ``ArgumentError`` for a mode there is not."""
+    mode = (forced or value("transport")).lower()
+    if mode not in TRANSPORT_MODES:
+        raise ArgumentError(f"transport {mode!r} is unknown (from RINGCOMM_TRANSPORT or "
+                            f"transport=); use {', '.join(TRANSPORT_MODES)}")
+    return mode

@@ -65,10 +65,7 @@ class Settings:
 def propose(*, segment_bytes: int | None = None, transport: str | None = None) -> dict[str, Any]:
     """This rank's values of every must-match and agreed setting, checked for sense."""
     algorithm: str | None = config.value("algorithm")
-    mode = (transport or config.value("transport")).lower()
-    if mode not in ("auto", "ipc", "tcp"):
-        raise ArgumentError(f"transport {mode!r} is unknown (from RINGCOMM_TRANSPORT or "
-                            "transport=); use auto, ipc or tcp")
+    mode = config.transport_mode(transport)
     profile = cost.load_profile()
     if segment_bytes is None:
         segment_bytes = profile.segment_bytes or cost.DEFAULT_SEGMENT_BYTES

@@ -92,9 +92,7 @@ class GroupTransport(Transport):
     ) -> None:
         if len(hosts) != world_size:
             raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
-        mode = (mode or config.value("transport")).lower()
-        if mode not in ("auto", "ipc", "tcp"):
-            raise ArgumentError(f"transport {mode!r} is unknown; use auto, ipc or tcp")
+        mode = config.transport_mode(mode)
         self.mode = mode
         shm = bool(config.value("shm")) if shm is None else shm
         spin_s = spin_seconds()  # settings first: a bad one must not strand a ZeroMQ context
