@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ArgumentError,
+    AuthError,
+    ChecksumError,
     CommAborted,
     CommError,
     CommTimeout,
@@ -123,6 +125,8 @@ configure_logging(_debug_level())
 
 __all__ = [
     "ArgumentError",
+    "AuthError",
+    "ChecksumError",
     "CommAborted",
     "CommError",
     "CommTimeout",

@@ -76,3 +76,14 @@ class StoreTimeout(StoreError, TimeoutError):
 
 class ArgumentError(CommError, ValueError):
     """Bad input caught before anything was sent: wrong dtype, shape, op, rank or size."""
+
+
+class ChecksumError(CommError):
+    """A message or board post arrived with a payload whose checksum does not match: it was
+    corrupted on the way (``RINGCOMM_CHECKSUM=1``). Names the link (from rank X to rank Y),
+    the op and the message."""
+
+
+class AuthError(CommError):
+    """A store or a peer refused this rank's credentials, or this rank refused theirs: the
+    ranks do not hold the same ``RINGCOMM_AUTH_TOKEN`` (or one of them has none)."""

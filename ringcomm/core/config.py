@@ -205,6 +205,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("trace_events", Scope.LOCAL, "RINGCOMM_TRACE_EVENTS", None,
             "events a rank's timeline keeps (the latest; older ones are counted as "
             "dropped)", DEFAULT_TRACE_EVENTS, _positive("events")),
+    Setting("faults", Scope.MUST_MATCH, "RINGCOMM_FAULTS", None,
+            "faults to inject where messages move, 'ACTION:KEY=VALUE,...;...' (kill, "
+            "delay, drop, corrupt; rank, op, call, msg, peer, ms, seed): for testing how a "
+            "job survives them", None, _text, "none"),
+    Setting("checksum", Scope.MUST_MATCH, "RINGCOMM_CHECKSUM", None,
+            "1 adds a checksum to every message and board post, so corruption on the way "
+            "is a ChecksumError naming the link, op and message", False, _flag),
+    Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
+            "a shared secret: the store and every rank-to-rank tcp connection admit only "
+            "peers that hold it (and encrypt); never published or logged", None, _text,
+            "unset: no authentication"),
 )
 BY_NAME = MappingProxyType({s.name: s for s in SETTINGS})
 
