@@ -7,6 +7,7 @@ Every error raised by a running collective names the rank that raised it and the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 
 class CommError(RuntimeError):
@@ -14,7 +15,15 @@ class CommError(RuntimeError):
 
     ``rank`` is the rank that raised it, ``op`` a short description of the collective
     (``"allreduce #12"``) and ``peer`` the other rank involved, when there is one.
+    ``progress`` says where the op stood when it failed (an ``OpProgress`` of
+    ``ringcomm.engines.progress``: step, peer waited for, messages done), and ``report`` is
+    the hang report of an op that timed out (a ``HangReport`` of
+    ``ringcomm.runtime.hang_report``; on rank 0, every rank's state and who is behind);
+    both None where there is none.
     """
+
+    progress: Any = None  # typed loosely: this module sits below the layers that make them
+    report: Any = None
 
     def __init__(
         self,

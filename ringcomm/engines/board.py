@@ -31,12 +31,13 @@ import numpy as np
 
 from ..core.arrays import Buffer, HostBuffer
 from ..core.dtypes import ReduceOp, finish_reduction
-from ..errors import CommTimeout
+from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule
 from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
 from .base import Engine
 from .context import OpContext, StepObserver
+from .progress import in_order, waited_for
 
 _COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
 _INDEX = slice(32, 36)  # the header's ``index`` field, packed
@@ -92,28 +93,33 @@ class BoardProgram:
         dtype, deadline, name, observe = ctx.dtype, ctx.deadline, ctx.name, ctx.observe
         started = time.perf_counter() if observe is not None else 0.0
         step = 0
-        for number, (post, place, takes) in enumerate(self.rounds):
-            if number:
-                header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
-            channel.post(header, buffers[post.buf].region(post.offset, post.count)
-                         if post is not None else None, deadline, name, place)
-            if observe is not None:
-                started = self._observed(observe, step, started)
-            step += 1
-            for peer, does, final, role, offset, count, at in takes:
-                payload = channel.take(peer, header, dtype, count, deadline, name, at)
-                if does is not _CHECK:
-                    target = buffers[role]
-                    into = target.region(offset, count)
-                    if does is _REDUCE:
-                        assert ctx.reduce is not None
-                        target.reduce_into(into, into, payload, ctx.reduce,
-                                           channel.world_size if final else 1)
-                    else:
-                        target.copy(into, payload)
+        try:
+            for number, (post, place, takes) in enumerate(self.rounds):
+                if number:
+                    header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
+                channel.post(header, buffers[post.buf].region(post.offset, post.count)
+                             if post is not None else None, deadline, name, place)
                 if observe is not None:
                     started = self._observed(observe, step, started)
                 step += 1
+                for peer, does, final, role, offset, count, at in takes:
+                    payload = channel.take(peer, header, dtype, count, deadline, name, at)
+                    if does is not _CHECK:
+                        target = buffers[role]
+                        into = target.region(offset, count)
+                        if does is _REDUCE:
+                            assert ctx.reduce is not None
+                            target.reduce_into(into, into, payload, ctx.reduce,
+                                               channel.world_size if final else 1)
+                        else:
+                            target.copy(into, payload)
+                    if observe is not None:
+                        started = self._observed(observe, step, started)
+                    step += 1
+        except CommError as err:  # where the op stood goes with the error (the hang report)
+            err.progress = in_order("board", self.schedule, step, waited_for(err, -1),
+                                    dtype.itemsize)
+            raise
 
     def run_whole(self, channel: BoardChannel, data: np.ndarray, header: bytes,
                   deadline: float, name: str, reduce: ReduceOp | None,
@@ -123,12 +129,22 @@ class BoardProgram:
         smallest calls spend most of their time."""
         assert self.whole is not None, "run_whole needs a program of whole takes"
         started = time.perf_counter() if observe is not None else 0.0
-        channel.post(header, data, deadline, name)
+        try:
+            channel.post(header, data, deadline, name)
+        except CommError as err:  # where the op stood goes with the error (the hang report)
+            err.progress = in_order("board", self.schedule, 0, waited_for(err, -1),
+                                    data.dtype.itemsize)
+            raise
         if observe is not None:
             started = self._observed(observe, 0, started)
         dtype, count = data.dtype, data.size
         for step, (peer, reduces, final) in enumerate(self.whole, 1):
-            payload = channel.take(peer, header, dtype, count, deadline, name)
+            try:
+                payload = channel.take(peer, header, dtype, count, deadline, name)
+            except CommError as err:
+                err.progress = in_order("board", self.schedule, step, waited_for(err, peer),
+                                        dtype.itemsize)
+                raise
             if reduces:
                 assert reduce is not None
                 reduce.ufunc(data, payload, out=data)
@@ -176,11 +192,13 @@ def run_board(
 
 
 def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> CommTimeout:
-    """A board wait's timeout, saying which schedule ran out of time."""
-    return CommTimeout(
+    """A board wait's timeout, saying which schedule ran out of time (and where it stood)."""
+    timeout = CommTimeout(
         f"{err.detail} ({schedule.algorithm} {schedule.collective} on the shared board). "
         "Check that every rank runs this op, or raise the timeout.",
         rank=rank, op=name, peer=err.peer)
+    timeout.progress = err.progress
+    return timeout
 
 
 _PROGRAMS: dict[int, tuple[Schedule, BoardProgram]] = {}  # id(schedule) -> (it, its program)

@@ -31,12 +31,13 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from ..core.arrays import Buffer
-from ..errors import CommTimeout
+from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule, Step
 from ..transport.base import SendHandle, Transport
 from ..transport.header import Header
 from .base import Engine
 from .context import OpContext
+from .progress import over_links, waited_for
 
 __all__ = ["LinkEngine"]
 
@@ -61,7 +62,10 @@ class LinkEngine(Engine):
 class _PendingSends:
     """Zero-copy sends not yet out of our memory, with the byte ranges they read and the peer
     they go to. Waiting on one goes through the transport, so that a dead peer or an abort
-    from another rank ends the wait instead of the op's timeout."""
+    from another rank ends the wait instead of the op's timeout. ``stalled`` says that such
+    a wait failed (so the step it held up never started its receive)."""
+
+    stalled = False  # set on the instance only when a wait fails
 
     def __init__(self, transport: Transport, ctx: OpContext) -> None:
         self._items: deque[tuple[int, int, int, SendHandle]] = deque()
@@ -89,7 +93,11 @@ class _PendingSends:
 
     def _wait(self, peer: int, handle: SendHandle) -> None:
         if not handle.done:
-            self._transport.wait_sent(peer, handle, self._ctx.deadline, self._ctx.name)
+            try:
+                self._transport.wait_sent(peer, handle, self._ctx.deadline, self._ctx.name)
+            except CommError:
+                self.stalled = True
+                raise
 
 
 def _run(
@@ -187,14 +195,22 @@ def _run(
             else:
                 assert kind is Kind.COPY and src is not None and dst is not None
                 buffers[dst.buf].copy(claim(dst), view(src))
-        except CommTimeout as err:
-            raise CommTimeout(
+        except CommError as err:  # where the op stood goes with the error (the hang report)
+            progress = over_links(schedule, index,
+                                  waited_for(err, -1 if kind is Kind.SEND else peer), sent,
+                                  received, itemsize, receiving=not pending.stalled)
+            if not isinstance(err, CommTimeout):
+                err.progress = progress
+                raise
+            timeout = CommTimeout(
                 f"{err.detail}; the step was: {step.describe()} "
                 f"(step {index} of {len(steps)} of {schedule.algorithm} "
                 f"{schedule.collective}). Check that every rank runs this op, or raise the "
                 "timeout.",
                 rank=rank, op=ctx.name, peer=err.peer,
-            ) from None
+            )
+            timeout.progress = progress
+            raise timeout from None
         if observe is not None:
             observe(index, step, started, time.perf_counter())
     try:
@@ -203,12 +219,19 @@ def _run(
             for peer, count in enumerate(sent):
                 if count:
                     transport.check_delivered(peer, ctx.name)
-    except CommTimeout as err:
-        raise CommTimeout(
+    except CommError as err:
+        progress = over_links(schedule, len(steps), waited_for(err, -1), sent, received,
+                              itemsize, receiving=False)
+        if not isinstance(err, CommTimeout):
+            err.progress = progress
+            raise
+        timeout = CommTimeout(
             f"{err.detail} (the last sends of {schedule.algorithm} {schedule.collective}). "
             "Check that every rank runs this op, or raise the timeout.",
             rank=rank, op=ctx.name, peer=err.peer,
-        ) from None
+        )
+        timeout.progress = progress
+        raise timeout from None
     for buf in buffers.values():
         buf.after_op()
 

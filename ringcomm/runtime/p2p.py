@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from ..core.arrays import Buffer
 from ..core.dtypes import dtype_code
+from ..engines.progress import OpProgress, in_order
 from ..errors import CommAborted, CommError, CommTimeout, PeerLostError
 from ..schedules import direct
 from ..transport.base import SendHandle, Transport
@@ -210,6 +211,18 @@ class P2PEngine:
         return Header(seq, count * data.dtype.itemsize, data.count, self.comm.segment_bytes, sender,
                       index, op.tag, OpKind.P2P, dtype_code(data.dtype), _DIRECT)
 
+    def _progress(self, op: P2POp, index: int, peer: int | None,
+                  doing: str | None = None) -> OpProgress:
+        """Where ``op`` stood when it failed at segment ``index`` of its message (-1: after
+        the last), for the hang report."""
+        comm, data = self.comm, op.data
+        if peer is None:  # a receive from any rank that none sent to
+            return OpProgress("p2p", "direct recv", 0, 0, doing or "", None)
+        build = direct.send if op.is_send else direct.recv
+        schedule = build(comm.rank, comm.world_size, peer, data.count, comm._segment(data))
+        at = len(schedule.steps) if index < 0 else index
+        return in_order("p2p", schedule, at, peer, data.dtype.itemsize, doing)
+
     def _check_sends(self) -> None:
         if not self.sending:
             return
@@ -220,11 +233,15 @@ class P2PEngine:
             if not s.handles:
                 self._complete(s.op, s.future)
             elif now >= s.deadline:
-                self._failed(s, CommTimeout(
+                err = CommTimeout(
                     f"the message to rank {s.op.peer} did not leave this process within "
                     f"{self.comm.timeout:g} s: rank {s.op.peer} never received it (is it "
                     "alive, and does it call recv?)", rank=self.comm.rank, op=s.op.name,
-                    peer=s.op.peer))
+                    peer=s.op.peer)
+                err.progress = self._progress(s.op, -1, s.op.peer,
+                                              f"waiting for rank {s.op.peer} to take its "
+                                              f"message (tag {s.op.tag})")
+                self._failed(s, err)
             else:
                 still.append(s)
         self.sending = still
@@ -235,10 +252,13 @@ class P2PEngine:
             if now >= posted.deadline:
                 src = posted.op.peer
                 who = "any rank" if src is None else f"rank {src}"
-                self._failed(posted, CommTimeout(
+                err = CommTimeout(
                     f"no message from {who} within {self.comm.timeout:g} s: check that it "
                     "sends one (same tag), or raise the timeout", rank=self.comm.rank,
-                    op=posted.op.name, peer=src))
+                    op=posted.op.name, peer=src)
+                err.progress = self._progress(posted.op, 0, src, f"waiting for a message from "
+                                              f"{who} (tag {posted.op.tag})")
+                self._failed(posted, err)
                 return
 
     def _peers(self) -> list[int]:
@@ -284,6 +304,8 @@ class P2PEngine:
             self._failed(posted, err)
             return True
         except CommError as err:
+            err.progress = self._progress(op, 0, peer if isinstance(err, CommTimeout) else
+                                          op.peer)
             self._unpost(posted, peer)
             self._failed(posted, err)
             return True
@@ -296,7 +318,8 @@ class P2PEngine:
                 comm.transport.recv_into(peer, self._header(op, peer, index, dst.count, seq),
                                          op.data.region(dst.offset, dst.count),
                                          posted.deadline, name)
-        except CommError as err:
+        except CommError as err:  # raised in the loop, so ``index`` is bound
+            err.progress = self._progress(op, index, peer)
             self._failed(posted, err)
             return True
         if op.work is not None:
