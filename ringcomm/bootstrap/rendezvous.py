@@ -130,7 +130,7 @@ def init(
                             mode=settings.transport, timeout=timeout)
 
     comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
-                        on_close=list(reversed(closers)), connect=connect)
+                        on_close=list(reversed(closers)), connect=connect, store=scoped)
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys
         measure_remote(comm)  # several hosts: the link between them, agreed

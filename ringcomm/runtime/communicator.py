@@ -51,6 +51,7 @@ from ..plan.topology import Topology
 from ..transport.base import Transport
 from ..transport.group import GroupTransport
 from ..transport.kinds import KINDS
+from .hang_report import ReportStore
 from .ops import CollectiveCall, OpRunner
 from .p2p import P2POp
 
@@ -89,7 +90,9 @@ class Communicator:
     ``settings`` and the ``topology`` that every rank agreed on there. Groups inside one
     process (tests, ``ringcomm.runtime.local``) build them directly over in-memory transports,
     where every rank reads the same environment; ``segment_bytes`` overrides the agreed
-    segment size (every rank must pass the same).
+    segment size (every rank must pass the same). ``store`` (the group's, as ``init`` passes
+    it) is where rank 0 gathers the hang report of an op that times out
+    (``ringcomm.runtime.hang_report``); without one each rank logs its own state only.
 
     Arrays may be numpy arrays or torch CPU tensors, used in place, or of any kind
     registered in ``ringcomm.core.arrays`` (a device array is staged through host memory).
@@ -106,6 +109,7 @@ class Communicator:
         on_close: Sequence[Callable[[], None]] = (),
         connect: Callable[[tuple[int, ...], str], Transport] | None = None,
         wrappers: Sequence[Wrapper] = (),
+        store: ReportStore | None = None,
     ) -> None:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
@@ -129,7 +133,8 @@ class Communicator:
         self.wiring = Wiring.of(transport, transport.board, wrappers)
         self.selector = self._selector()
         self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
-                             self.timeout, inline_bytes(self.topology.spare_core(self.rank)))
+                             self.timeout, inline_bytes(self.topology.spare_core(self.rank)),
+                             store)
 
     def _selector(self) -> Selector:
         return Selector(Group(self.world_size, self.transport.board is not None,

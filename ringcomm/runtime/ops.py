@@ -43,6 +43,7 @@ from ..plan.topology import Topology
 from ..transport.base import Transport
 from ..transport.board import SLOT_BYTES
 from ..transport.header import OpDescriptor, OpKind, algorithm_code, reduce_code
+from .hang_report import HangReporter, ReportStore
 from .p2p import P2PEngine, P2POp
 from .scratch import Scratch
 from .work import Work
@@ -86,10 +87,12 @@ _NO_PLAN = object()  # a call the fast entry does not take (the general way runs
 
 class OpRunner:
     """The ops of one communicator (rank ``transport.rank``), run in issue order on the
-    engines of ``wiring`` as ``selector`` chose them."""
+    engines of ``wiring`` as ``selector`` chose them; an op that times out leaves a hang
+    report, gathered through ``store`` where the group has one (``hang_report``)."""
 
     def __init__(self, transport: Transport, wiring: Wiring, selector: Selector,
-                 topology: Topology, timeout: float, inline_bytes: int) -> None:
+                 topology: Topology, timeout: float, inline_bytes: int,
+                 store: ReportStore | None = None) -> None:
         self.transport = transport
         self.wiring = wiring
         self.selector = selector
@@ -103,6 +106,7 @@ class OpRunner:
         self._plans: dict[tuple[np.dtype, int, str], Any] = {}  # the fast entry's
         self._seq = itertools.count()
         self._failure: CommError | None = None
+        self.hang = HangReporter(self.rank, self.world_size, store)
         self.closed = False
         self._queue: queue.SimpleQueue[tuple[Queued, concurrent.futures.Future[Any]] | None] \
             = queue.SimpleQueue()
@@ -302,10 +306,12 @@ class OpRunner:
 
     # ------------------------------------------------------------------ running
     def _fail(self, err: CommError, seq: int) -> None:
-        """Mark this communicator failed and, unless a peer told us, tell every peer."""
+        """Mark this communicator failed and, unless a peer told us, tell every peer; then,
+        if it was a timeout (here or on the peer that told us), leave the hang report."""
         self._failure = err
         if not isinstance(err, RemoteError):
             self.transport.abort(seq, f"{type(err).__name__}: {err}")
+        self.hang.on_failure(err)
 
     def _segment(self, data: Buffer) -> int:
         return max(1, self.segment_bytes // max(1, data.dtype.itemsize))

@@ -42,10 +42,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 def torch_style(err: BaseException, timeout: float) -> BaseException:
     """An op's timeout worded as torch's backends word theirs ("Timed out after ..."), which
-    is what people and torch's tests look for; same type, rank, op and peer."""
+    is what people and torch's tests look for; same type, rank, op and peer, and the same
+    hang report (``err.report``)."""
     if isinstance(err, CommTimeout) and not err.detail.startswith("Timed out"):
         styled = CommTimeout(f"Timed out after {timeout:g} s: {err.detail}", rank=err.rank,
                              op=err.op, peer=err.peer)
+        styled.progress, styled.report = err.progress, err.report  # the hang report
         styled.__cause__ = err
         return styled
     return err
