@@ -217,7 +217,8 @@ def analyze(states: dict[int, RankState],
         waiting = waiters.get(culprit, [])
         if waiting:
             through = [(w, states[w].peer) for w, direct in waiting if not direct]
-            line += (f"; {_ranks(sorted(w for w, _ in waiting))} wait for it" +
+            who = sorted(w for w, _ in waiting)
+            line += (f"; {_ranks(who)} wait{'s' if len(who) == 1 else ''} for it" +
                      (" (" + ", ".join(f"{w} through rank {p}" for w, p in through) + ")"
                       if through else ""))
         findings.append(line)
