@@ -75,6 +75,8 @@ def main() -> None:
 
         import ringcomm  # noqa: F401 - registers the backend
 
+        flag(sync, f"imported-{rank}")  # the timeout bounds the rendezvous too: start it
+        wait_for(sync, *(f"imported-{r}" for r in range(world)))  # once all have torch
         dist.init_process_group("ringcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
         if rank != last:
