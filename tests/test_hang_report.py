@@ -151,6 +151,10 @@ def test_a_rank_in_an_earlier_or_another_op_is_behind():
     assert "while ranks 0, 1 are in allreduce #5); ranks 0, 1 wait for it" in findings[0]
     states[2] = state(2, "recv from rank 0", 0)  # a point-to-point op instead
     assert analyze(states, 3)[0] == (2,)
+    ahead = {0: state(0, "allreduce #6", None), 1: state(1, "allreduce #5", 0),
+             2: state(2, "allreduce #5", 1)}  # rank 0 went on to the next op
+    behind, findings = analyze(ahead, 3)
+    assert behind == (0,) and "while ranks 1, 2 are in allreduce #5" in findings[0], findings
 
 
 def test_waits_in_a_cycle_and_ops_the_ranks_disagree_about_are_named():
@@ -166,6 +170,17 @@ def test_waits_in_a_cycle_and_ops_the_ranks_disagree_about_are_named():
     assert behind == (2,), findings
     assert "the ranks disagree about op #5: allreduce on ranks 0, 1; barrier on rank 2" \
         in findings, findings
+
+
+def test_a_rank_that_others_wait_for_while_it_waits_for_nobody_is_behind():
+    """It came to the op late (the others had given up), or was busy with a send."""
+    states = {0: state(0, "allreduce #1", None, step=0), 1: state(1, "allreduce #1", 0),
+              2: state(2, "allreduce #1", 1)}
+    behind, findings = analyze(states, 3)
+    assert behind == (0,), findings
+    assert findings == ("rank 0 is behind (in allreduce #1 at step 0 of 4 (ring allreduce, "
+                        "links engine), waiting for nobody: it came to this op late, or was "
+                        "busy); ranks 1, 2 wait for it (2 through rank 1)",), findings
 
 
 def test_ranks_nobody_waits_for_are_only_listed():
@@ -275,11 +290,11 @@ def test_a_rank_waiting_in_another_op_is_named_behind(tmp_path):
     last, log = results[2]
     assert last["error"] in ("CommTimeout", "RemoteError") and last["progress"]["peer"] == 0
     assert last["elapsed"] <= timeout + BOUND, last
-    assert re.search(r"ERROR ringcomm: rank 2: recv from rank 0 (timed out|stopped: .*) at "
+    assert re.search(r"ERROR ringcomm: rank 2: recv (#0 )?from rank 0 (timed out|stopped: .*) at "
                      r"step 0 of 1 .* waiting for rank 0 ", log), log
     report = results[0][0]["report"]
     assert report["behind"] == [2] and report["states"] == [0, 1, 2], report
-    assert re.match(r"rank 2 is behind \(in recv from rank 0 at step 0 of 1 .*, while ranks "
+    assert re.match(r"rank 2 is behind \(in recv (#0 )?from rank 0 at step 0 of 1 .*, while ranks "
                     r"0, 1 are in allreduce #\d+\); ranks 0, 1 wait for it", report["findings"][0])
 
 

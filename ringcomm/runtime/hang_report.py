@@ -174,13 +174,14 @@ def analyze(states: dict[int, RankState],
             world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Who is behind, and why: ``(ranks, findings)``.
 
-    The op most ranks are in is the one of the furthest sequence number that most of its
-    ranks name; a rank in any other (an earlier collective, another collective under the
-    same number, a point-to-point op) is elsewhere. Each rank that reported waited for a
-    peer; following those waits from rank to rank ends at a rank that sent no report or
-    is elsewhere (those are behind), at one that waited for nobody in particular, or goes
-    round a cycle (a message went missing, or the ranks disagree about the op). Ranks that
-    ran different collectives under one sequence number are named too."""
+    The op most ranks are in is the collective most reporting ranks name (ties: the
+    furthest); a rank in any other (an earlier or a later collective, another collective
+    under the same number, a point-to-point op) is elsewhere. Each rank that reported waited for a
+    peer; following those waits from rank to rank ends at a rank that sent no report, is
+    elsewhere, or waited for nobody (it came late, or was busy: a send, a copy): those are
+    behind. Or the waits go round a cycle (a message went missing, or the ranks disagree
+    about the op). Ranks that ran different collectives under one sequence number are named
+    too."""
     main = _main_op(states)
     elsewhere = {r for r, s in states.items() if main is not None and s.op != main}
     waiters: dict[int, list[tuple[int, bool]]] = {}  # culprit -> (waiter, directly)
@@ -190,6 +191,8 @@ def analyze(states: dict[int, RankState],
         while True:
             nxt = states[cur].peer
             if nxt is None or not 0 <= nxt < world_size:
+                if cur != start:  # others wait for a rank that waits for nobody
+                    waiters.setdefault(cur, []).append((start, len(path) == 2))
                 break
             if nxt in path:
                 cycle = tuple(path[path.index(nxt):])
@@ -210,6 +213,9 @@ def analyze(states: dict[int, RankState],
         state = states.get(culprit)
         if state is None:
             what = NO_REPORT
+        elif state.op == main and state.peer is None:
+            what = (f"in {state.op} at {_step(state)}, waiting for nobody: it came to this op "
+                    "late, or was busy")
         else:
             what = (f"in {state.op} at {_step(state)}, while {_ranks(in_main)} "
                     f"{'is' if len(in_main) == 1 else 'are'} in {main}")
@@ -242,18 +248,19 @@ def analyze(states: dict[int, RankState],
 
 
 def _main_op(states: dict[int, RankState]) -> str | None:
-    """The op most ranks are in: of the collectives with the furthest sequence number, the
-    one most of their ranks name (ties: the lowest rank's); None where no rank reported a
-    collective."""
-    seqs = [s.seq for s in states.values() if s.seq is not None]
-    if not seqs:
-        return None
-    front = max(seqs)
+    """The op most ranks are in: the collective that most reporting ranks name (ties: the
+    one of the furthest sequence number, then the lowest rank's); None where no rank
+    reported a collective."""
     counts: dict[str, int] = {}
+    seqs: dict[str, int] = {}
     for r in sorted(states):
-        if states[r].seq == front:
-            counts[states[r].op] = counts.get(states[r].op, 0) + 1
-    return max(counts, key=lambda op: counts[op])  # first of the most: the lowest rank's
+        s = states[r]
+        if s.seq is not None:
+            counts[s.op] = counts.get(s.op, 0) + 1
+            seqs[s.op] = s.seq
+    if not counts:
+        return None
+    return max(counts, key=lambda op: (counts[op], seqs[op]))  # first of the most: lowest rank's
 
 
 def summary_text(report: HangReport) -> str:
