@@ -308,6 +308,11 @@ def test_a_rank_that_comes_late_reports_its_own_state(tmp_path):
     assert report["behind"] == [2], report
     last, log = results[2]
     assert last["error"] == "RemoteError" and last["report"]["states"] == [2], last
+    p = last["progress"]  # the steps before its step went; the failed one did not
+    before = COLLECTIVES["allreduce"].schedule(2, 3, 8, 1 << 20, algorithm="ring").steps[
+        :p["step"]]
+    assert p["sent"] == sum(s.kind in (Kind.SEND, Kind.RECV_REDUCE_SEND) for s in before), p
+    assert p["received"] == sum(s.kind is not Kind.SEND for s in before), p
     assert re.search(r"ERROR ringcomm: rank 2: allreduce #\d+ stopped: rank \d timed out and "
                      r"aborted the group at step 0 of \d+", log), log
 
