@@ -26,6 +26,7 @@ import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import CodeType
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
 from .base import Engine
 from .context import OpContext, StepObserver
-from .progress import in_order, waited_for
+from .progress import OpProgress, frame_local, in_order, waited_for
 
 _COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
 _INDEX = slice(32, 36)  # the header's ``index`` field, packed
@@ -93,33 +94,28 @@ class BoardProgram:
         dtype, deadline, name, observe = ctx.dtype, ctx.deadline, ctx.name, ctx.observe
         started = time.perf_counter() if observe is not None else 0.0
         step = 0
-        try:
-            for number, (post, place, takes) in enumerate(self.rounds):
-                if number:
-                    header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
-                channel.post(header, buffers[post.buf].region(post.offset, post.count)
-                             if post is not None else None, deadline, name, place)
+        for number, (post, place, takes) in enumerate(self.rounds):
+            if number:
+                header = header[:_INDEX.start] + _U32.pack(number) + header[_INDEX.stop:]
+            channel.post(header, buffers[post.buf].region(post.offset, post.count)
+                         if post is not None else None, deadline, name, place)
+            if observe is not None:
+                started = self._observed(observe, step, started)
+            step += 1
+            for peer, does, final, role, offset, count, at in takes:
+                payload = channel.take(peer, header, dtype, count, deadline, name, at)
+                if does is not _CHECK:
+                    target = buffers[role]
+                    into = target.region(offset, count)
+                    if does is _REDUCE:
+                        assert ctx.reduce is not None
+                        target.reduce_into(into, into, payload, ctx.reduce,
+                                           channel.world_size if final else 1)
+                    else:
+                        target.copy(into, payload)
                 if observe is not None:
                     started = self._observed(observe, step, started)
                 step += 1
-                for peer, does, final, role, offset, count, at in takes:
-                    payload = channel.take(peer, header, dtype, count, deadline, name, at)
-                    if does is not _CHECK:
-                        target = buffers[role]
-                        into = target.region(offset, count)
-                        if does is _REDUCE:
-                            assert ctx.reduce is not None
-                            target.reduce_into(into, into, payload, ctx.reduce,
-                                               channel.world_size if final else 1)
-                        else:
-                            target.copy(into, payload)
-                    if observe is not None:
-                        started = self._observed(observe, step, started)
-                    step += 1
-        except CommError as err:  # where the op stood goes with the error (the hang report)
-            err.progress = in_order("board", self.schedule, step, waited_for(err, -1),
-                                    dtype.itemsize)
-            raise
 
     def run_whole(self, channel: BoardChannel, data: np.ndarray, header: bytes,
                   deadline: float, name: str, reduce: ReduceOp | None,
@@ -129,22 +125,12 @@ class BoardProgram:
         smallest calls spend most of their time."""
         assert self.whole is not None, "run_whole needs a program of whole takes"
         started = time.perf_counter() if observe is not None else 0.0
-        try:
-            channel.post(header, data, deadline, name)
-        except CommError as err:  # where the op stood goes with the error (the hang report)
-            err.progress = in_order("board", self.schedule, 0, waited_for(err, -1),
-                                    data.dtype.itemsize)
-            raise
+        channel.post(header, data, deadline, name)
         if observe is not None:
             started = self._observed(observe, 0, started)
         dtype, count = data.dtype, data.size
         for step, (peer, reduces, final) in enumerate(self.whole, 1):
-            try:
-                payload = channel.take(peer, header, dtype, count, deadline, name)
-            except CommError as err:
-                err.progress = in_order("board", self.schedule, step, waited_for(err, peer),
-                                        dtype.itemsize)
-                raise
+            payload = channel.take(peer, header, dtype, count, deadline, name)
             if reduces:
                 assert reduce is not None
                 reduce.ufunc(data, payload, out=data)
@@ -185,8 +171,11 @@ def run_board(
         buf.before_op()
     try:
         program.run(channel, buffers, header, ctx)
-    except CommTimeout as err:
-        raise _on_board(err, schedule, channel.rank, ctx.name) from None
+    except CommError as err:
+        err.progress = _stood(err, program, BoardProgram.run.__code__, ctx.dtype.itemsize)
+        if isinstance(err, CommTimeout):
+            raise _on_board(err, schedule, channel.rank, ctx.name) from None
+        raise
     for buf in used:
         buf.after_op()
 
@@ -199,6 +188,17 @@ def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> Com
         rank=rank, op=name, peer=err.peer)
     timeout.progress = err.progress
     return timeout
+
+
+def _stood(err: CommError, program: BoardProgram, runner: CodeType,
+           itemsize: int) -> OpProgress:
+    """Where ``program`` stood when ``err`` left ``runner`` (the code of ``BoardProgram.run``
+    or ``run_whole``), for the hang report: the step it was on is that frame's ``step``,
+    read on the way out, so the runners' loops carry no bookkeeping for it (unbound: it
+    failed at its first post, step 0)."""
+    step = frame_local(err, runner, "step")
+    return in_order("board", program.schedule, step if isinstance(step, int) else 0,
+                    waited_for(err, -1), itemsize)
 
 
 _PROGRAMS: dict[int, tuple[Schedule, BoardProgram]] = {}  # id(schedule) -> (it, its program)
@@ -262,8 +262,12 @@ class BoardEngine(Engine):
                 program.run_whole(self.channel, data.region(0, data.count), plan.header_of(seq),
                                   deadline, name, plan.reduce, observe)
                 return
-        except CommTimeout as err:
-            raise _on_board(err, program.schedule, self.channel.rank, name) from None
+        except CommError as err:
+            err.progress = _stood(err, program, BoardProgram.run_whole.__code__,
+                                  data.dtype.itemsize)
+            if isinstance(err, CommTimeout):
+                raise _on_board(err, program.schedule, self.channel.rank, name) from None
+            raise
         run_board(program, {"data": data}, self.channel,
                   OpContext(plan.desc, name, data.dtype, deadline, plan.reduce, observe),
                   header=plan.header_of(seq))

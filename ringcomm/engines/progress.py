@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from types import CodeType
 from typing import Any
 
 from ..errors import CommError, CommTimeout
@@ -61,6 +62,18 @@ class OpProgress:
         """The inverse of ``to_dict`` (fields a newer version added are left out)."""
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+def frame_local(err: BaseException, code: CodeType | None, name: str) -> Any:
+    """The value local ``name`` had when ``err`` left the frame running ``code`` (None if
+    ``err`` did not pass through one, or the name was unbound): how an engine whose loop
+    keeps its step in a local learns the step on the exception path only."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return tb.tb_frame.f_locals.get(name)
+        tb = tb.tb_next
+    return None
 
 
 def waited_for(err: CommError, step_peer: int) -> int | None:
