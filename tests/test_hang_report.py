@@ -38,14 +38,19 @@ BOUND = 2.0  # a timeout reaches the caller within timeout + 2 s, hang report in
 
 # --------------------------------------------------------------------------- in one process
 
-def _skip_last(algorithm: str | None, timeout: float = 0.3, board: bool = False) -> list:
-    """World 3; every rank but the last runs an allreduce of 8 float32; the last never does.
-    Returns the errors of ranks 0 and 1."""
+def _skip_last(algorithm: str | None, timeout: float = 0.3, board: bool = False,
+               async_op: bool = False) -> list:
+    """World 3; every rank but the last runs an allreduce of 8 float32 (through the worker
+    and the general runners where ``async_op``); the last never does. Returns the errors of
+    ranks 0 and 1."""
     def fn(comm: Any) -> Any:
         if comm.rank == 2:
             return "skipped"
         try:
-            comm.allreduce(np.ones(8, np.float32), algorithm=algorithm)
+            if async_op:
+                comm.allreduce(np.ones(8, np.float32), algorithm=algorithm, async_op=True).wait()
+            else:
+                comm.allreduce(np.ones(8, np.float32), algorithm=algorithm)
         except (CommTimeout, RemoteError) as err:
             return err
         return "no error"
@@ -53,13 +58,15 @@ def _skip_last(algorithm: str | None, timeout: float = 0.3, board: bool = False)
     return run_group(3, fn, timeout=timeout, board=board, return_errors=True)[:2]
 
 
-@pytest.mark.parametrize("algorithm,board", [("ring", False), ("tree", False), ("rd", False),
-                                             (None, True)])
-def test_every_engine_says_where_a_timed_out_op_stood(algorithm, board):
+@pytest.mark.parametrize("algorithm,board,async_op", [
+    ("ring", False, False), ("tree", False, False), ("rd", False, False), (None, True, False),
+    (None, True, True)])
+def test_every_engine_says_where_a_timed_out_op_stood(algorithm, board, async_op):
     """Each waiting rank's ``err.progress`` is its schedule's step: the step's index, its
     description, the peer it waits for, and the messages (posts, takes) of the steps
-    before it, with their bytes."""
-    for rank, err in enumerate(_skip_last(algorithm, board=board)):
+    before it, with their bytes. On the board: through its fast entry and its general
+    runner."""
+    for rank, err in enumerate(_skip_last(algorithm, board=board, async_op=async_op)):
         assert isinstance(err, (CommTimeout, RemoteError)), err
         p = err.progress
         assert isinstance(p, OpProgress), err
