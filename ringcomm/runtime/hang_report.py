@@ -8,9 +8,9 @@ of its schedule, the peer it waited for, the messages and bytes it had moved:
 ``ringcomm.engines.progress.OpProgress``, which the engine hangs on the error as it leaves)
 and puts that in the store; rank 0 gathers what arrives within a short, bounded time and
 logs one screen: every rank's state, and the ranks at the end of the chains of waits (a rank
-that sent no report, one still in an earlier op) or in a cycle of them. In the spirit of
-torch's desync report, but with nothing done while ops run: all of it is built on the way
-out of a failed op.
+that sent no report, one in another op, one that waited for nobody) or in a cycle of them
+(``analyze``). In the spirit of torch's desync report, but with nothing done while ops
+run: all of it is built on the way out of a failed op.
 
 The rank whose op times out tells every peer (``abort``), so every rank still waiting in an
 op fails within moments with a ``RemoteError`` that says so; those count as timed out too
@@ -399,14 +399,16 @@ def _exchange(store: ReportStore, rank: int, world_size: int, mine: str,
                     break
                 time.sleep(POLL_S)
         except Exception as err:  # noqa: BLE001 - a store gone or failing: said in the report
-            note.append(f"the store failed: {type(err).__name__}: {err}")
+            with lock:
+                note.append(f"the store failed: {type(err).__name__}: {err}")
         finally:
             finished.set()
 
     thread = threading.Thread(target=run, name=f"ringcomm-hang-report-{rank}", daemon=True)
     thread.start()
-    if not finished.wait((GATHER_S if gather else PUBLISH_S) + 0.2):
-        note.append("the store did not answer in time")
+    in_time = finished.wait((GATHER_S if gather else PUBLISH_S) + 0.2)
     with lock:
+        if not in_time:
+            note.append("the store did not answer in time")
         return dict(found), "; ".join(note)
 
