@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from ringcomm import CommTimeout, RemoteError
-from ringcomm.engines.progress import OpProgress
+from ringcomm.engines.progress import OpProgress, in_order, over_links
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.runtime.hang_report import NO_REPORT, RankState, analyze, timed_out
 from ringcomm.runtime.local import run_group
@@ -128,6 +128,14 @@ def test_only_timeouts_leave_a_report():
 
     for err in run_group(2, fn, timeout=5.0, return_errors=True):
         assert not timed_out(err) and err.report is None, err
+
+
+def test_a_state_that_cannot_be_told_never_replaces_the_error():
+    """The builders run while an op's error is on its way out: a failure of their own gives
+    no state rather than an exception (here, counts for no peer at all)."""
+    schedule = COLLECTIVES["allreduce"].schedule(0, 3, 8, 1 << 20, algorithm="ring")
+    assert over_links(schedule, 1, 2, [], [], 4, receiving=True) is None
+    assert in_order("board", schedule, "not a step", 2, 4) is None  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- the analysis

@@ -191,7 +191,7 @@ def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> Com
 
 
 def _stood(err: CommError, program: BoardProgram, runner: CodeType,
-           itemsize: int) -> OpProgress:
+           itemsize: int) -> OpProgress | None:
     """Where ``program`` stood when ``err`` left ``runner`` (the code of ``BoardProgram.run``
     or ``run_whole``), for the hang report: the step it was on is that frame's ``step``,
     read on the way out, so the runners' loops carry no bookkeeping for it (unbound: it

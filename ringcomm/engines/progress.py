@@ -11,13 +11,18 @@ hangs it on the error (``CommError.progress``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from types import CodeType
-from typing import Any
+from typing import Any, ParamSpec
 
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Schedule
+
+log = logging.getLogger("ringcomm")
+_P = ParamSpec("_P")
 
 _RECEIVES = (Kind.RECV, Kind.RECV_REDUCE, Kind.RECV_REDUCE_SEND)
 _TAKES = (Kind.TAKE, Kind.TAKE_REDUCE)
@@ -64,6 +69,19 @@ class OpProgress:
         return cls(**{k: v for k, v in fields.items() if k in known})
 
 
+def quietly(build: Callable[_P, OpProgress]) -> Callable[_P, OpProgress | None]:
+    """``build``, except that a failure of its own gives None (logged) instead of an
+    exception: it runs while an op's error is on its way out, and must not replace it."""
+    @functools.wraps(build)
+    def built(*args: _P.args, **kwargs: _P.kwargs) -> OpProgress | None:
+        try:
+            return build(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the op's own error matters, not this one
+            log.debug("where the failed op stood could not be told", exc_info=True)
+            return None
+    return built
+
+
 def frame_local(err: BaseException, code: CodeType | None, name: str) -> Any:
     """The value local ``name`` had when ``err`` left the frame running ``code`` (None if
     ``err`` did not pass through one, or the name was unbound): how an engine whose loop
@@ -84,6 +102,7 @@ def waited_for(err: CommError, step_peer: int) -> int | None:
     return step_peer if step_peer >= 0 else None
 
 
+@quietly
 def over_links(schedule: Schedule, index: int, peer: int | None, sent: Sequence[int],
                received: Sequence[int], itemsize: int, *, receiving: bool) -> OpProgress:
     """The link engine's place: at step ``index`` of ``schedule`` (``len(steps)``: waiting for
@@ -119,6 +138,7 @@ def over_links(schedule: Schedule, index: int, peer: int | None, sent: Sequence[
                       len(steps), _squeeze(doing), peer, messages, nbytes, taken, taken_bytes)
 
 
+@quietly
 def in_order(engine: str, schedule: Schedule, index: int, peer: int | None,
              itemsize: int, doing: str | None = None) -> OpProgress:
     """The place of an engine that runs its steps in order (the board; point-to-point) at

@@ -212,14 +212,17 @@ class P2PEngine:
                       index, op.tag, OpKind.P2P, dtype_code(data.dtype), _DIRECT)
 
     def _progress(self, op: P2POp, index: int, peer: int | None,
-                  doing: str | None = None) -> OpProgress:
+                  doing: str | None = None) -> OpProgress | None:
         """Where ``op`` stood when it failed at segment ``index`` of its message (-1: after
         the last), for the hang report."""
         comm, data = self.comm, op.data
         if peer is None:  # a receive from any rank that none sent to
             return OpProgress("p2p", "direct recv", 0, 0, doing or "", None)
         build = direct.send if op.is_send else direct.recv
-        schedule = build(comm.rank, comm.world_size, peer, data.count, comm._segment(data))
+        try:
+            schedule = build(comm.rank, comm.world_size, peer, data.count, comm._segment(data))
+        except Exception:  # noqa: BLE001 - the op's own error is on its way: keep it
+            return None
         at = len(schedule.steps) if index < 0 else index
         return in_order("p2p", schedule, at, peer, data.dtype.itemsize, doing)
 
