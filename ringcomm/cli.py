@@ -223,8 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "start it, then give every rank store='HOST:PORT' (ringcomm.init), and rank 0 "
         "connects to it instead of serving one itself.")
     store.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default: loopback, for ranks of this host "
-                       "only; 0.0.0.0 for all interfaces, then set RINGCOMM_AUTH_TOKEN too)")
+                       help="interface address to listen on (default: loopback, for ranks "
+                       "of this host only; 0.0.0.0 for all, then set RINGCOMM_AUTH_TOKEN too)")
     store.add_argument("--port", type=int, default=29500,
                        help="TCP port to listen on (default: 29500)")
     store.set_defaults(run=_serve_store)

@@ -185,6 +185,10 @@ def test_ranks_with_the_token_link_over_curve_and_strangers_cannot_connect():
         for endpoint in endpoints:  # every listening socket: links and control plane
             assert handshake(endpoint, None) == "refused"
             assert handshake(endpoint, wrong) == "refused"
+        # the server's key but another client key: only the ZAP handler can tell
+        impostor = auth.Keys(keys.server_public, keys.server_secret, wrong.client_public,
+                             wrong.client_secret)
+        assert handshake(endpoints[0], impostor) == "refused"
         assert handshake(f"tcp://{HOST}:{port}", None, zmq.DEALER) == "refused"  # the store
         assert handshake(endpoints[0], keys) == "ok"  # the token's own key gets through
         for p in procs:
