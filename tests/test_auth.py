@@ -364,3 +364,39 @@ def test_shared_memory_that_others_may_open_is_not_mapped():
     finally:
         mine.close()
         os.unlink(path)
+
+
+# --------------------------------------------------------------------------- torchrun, the bench
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["same", "differ"])
+def test_under_torchrun_the_rank_links_still_authenticate(mode):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "RINGCOMM_TRANSPORT": "tcp"}
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("auth_torch_rank.py")), mode],
+                          capture_output=True, text=True, timeout=150, env=env)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2, done.stdout + done.stderr[-3000:]
+    if mode == "same":
+        assert results == [{"sum_ok": True, "tcp": True}] * 2
+    else:
+        for result in results:
+            assert result["error"] == "AuthError" and result["seconds"] < QUICK_S, results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_bench_measures_a_curve_link_beside_a_plain_one(tmp_path):
+    out = tmp_path / "curve.json"
+    env = {**os.environ, "RINGCOMM_TRANSPORT": "tcp"}
+    done = subprocess.run([sys.executable, "-m", "ringcomm", "bench", "--backends", "ringcomm",
+                           "ringcomm/curve", "--collectives", "allreduce", "-b", "1K", "-e",
+                           "1K", "--reps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["backend"] for r in rows} == {"ringcomm", "ringcomm/curve"}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
