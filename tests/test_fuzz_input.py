@@ -31,8 +31,9 @@ from ringcomm.bootstrap.store import (
     StoreServer,
     parse_request,
 )
+from ringcomm.transport import auth
 from ringcomm.transport.header import SIZE, Header, OpKind
-from ringcomm.transport.socket_link import decode_header
+from ringcomm.transport.socket_link import Arrivals, decode_header
 from ringcomm.transport.zmq_control import MAX_ABORT_BYTES, decode_notice
 
 FUZZ = settings(max_examples=200, deadline=500, suppress_health_check=[HealthCheck.too_slow])
@@ -79,6 +80,47 @@ def test_the_socket_links_frame_decoder_refuses_what_is_not_a_header(raw, more):
         assert err.peer == 1 and "rank 1" in str(err)
         return
     assert more and len(raw) == SIZE and header == Header.unpack(raw)
+
+
+# --------------------------------------------------------------------------- a link's arrivals
+
+
+ACCEPTED, CLOSED = zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED
+# what a stranger's connection shows a receiving socket's monitor, by kind of stranger
+STRANGERS = {
+    "raw bytes": [zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL],
+    "closed at once": [zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL],
+    "wrong socket type": [],  # a DEALER: no handshake event at all
+    "another token": [zmq.EVENT_HANDSHAKE_FAILED_AUTH],
+}  # (a PUSH without a token finishes its handshake: without a token it is a sender like
+# the peer, and one that comes and goes before the peer looks like the peer leaving)
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(sorted(STRANGERS)), max_size=4), st.booleans(), st.data())
+def test_a_strangers_connection_closing_is_never_the_peer_lost(strangers, peer_leaves, data):
+    """Every interleaving of the peer's connection with strangers' ones: ``see`` says the peer
+    is lost only once the peer's connection has closed."""
+    lives = [[(ACCEPTED, 10), (auth.HANDSHAKE_SUCCEEDED, 0)] + [(CLOSED, 10)] * peer_leaves]
+    for fd, kind in enumerate(strangers, start=20):
+        lives.append([(ACCEPTED, fd)] + [(e, 0) for e in STRANGERS[kind]] + [(CLOSED, fd)])
+    arrivals, peer_gone = Arrivals(), False
+    while any(lives):
+        life = data.draw(st.sampled_from([life for life in lives if life]))
+        event, value = life.pop(0)
+        lost = arrivals.see(event, value)
+        peer_gone = peer_gone or (event == CLOSED and value == 10)
+        assert not lost or peer_gone
+
+
+def test_the_peer_lost_is_seen_at_once_when_no_stranger_overlaps_it():
+    arrivals = Arrivals()
+    for event, value in ((ACCEPTED, 20), (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0), (CLOSED, 20),
+                         (ACCEPTED, 10), (auth.HANDSHAKE_SUCCEEDED, 0), (ACCEPTED, 21),
+                         (CLOSED, 21), (ACCEPTED, 22), (auth.HANDSHAKE_SUCCEEDED, 0),
+                         (CLOSED, 22)):  # a PUSH without a token came and went
+        assert not arrivals.see(event, value)
+    assert arrivals.see(CLOSED, 10)
 
 
 # --------------------------------------------------------------------------- control-plane notices

@@ -224,7 +224,7 @@ class StoreServer:
                  auth_token: str | None = None) -> None:
         keys = auth.keys_for(config.value("auth_token") if auth_token is None else auth_token)
         self._ctx = zmq.Context(1)
-        self._gatekeeper = (auth.Gatekeeper(self._ctx, keys, f"the store on {host}:{port}")
+        self._gatekeeper = (auth.Gatekeeper(self._ctx, keys, f"the store on {host}")
                             if keys is not None else None)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

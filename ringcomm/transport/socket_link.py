@@ -218,34 +218,33 @@ class Arrivals:
     the peer's connection has closed (``see`` returns True), as opposed to a stranger's.
 
     Anyone who can reach a tcp port can open a connection to it, and the socket's monitor
-    reports that connection closing like any other; only a closing connection that had
+    reports that connection closing like any other; only a closing connection known to have
     finished its handshake (the peer's: with a token, only a peer holding it can finish one)
-    counts, and only once no such connection is left. The monitor gives an accepted
-    connection's descriptor but not the handshake's, so a handshake is taken to be that of
-    the oldest connection still in one, which holds except for strangers that connect
-    within the same instant as the peer."""
+    counts, and only once no such connection is left. The monitor names an accepted
+    connection by its descriptor but not the handshake, so a handshake is known to be a
+    connection's only while that connection is the one in a handshake. Where a stranger's
+    handshake overlaps the peer's, neither is known: the peer's loss then shows as a
+    timeout, never a stranger's as a loss."""
 
-    __slots__ = ("_handshaking", "_peers", "_strangers")
+    __slots__ = ("_handshaking", "_peers")
 
     def __init__(self) -> None:
-        self._handshaking: list[int] = []  # descriptors accepted, handshake not finished
-        self._peers: set[int] = set()  # finished a handshake
-        self._strangers: set[int] = set()  # failed one
+        self._handshaking: list[int] = []  # descriptors accepted, not known to be done
+        self._peers: set[int] = set()  # known to have finished a handshake
 
     def see(self, event: int, value: int) -> bool:
-        """Take one monitor event; True when the last connection that had finished its
-        handshake has closed (the peer is gone)."""
+        """Take one monitor event; True when the last connection known to have finished
+        its handshake has closed (the peer is gone)."""
         if event == zmq.EVENT_ACCEPTED:
             self._handshaking.append(value)
-        elif event == auth.HANDSHAKE_SUCCEEDED and self._handshaking:
-            self._peers.add(self._handshaking.pop(0))
-        elif event & auth.HANDSHAKE_FAILED and self._handshaking:
-            self._strangers.add(self._handshaking.pop(0))
+        elif event & auth.HANDSHAKE_EVENTS and len(self._handshaking) == 1:
+            done = self._handshaking.pop()
+            if event == auth.HANDSHAKE_SUCCEEDED:
+                self._peers.add(done)
         elif event == zmq.EVENT_DISCONNECTED:
             if value in self._peers:
                 self._peers.discard(value)
                 return not self._peers
-            self._strangers.discard(value)
-            if value in self._handshaking:  # closed before its handshake ended
+            if value in self._handshaking:
                 self._handshaking.remove(value)
         return False
