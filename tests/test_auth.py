@@ -253,6 +253,17 @@ def test_the_token_is_never_published_logged_or_shown(capfd):
     assert TOKEN not in logs
 
 
+@pytest.mark.timeout(60)
+def test_a_transport_with_a_token_leaves_no_thread_or_socket_behind():
+    before = {t.name for t in threading.enumerate()}
+    group = _group(2, ["h0", "h1"], HOST, token=TOKEN)
+    assert any(t.name == "ringcomm-zap" for t in threading.enumerate())
+    for t in group:
+        t.close()
+    assert not [t for t in threading.enumerate() if t.name == "ringcomm-zap"]
+    assert {t.name for t in threading.enumerate()} <= before
+
+
 # --------------------------------------------------------------------------- loopback
 
 
@@ -266,13 +277,14 @@ def _an_address_of_this_host() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def _group(world: int, hosts: list[str], host: str, mode: str = "tcp") -> list[GroupTransport]:
+def _group(world: int, hosts: list[str], host: str, mode: str = "tcp",
+           token: str = "") -> list[GroupTransport]:
     made: list = [None] * world
     with StoreServer(HOST, 0, auth_token="") as server:
         def make(rank: int) -> None:
             with StoreClient(server.address, timeout=20, auth_token="") as client:
                 made[rank] = GroupTransport(rank, world, client, hosts=hosts, host=host,
-                                            mode=mode, timeout=20, auth_token="")
+                                            mode=mode, timeout=20, auth_token=token)
         threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
         for t in threads:
             t.start()
