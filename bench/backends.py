@@ -5,6 +5,7 @@ can run here and which calls it sits out, and whose library it belongs to.
     ringcomm        ringcomm's ``Communicator``, called directly
     ringcomm/torch  ``torch.distributed`` on a process group of backend ``ringcomm``: what
                     users run (``dist.all_reduce``, DDP)
+    ringcomm/curve  ringcomm's ``Communicator`` with an auth token: tcp links speak CURVE
     gloo            ``torch.distributed`` on the default group, Gloo; also the benchmark's
                     control channel (barriers, gathering times and error counts)
     nccl            ``torch.distributed`` on an NCCL group, one GPU per rank
@@ -29,6 +30,7 @@ from .buffers import Buffers
 from .common import timed
 
 TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
+CURVE = "ringcomm/curve"  # ringcomm with an auth token: its tcp links authenticate and encrypt
 
 Call = Callable[[], object]  # one call of a collective, on buffers fixed beforehand
 # (handle, collective, buffers, reduction or None, forced algorithm or None) -> one call
@@ -208,6 +210,35 @@ def _close_communicator(comm: Any) -> None:
     comm.close()
 
 
+# the store each authenticated communicator was given (its own client: init leaves it open)
+_CURVE_STORES: dict[int, Any] = {}
+BENCH_TOKEN = "ringcomm bench"  # where RINGCOMM_AUTH_TOKEN is unset: what is measured is CURVE
+
+
+def _join_curve_communicator(where: RankContext) -> Any:
+    """ringcomm's Communicator whose links authenticate and encrypt (CURVE, from
+    ``RINGCOMM_AUTH_TOKEN`` or a benchmark token), on the same plain store as ``ringcomm``'s:
+    beside it, the cost of a locked door on every link (tcp ones, under
+    ``RINGCOMM_TRANSPORT=tcp``; ipc links and shared memory do not encrypt)."""
+    import os
+
+    import ringcomm
+    from ringcomm.bootstrap.store import StoreClient
+
+    token = os.environ.get("RINGCOMM_AUTH_TOKEN") or BENCH_TOKEN
+    store = StoreClient(f"{where.address}:{where.ports[1]}", timeout=where.timeout,
+                        auth_token="")
+    comm = ringcomm.init(rank=where.rank, world_size=where.world, store=store,
+                         timeout=where.timeout, auth_token=token)
+    _CURVE_STORES[id(comm)] = store
+    return comm
+
+
+def _close_curve_communicator(comm: Any) -> None:
+    comm.close()
+    _CURVE_STORES.pop(id(comm)).close()
+
+
 def _communicator_calls(comm: Any, collective: str, bufs: Buffers, op: str | None,
                         algorithm: str | None) -> Call:
     x, out = bufs.inp, bufs.out
@@ -330,6 +361,8 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
            calls=_torch_calls, always=True, process_group=True, unsupported=_gloo_unsupported),
     Runner("ringcomm", owner="ringcomm", join=_join_communicator, leave=_close_communicator,
            calls=_communicator_calls, always=True),  # the cost model's questions go to it
+    Runner(CURVE, owner="ringcomm", join=_join_curve_communicator,
+           leave=_close_curve_communicator, calls=_communicator_calls),
     Runner(TORCH, owner="ringcomm", join=_join_ringcomm_group, calls=_torch_calls,
            process_group=True),
     Runner("nccl", owner="nccl", join=_join_nccl_group, calls=_torch_calls, device="cuda",

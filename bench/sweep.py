@@ -126,7 +126,8 @@ def parse_backends(spec: list[str]) -> list[Backend]:
         else:
             raise ValueError(
                 f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
-                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, gloo or nccl")
+                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, "
+                "ringcomm/curve, gloo or nccl")
         out += [b for b in found if b not in out]
     if not out:
         raise ValueError("--backends names no backend")
@@ -379,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
                    f"ALGO one of {', '.join(adapter.allreduce_algorithms(board=True))}; "
                    "board and twoshot on one host only), ringcomm:all, "
-                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
+                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), "
+                   "ringcomm/curve (the Communicator with an auth token: its tcp links "
+                   "authenticate and encrypt; RINGCOMM_TRANSPORT=tcp to measure them), gloo, "
                    f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
                    "rank)")
     p.add_argument("--peers", nargs="+", default=[], metavar="PEER",

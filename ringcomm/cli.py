@@ -222,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Serve the key-value store ranks meet through, apart from any rank: "
         "start it, then give every rank store='HOST:PORT' (ringcomm.init), and rank 0 "
         "connects to it instead of serving one itself.")
-    store.add_argument("--host", default="0.0.0.0",
-                       help="interface address to listen on (default: all)")
+    store.add_argument("--host", default="127.0.0.1",
+                       help="interface address to listen on (default: loopback, for ranks "
+                       "of this host only; 0.0.0.0 for all, then set RINGCOMM_AUTH_TOKEN too)")
     store.add_argument("--port", type=int, default=29500,
                        help="TCP port to listen on (default: 29500)")
     store.set_defaults(run=_serve_store)

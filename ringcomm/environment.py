@@ -53,7 +53,7 @@ def report() -> str:
         if s.env is None:
             continue
         value = os.environ.get(s.env)
-        shown = repr(value) if value is not None else "unset"
+        shown = "unset" if value is None else "set (not shown)" if s.secret else repr(value)
         lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning} (default: "
                      f"{s.shown_default})")
     others = sorted(k for k in os.environ if k.startswith("RINGCOMM_")

@@ -53,6 +53,7 @@ def init(
     transport: str | None = None,
     host: str | None = None,
     trace: str | os.PathLike[str] | None = None,
+    auth_token: str | None = None,
 ) -> Communicator:
     """Join a group and return its communicator.
 
@@ -65,6 +66,9 @@ def init(
     end of a route to the store's host). ``trace`` (or ``RINGCOMM_TRACE``) names a folder
     this rank writes its timeline to (``rank<r>.json``, when the communicator closes);
     every rank's clock is measured against rank 0's through the store for it.
+    ``auth_token`` (or ``RINGCOMM_AUTH_TOKEN``) is a shared secret: ringcomm's store and
+    every tcp link between ranks admit only peers holding it, and encrypt (torch's store,
+    under torchrun, is not covered); a rank or store with another token is an ``AuthError``.
     """
     check_platform()  # Linux only: say so before anything else
     rank = rank if rank is not None else env_int("RANK")
@@ -78,6 +82,10 @@ def init(
     if not 0 <= rank < world_size:
         raise ArgumentError(f"rank {rank} is out of range for world_size {world_size}")
     timeout = _seconds(timeout)
+    if auth_token is None:
+        auth_token = config.value("auth_token")
+    elif not isinstance(auth_token, str):
+        raise ArgumentError(f"auth_token must be a str, got {type(auth_token).__name__}")
 
     closers = []
     address = None
@@ -91,10 +99,10 @@ def init(
         assert address is not None  # no store: the master's address was read above
         store_host, port = _split_address(address)  # not `host`: that is this rank's address
         if rank == 0:
-            server = _serve_unless_served(store_host, port)
+            server = _serve_unless_served(store_host, port, auth_token)
             if server is not None:
                 closers.append(server.close)
-        store = StoreClient(f"{store_host}:{port}", timeout=timeout)
+        store = StoreClient(f"{store_host}:{port}", timeout=timeout, auth_token=auth_token)
         closers.insert(0, store.close)
     elif not isinstance(store, Store):
         raise ArgumentError(
@@ -118,7 +126,8 @@ def init(
                                    facts=RankFacts.here(traces=bool(trace)))
         assert host is not None  # found above, or agree raised the failure on every rank
         chans = GroupTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
-                             host=host, mode=settings.transport, timeout=timeout)
+                             host=host, mode=settings.transport, timeout=timeout,
+                             auth_token=auth_token)
     except BaseException:
         for close in closers:
             close()
@@ -127,7 +136,7 @@ def init(
         """Channels among ``members`` for ``comm.split``, set up through the same store."""
         return GroupTransport(members.index(rank), len(members), PrefixStore(tag, scoped),
                             hosts=[topology.ranks[m].host for m in members], host=host,
-                            mode=settings.transport, timeout=timeout)
+                            mode=settings.transport, timeout=timeout, auth_token=auth_token)
 
     comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
                         on_close=list(reversed(closers)), connect=connect, store=scoped)
@@ -174,14 +183,15 @@ def summary(comm: Communicator) -> str:
             + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
-def _serve_unless_served(host: str, port: int) -> StoreServer | None:
+def _serve_unless_served(host: str, port: int, auth_token: str | None) -> StoreServer | None:
     """Rank 0 serves the store, unless one already answers at ``host:port`` (``ringcomm
     store`` started apart from the ranks): then every rank, rank 0 included, uses that one.
     A port held by something that is not a store stays an error."""
     try:
-        return StoreServer(_bind_host(host), port)
+        return StoreServer(_bind_host(host), port, auth_token=auth_token)
     except StoreError as err:
-        probe = StoreClient(f"{host}:{port}", timeout=0.5)  # a store answers in ms
+        probe = StoreClient(f"{host}:{port}", timeout=0.5,  # a store answers in ms
+                            auth_token=auth_token)
         try:
             probe.ping()
         except StoreError:

@@ -10,6 +10,9 @@ Wire protocol (one ZeroMQ multipart message each way, no pickle)::
     request:  [request id (8 B)] [command] [arguments...]
     reply:    [request id (8 B)] [status: ok | timeout | error] [results...]
 
+Every request is checked before it runs (``parse_request``), and with
+``RINGCOMM_AUTH_TOKEN`` only clients holding the token reach the server at all (CURVE).
+
 Blocking ``get`` and ``wait`` are parked on the server until their keys appear or their
 deadline passes, so a timeout names exactly the keys that are missing. The client keeps its
 own deadline too and watches its connection, so a server that is gone gives an error, not a
@@ -36,13 +39,20 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..errors import ArgumentError, StoreError, StoreTimeout
+from ..core import config
+from ..errors import ArgumentError, AuthError, StoreError, StoreTimeout
+from ..transport import auth
 
 log = logging.getLogger("ringcomm.bootstrap.store")
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
+MAX_KEYS = 1 << 16  # in one wait or check
+MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64  # ZeroMQ drops a connection that sends more in a frame
+_MAX_TIMEOUT_DIGITS = 20  # a timeout in ms, as decimal text
+_MAX_INTEGER_DIGITS = 1000  # an amount to add and the value it adds to (Python ints are big)
 DEFAULT_TIMEOUT = 300.0
+LOOPBACK = "127.0.0.1"
 
 _REQUEST_ID = struct.Struct("<Q")
 _MIN_REACH = 1.0  # s: the least a client waits to connect before "could not reach"
@@ -130,6 +140,58 @@ class Store(ABC):
         self.close()
 
 
+# --------------------------------------------------------------------------- protocol
+
+# command -> (fewest, most arguments)
+_ARITY: dict[bytes, tuple[int, int]] = {
+    b"set": (2, 2), b"get": (2, 2), b"wait": (2, MAX_KEYS + 1), b"add": (2, 2),
+    b"check": (1, MAX_KEYS), b"compare_set": (3, 3), b"delete": (1, 1), b"num_keys": (0, 0),
+    b"ping": (0, 0)}
+
+
+def _is_number(raw: bytes, *, signed: bool = False, most: int = _MAX_TIMEOUT_DIGITS) -> bool:
+    digits = raw[1:] if signed and raw[:1] == b"-" else raw
+    return 0 < len(digits) <= most and digits.isdigit()
+
+
+def parse_request(frames: Sequence[bytes]) -> tuple[bytes, bytes, list[bytes]]:
+    """A request's ``(request id, command, arguments)``, checked against the protocol: a
+    known command with as many arguments as it takes, keys of 1 to ``MAX_KEY_BYTES`` bytes,
+    values of at most ``MAX_VALUE_BYTES``, numbers as short decimal text. Anything else is a
+    ``ValueError`` saying what was wrong (nothing is allocated from what it claims)."""
+    if len(frames) < 2:
+        raise ValueError(f"{len(frames)} frame(s) after the identity (a request has a "
+                         "request id and a command)")
+    request_id, command, args = frames[0], frames[1], list(frames[2:])
+    if len(request_id) != _REQUEST_ID.size:
+        raise ValueError(f"a request id of {len(request_id)} B (it is {_REQUEST_ID.size})")
+    arity = _ARITY.get(command)
+    if arity is None:
+        raise ValueError(f"unknown command {command[:32]!r}")
+    if not arity[0] <= len(args) <= arity[1]:
+        raise ValueError(f"{command.decode()} takes {arity[0]}"
+                         + (f" to {arity[1]}" if arity[1] != arity[0] else "")
+                         + f" argument(s), got {len(args)}")
+    if command in (b"get", b"wait"):
+        if not _is_number(args[0]):
+            raise ValueError(f"timeout {args[0][:32]!r} is not a number of milliseconds")
+        keys = args[1:]
+    elif command == b"check":
+        keys = args
+    else:
+        keys = args[:1]
+    for key in keys:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key of {len(key)} B (keys are 1 to {MAX_KEY_BYTES} B)")
+    if command == b"add" and not _is_number(args[1], signed=True, most=_MAX_INTEGER_DIGITS):
+        raise ValueError(f"amount {args[1][:32]!r} is not an integer")
+    values = args[1:] if command in (b"set", b"compare_set") else []
+    for value in values:
+        if len(value) > MAX_VALUE_BYTES:
+            raise ValueError(f"a value of {len(value)} B (at most {MAX_VALUE_BYTES} B)")
+    return request_id, command, args
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -150,18 +212,35 @@ class StoreServer:
     """Serves a key-value store on ``tcp://host:port`` from a background thread.
 
     ``port=0`` picks a free port (read it from ``.port``). A port already in use raises
-    ``StoreError`` at once.
+    ``StoreError`` at once. ``host`` is loopback unless given: other hosts reach the store
+    only where asked to. With ``auth_token`` (default ``RINGCOMM_AUTH_TOKEN``) only clients
+    holding the same token get through, encrypted (``ringcomm.transport.auth``); every
+    request is checked (``parse_request``) and one that is not the protocol's is refused
+    with a logged reason, so no client can crash the server or make it allocate what a
+    request merely claims.
     """
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0) -> None:
+    def __init__(self, host: str = LOOPBACK, port: int = 0,
+                 auth_token: str | None = None) -> None:
+        keys = auth.keys_for(config.value("auth_token") if auth_token is None else auth_token)
         self._ctx = zmq.Context(1)
+        self._gatekeeper = (auth.Gatekeeper(self._ctx, keys, f"the store on {host}")
+                            if keys is not None else None)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if keys is not None:
+            keys.serve(self._sock)
+        self._monitor = self._sock.get_monitor_socket(auth.HANDSHAKE_FAILED)
         try:
             self._sock.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError as err:
+            self._sock.disable_monitor()
+            self._monitor.close()
             self._sock.close()
+            if self._gatekeeper is not None:
+                self._gatekeeper.close()
             self._ctx.term()
             if err.errno == zmq.EADDRINUSE:
                 raise StoreError(
@@ -198,6 +277,8 @@ class StoreServer:
         poke.send(b"stop")
         self._thread.join(timeout=10)
         poke.close(linger=0)
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
         self._ctx.term()
 
     def __enter__(self) -> StoreServer:
@@ -212,6 +293,7 @@ class StoreServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while True:
                 wait_ms = None
@@ -220,15 +302,21 @@ class StoreServer:
                 events = dict(poller.poll(wait_ms))
                 if self._wake in events:
                     break
+                if self._monitor in events:
+                    event = parse_monitor_message(self._monitor.recv_multipart())
+                    auth.log_refusal(f"the store on port {self.port}", event["event"],
+                                     int(event["value"]), event["endpoint"].decode())
                 if self._sock in events:
                     while True:
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._handle(frames)
                 self._expire()
         finally:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._wake.close(linger=0)
 
@@ -236,20 +324,31 @@ class StoreServer:
         with contextlib.suppress(zmq.ZMQError):  # the client went away; nothing to tell it
             self._sock.send_multipart([identity, request_id, status, *results], zmq.NOBLOCK)
 
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) < 3:
-            return  # not our protocol; there is no request id to answer
-        identity, request_id, command, args = frames[0], frames[1], frames[2], frames[3:]
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """One message from a client: answered, or refused with a logged reason."""
+        identity = frames[0].bytes
+        request = [f.bytes for f in frames[1:]]
+        try:
+            request_id, command, args = parse_request(request)
+        except ValueError as err:
+            try:
+                peer = frames[0].get("Peer-Address")
+            except zmq.ZMQError:
+                peer = "?"
+            log.warning("the store on port %d refused a request from %s: %s", self.port,
+                        peer, err)
+            if len(request) >= 2 and len(request[0]) == _REQUEST_ID.size:
+                self._reply(identity, request[0], b"error", f"bad request: {err}".encode())
+            return
         try:
             self._execute(identity, request_id, command, args)
-        except (ValueError, IndexError) as err:
+        except ValueError as err:
             self._reply(identity, request_id, b"error", f"bad {command!r} request: {err}".encode())
 
     def _execute(self, identity: bytes, request_id: bytes, command: bytes,
                  args: list[bytes]) -> None:
+        """Run a request ``parse_request`` has checked."""
         data = self._data
-        if any(len(a) > MAX_KEY_BYTES for a in args[:1]) and command != b"wait":
-            raise ValueError(f"key longer than {MAX_KEY_BYTES} bytes")
         if command == b"set":
             key, value = args
             data[key] = value
@@ -258,8 +357,6 @@ class StoreServer:
         elif command in (b"get", b"wait"):
             timeout_ms = int(args[0])
             keys = args[1:]
-            if not keys:
-                raise ValueError("no keys")
             if all(k in data for k in keys):
                 self._answer_parked(identity, request_id, command, keys)
                 return
@@ -271,8 +368,10 @@ class StoreServer:
                     self._waiters.setdefault(k, []).append(parked)
         elif command == b"add":
             key, amount = args
-            before = int(data.get(key, b"0"))
-            value = str(before + int(amount)).encode()
+            before = data.get(key, b"0")
+            if not _is_number(before, signed=True, most=_MAX_INTEGER_DIGITS):
+                raise ValueError(f"the value under {key!r} is not an integer")
+            value = str(int(before) + int(amount)).encode()
             data[key] = value
             self._wake_waiters(key)
             self._reply(identity, request_id, b"ok", value)
@@ -348,7 +447,8 @@ class StoreClient(Store):
     long to wait for a server that does not answer.
     """
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT,
+                 auth_token: str | None = None) -> None:
         if timeout <= 0:
             raise ArgumentError(f"store timeout must be positive, got {timeout}")
         host, sep, port = address.rpartition(":")
@@ -357,6 +457,8 @@ class StoreClient(Store):
         self.address = address
         self.timeout = float(timeout)
         self._endpoint = f"tcp://{host.strip('[]')}:{port}"
+        self._keys = auth.keys_for(config.value("auth_token") if auth_token is None
+                                   else auth_token)
         self._ctx = zmq.Context(1)
         self._local = threading.local()
         self._sockets: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
@@ -375,7 +477,12 @@ class StoreClient(Store):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            if self._keys is not None:
+                self._keys.dial(sock)
+            # connected means handshake done: a server that refuses this client's token
+            # (or lack of one) shows as a failed handshake within a round trip
+            monitor = sock.get_monitor_socket(auth.HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
             sock.connect(self._endpoint)
             pair = (sock, monitor)
             self._local.pair = pair
@@ -427,8 +534,17 @@ class StoreClient(Store):
                 remaining = min(remaining, reach_deadline - now)
             events = dict(poller.poll(int(max(remaining, 0) * 1e3)))
             if monitor in events:
-                event = parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
+                message = parse_monitor_message(monitor.recv_multipart())
+                event = message["event"]
+                refused = auth.handshake_failure(event, int(message["value"]))
+                if refused is not None:
+                    self._forget_socket()
+                    mine = "holds a token" if self._keys is not None else "holds no token"
+                    raise AuthError(
+                        f"the store at {self.address} refused this client during {what}: "
+                        f"{refused}. Give every rank and the store the same "
+                        f"RINGCOMM_AUTH_TOKEN (or init(auth_token=)); this client {mine}")
+                if event == auth.HANDSHAKE_SUCCEEDED:
                     self._local.connected = True
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._local.connected = False
@@ -438,7 +554,7 @@ class StoreClient(Store):
                         "the process serving it (rank 0 by default) has probably exited")
             if sock in events:
                 reply = sock.recv_multipart()
-                if reply[0] != request_id:
+                if len(reply) < 2 or reply[0] != request_id:
                     continue  # a late answer to a request that already timed out here
                 return reply[1:]
 
@@ -647,14 +763,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m ringcomm.bootstrap.store --port P``: serve a store until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bootstrap.store",
                                      description=main.__doc__)
-    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--host", default=LOOPBACK,
+                        help="address to listen on (default: loopback, for ranks of this "
+                        "host only; 0.0.0.0 for every interface, then set "
+                        "RINGCOMM_AUTH_TOKEN too)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
     args = parser.parse_args(argv)
     try:
         server = StoreServer(args.host, args.port)
-    except StoreError as err:
+    except (StoreError, ArgumentError) as err:
         raise SystemExit(f"error: {err}") from None
-    print(f"ringcomm store serving on {args.host}:{server.port}", flush=True)
+    locked = "clients must hold RINGCOMM_AUTH_TOKEN" if config.value("auth_token") else \
+        "no RINGCOMM_AUTH_TOKEN: any client that reaches it is served"
+    print(f"ringcomm store serving on {args.host}:{server.port} ({locked})", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -55,6 +55,7 @@ class Setting:
     default: Any = None
     parse: Callable[[str], Any] | None = None
     default_text: str = ""  # for people, where the default is not just ``default``
+    secret: bool = False  # its value is never shown (``ringcomm env`` says only "set")
 
     @property
     def shown_default(self) -> str:
@@ -215,7 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
             "a shared secret: the store and every rank-to-rank tcp connection admit only "
             "peers that hold it (and encrypt); never published or logged", None, _text,
-            "unset: no authentication"),
+            "unset: no authentication", secret=True),
 )
 BY_NAME = MappingProxyType({s.name: s for s in SETTINGS})
 

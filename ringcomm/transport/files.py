@@ -1,7 +1,8 @@
 """No litter, even after a crash: what a transport leaves on the file system, and the sweep.
 
 A transport's files are its ipc folder (``<tmp>/ringcomm-<uid>/<pid>-<pid namespace>-<random>``:
-the ipc sockets and, briefly, the named pipes) and the names of its shared-memory rings
+the ipc sockets and, briefly, the named pipes; both folders 0700 and every file in them
+0600, so no other user can open, connect to or swap them) and the names of its shared-memory rings
 (``shm_ring``; each reader removes the name as soon as it has mapped the ring). ``close``
 removes them; so does a finalizer when the transport is garbage-collected or still open at
 interpreter exit (a program that never calls ``close`` or ``destroy_process_group``, or ends
@@ -20,6 +21,9 @@ import shutil
 import stat
 import tempfile
 
+import zmq
+
+from ..errors import ArgumentError
 from . import shm_ring
 
 log = logging.getLogger("ringcomm")
@@ -28,6 +32,31 @@ log = logging.getLogger("ringcomm")
 def ipc_base() -> str:
     """The folder of this user's ipc folders: ``<tmp>/ringcomm-<uid>``."""
     return os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
+
+
+def private_folder(path: str) -> str:
+    """Make ``path`` (if missing) a folder that only this user can enter (0700), and check
+    that it is one: a real folder, not a link, owned by this user. Another user who made it
+    first (in a shared temp dir) could otherwise swap the files ringcomm puts in it; that
+    is an ``ArgumentError`` saying what to do. Returns ``path``."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        what = "not a folder" if not stat.S_ISDIR(info.st_mode) else \
+            f"owned by uid {info.st_uid}, not this user ({os.getuid()})"
+        raise ArgumentError(f"{path} is {what}: ringcomm keeps its pipes and sockets there "
+                            "and will not trust it; remove it, or point TMPDIR elsewhere")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def bind_private(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind ``sock`` to an ``ipc://`` ``endpoint`` and make its file this user's alone
+    (0600), like the pipes beside it (ZeroMQ creates it as the umask says)."""
+    sock.bind(endpoint)
+    os.chmod(endpoint.removeprefix("ipc://"), 0o600)
 
 
 # an ipc folder: tempfile.mkdtemp(prefix=f"{shm_ring.owner_tag()}-") in ipc_base()

@@ -11,6 +11,10 @@ Why this shape:
 - One control socket per rank carries aborts and probes (``zmq_control``), so a failure
   on one rank wakes every rank that waits; it listens on ``ipc://`` for peers of its host
   and ``tcp://`` for others.
+- A locked door: with a token every ZeroMQ tcp connection is CURVE (``auth``), and a peer
+  that refuses this rank's token is an ``AuthError`` at set-up; ipc sockets and pipes are
+  files of this user alone (``files``); where the ranks learn at rendezvous that they all
+  share one host, tcp sockets listen on loopback only.
 - Where every rank of the group shares this host and offers shared memory, the group also
   gets a shared board (``board_setup``), a channel of its own beside the links (``board``).
 
@@ -19,25 +23,32 @@ Nothing is left behind, even after a crash (``files``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from ..core import config
-from ..errors import ArgumentError, CommError
+from ..errors import ArgumentError, AuthError, CommError
+from . import auth
 from .base import Transport
 from .board_setup import BoardSetUp
-from .files import sweep_litter
+from .files import bind_private, sweep_litter
 from .kinds import KINDS, LinkKind, SetUp, Sockets
 from .link import Link
 from .local_link import LocalLink
-from .zmq_control import ZmqControl
+from .zmq_control import MAX_NOTICE_BYTES, ZmqControl
 
 log = logging.getLogger("ringcomm")
 
+LOOPBACK = "127.0.0.1"
 RECORD_VERSION = 1  # of the record each rank publishes; bumped when its shape changes
 
 
@@ -71,7 +82,9 @@ class GroupTransport(Transport):
     keys are written under ``prefix``. ``hosts`` holds every rank's host identity (equal
     where ranks share pipes and shared memory); ``host`` is the address other hosts reach
     this one at; ``mode`` forces sockets of one kind (``RINGCOMM_TRANSPORT``), ``shm=False``
-    offers no shared memory (``RINGCOMM_SHM``).
+    offers no shared memory (``RINGCOMM_SHM``). ``auth_token`` (default
+    ``RINGCOMM_AUTH_TOKEN``) makes every tcp link and the control plane authenticate and
+    encrypt (``auth``); where every rank is on this host, sockets listen on loopback only.
     """
 
     control: ZmqControl  # its links watch this control socket while they wait
@@ -89,6 +102,7 @@ class GroupTransport(Transport):
         timeout: float = 300.0,
         io_threads: int = 1,
         shm: bool | None = None,
+        auth_token: str | None = None,
     ) -> None:
         if len(hosts) != world_size:
             raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
@@ -96,8 +110,16 @@ class GroupTransport(Transport):
         self.mode = mode
         shm = bool(config.value("shm")) if shm is None else shm
         spin_s = spin_seconds()  # settings first: a bad one must not strand a ZeroMQ context
-        self._sockets = Sockets(io_threads)
-        control = ZmqControl(rank, self._sockets.pull(), {}, self._sockets.push)
+        if auth_token is None:
+            auth_token = config.value("auth_token")
+        keys = auth.keys_for(auth_token)
+        if len(set(hosts)) == 1:  # every rank on this host: nobody elsewhere need reach us
+            host = LOOPBACK
+        self._sockets = Sockets(io_threads, keys, rank)
+        control_socket = self._sockets.pull(secure=True)
+        control_socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
+        control = ZmqControl(rank, control_socket, {},
+                             functools.partial(self._sockets.push, secure=True))
         super().__init__(rank, world_size, [None] * world_size, control)
         self.setup = SetUp(rank, world_size, list(hosts), host, mode, shm, spin_s, timeout,
                            store, prefix, self._sockets, control)
@@ -159,11 +181,30 @@ class GroupTransport(Transport):
                 raise CommError("no kind of link can connect this pair: " + "; ".join(
                     f"{k}: {why}" for k, why in declined), rank=me, peer=peer)
         self.links = links
+        # a peer that refuses this rank's token (or lack of one) says so within a round trip
+        try:
+            self._sockets.check_handshakes(time.monotonic() + setup.timeout,
+                                           self._refused_by)
+        except AuthError as err:  # tell the peers that may never get to shake hands
+            with contextlib.suppress(Exception):
+                setup.store.set(setup.key("refused", me), err.detail.encode())
+            raise
         for kind in self.kinds:
             kind.connected(by_kind[kind.name])
         local = [link for link in by_kind.get("local", {}).values()
                  if isinstance(link, LocalLink)]
         self.board = self._board_setup.connect(records, self, local)
+
+    def _refused_by(self, peers: list[int]) -> None:
+        """Raise ``AuthError`` if one of ``peers`` gave up on this group's handshakes (its
+        token differs): it may have left before this rank's handshake with it could fail."""
+        setup = self.setup
+        for peer in peers:
+            key = setup.key("refused", peer)
+            if setup.store.check([key]):
+                why = setup.store.get(key).decode(errors="replace")
+                raise AuthError(f"rank {peer} left the set-up after a failed handshake (its "
+                                f"error: {why})", rank=self.rank, peer=peer)
 
     def _bind_control(self) -> list[str]:
         """Bind the control socket where peers can reach it: ``ipc://`` where some peer
@@ -172,7 +213,7 @@ class GroupTransport(Transport):
         endpoints = []
         if any(setup.by_ipc(p) for p in setup.peers):
             endpoints.append(f"ipc://{setup.ipc_dir}/{setup.rank}")
-            sock.bind(endpoints[-1])
+            bind_private(sock, endpoints[-1])
         if not endpoints or not all(setup.by_ipc(p) for p in setup.peers):
             port = sock.bind_to_random_port(f"tcp://{setup.host}")
             endpoints.append(f"tcp://{setup.host}:{port}")
@@ -193,6 +234,11 @@ class GroupTransport(Transport):
         return record
 
     # ------------------------------------------------------------------ for people
+    def listening(self) -> list[str]:
+        """The addresses this rank's sockets listen on (its receiving links and its control
+        socket): what anyone who can reach this host could try to connect to."""
+        return self._sockets.listening()
+
     def describe(self) -> str:
         """One line per peer: the kind of link, how it reaches the peer, and why."""
         lines = []

@@ -39,6 +39,7 @@ creator's pid (``ring_name``), and names whose creator has ended are removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import platform
@@ -169,8 +170,14 @@ def available() -> bool:
 
 def map_shared(path: str, size: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(path, flags, 0o600)  # this user's alone; O_EXCL: never one made before
     try:
+        if not create:  # a peer's: made by this user, for this user only, or not ringcomm's
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise PermissionError(
+                    errno.EPERM, f"{path} is not this user's alone (owner uid {info.st_uid}, "
+                    f"mode {info.st_mode & 0o777:o}), so it is not a ring ringcomm made")
         if create:
             # reserve the pages now: a full tmpfs then fails here, not with SIGBUS later
             os.posix_fallocate(fd, 0, size)

@@ -6,7 +6,8 @@
   tracking. Payloads are received straight into their destination (``recv_into``) or, when
   they are to be reduced, as a ZeroMQ frame that the reduction reads in place.
 - A socket monitor on the receiving socket notices the peer's connection closing, so a
-  dead peer becomes a ``PeerLostError`` at once rather than a timeout.
+  dead peer becomes a ``PeerLostError`` at once rather than a timeout; a stranger's
+  connection closing does not count (``Arrivals``).
 - High-water marks are off: a send never blocks, which is what lets schedules queue sends
   ahead of their receives without deadlock.
 """
@@ -21,6 +22,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import CommError, CommTimeout, PeerLostError
+from . import auth
 from .header import SIZE as HEADER_SIZE
 from .header import Header
 from .link import Wait
@@ -52,6 +54,18 @@ class _Tracked:
         return True
 
 
+def decode_header(raw: bytes, more: bool, *, rank: int, peer: int, op: str) -> Header:
+    """The header frame of a message from ``peer``: exactly ``header.SIZE`` bytes, in this
+    wire format, followed by its payload frame (``more``). Anything else is a ``CommError``
+    saying what was wrong; nothing is allocated from what the frame claims."""
+    if len(raw) != HEADER_SIZE or not more:
+        what = (f"a first frame of {len(raw)} B (a header is {HEADER_SIZE} B)"
+                if len(raw) != HEADER_SIZE else "a header without a payload frame")
+        raise CommError(f"malformed message from rank {peer}: {what}", rank=rank, op=op,
+                        peer=peer)
+    return Header.unpack(raw)
+
+
 class SocketLink(PolledLink):
     """Messages to ``peer`` through ``push``, from it through ``pull`` (watched by
     ``monitor`` for the connection closing). The sockets belong to the transport that
@@ -64,6 +78,7 @@ class SocketLink(PolledLink):
         super().__init__(rank, peer, control, spin_s)
         self.push, self.pull, self.monitor = push, pull, monitor
         self.lost = False
+        self.arrivals = Arrivals()
         self.counters = {"socket": 0}
         self.poller.register(pull, zmq.POLLIN)
         self.poller.register(monitor, zmq.POLLIN)
@@ -128,20 +143,40 @@ class SocketLink(PolledLink):
         except zmq.Again:
             self.wait_readable(wait)
             raw = self.pull.recv(zmq.NOBLOCK)
-        if len(raw) != HEADER_SIZE or not self.pull.getsockopt(zmq.RCVMORE):
-            raise CommError(f"malformed message from rank {self.peer}", rank=self.rank,
-                            op=wait.op, peer=self.peer)
-        return Header.unpack(raw)
+        more = bool(self.pull.getsockopt(zmq.RCVMORE))
+        try:
+            return decode_header(raw, more, rank=self.rank, peer=self.peer, op=wait.op)
+        except CommError:
+            self._skip_rest(more)
+            raise
 
     def recv_payload(self, op: str) -> Any:
-        return self.pull.recv(copy=False).buffer
+        frame = self.pull.recv(copy=False)
+        self._check_last(op)
+        return frame.buffer
 
     def recv_payload_into(self, out: np.ndarray, op: str) -> int:
         n = self.pull.recv_into(out)  # type: ignore[arg-type]  # a buffer: see send
+        self._check_last(op)
         if n != out.nbytes:
             raise CommError(f"payload of {n} B from rank {self.peer}, expected {out.nbytes} B",
                             rank=self.rank, op=op, peer=self.peer)
         return n
+
+    def _check_last(self, op: str) -> None:
+        """A message is two frames: a third is not ringcomm's, and goes unread."""
+        if self.pull.getsockopt(zmq.RCVMORE):
+            self._skip_rest(True)
+            raise CommError(f"a message from rank {self.peer} has more than two frames; is "
+                            "every rank running the same ringcomm version?", rank=self.rank,
+                            op=op, peer=self.peer)
+
+    def _skip_rest(self, more: bool) -> None:
+        """Drop what is left of a message refused part-way, so the next read starts on a
+        message boundary."""
+        while more:
+            self.pull.recv(copy=False)
+            more = bool(self.pull.getsockopt(zmq.RCVMORE))
 
     def peek(self) -> bool:
         return bool(self.pull.poll(0))
@@ -167,5 +202,49 @@ class SocketLink(PolledLink):
                 msg = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if parse_monitor_message(msg)["event"] == zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(msg)
+            if self.arrivals.see(event["event"], int(event["value"])):
                 self.lost = True
+            elif event["event"] & auth.HANDSHAKE_FAILED:
+                auth.log_refusal(f"rank {self.rank}'s link from rank {self.peer}",
+                                 event["event"], int(event["value"]), self.describe_pull())
+
+    def describe_pull(self) -> str:
+        return self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Arrivals:
+    """The connections that reach one receiving socket, from its monitor's events: whether
+    the peer's connection has closed (``see`` returns True), as opposed to a stranger's.
+
+    Anyone who can reach a tcp port can open a connection to it, and the socket's monitor
+    reports that connection closing like any other; only a closing connection known to have
+    finished its handshake (the peer's: with a token, only a peer holding it can finish one)
+    counts, and only once no such connection is left. The monitor names an accepted
+    connection by its descriptor but not the handshake, so a handshake is known to be a
+    connection's only while that connection is the one in a handshake. Where a stranger's
+    handshake overlaps the peer's, neither is known: the peer's loss then shows as a
+    timeout, never a stranger's as a loss."""
+
+    __slots__ = ("_handshaking", "_peers")
+
+    def __init__(self) -> None:
+        self._handshaking: list[int] = []  # descriptors accepted, not known to be done
+        self._peers: set[int] = set()  # known to have finished a handshake
+
+    def see(self, event: int, value: int) -> bool:
+        """Take one monitor event; True when the last connection known to have finished
+        its handshake has closed (the peer is gone)."""
+        if event == zmq.EVENT_ACCEPTED:
+            self._handshaking.append(value)
+        elif event & auth.HANDSHAKE_EVENTS and len(self._handshaking) == 1:
+            done = self._handshaking.pop()
+            if event == auth.HANDSHAKE_SUCCEEDED:
+                self._peers.add(done)
+        elif event == zmq.EVENT_DISCONNECTED:
+            if value in self._peers:
+                self._peers.discard(value)
+                return not self._peers
+            if value in self._handshaking:
+                self._handshaking.remove(value)
+        return False

@@ -14,9 +14,10 @@ halving-doubling) would otherwise wait for the timeout.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import zmq
 
@@ -25,10 +26,48 @@ from .header import SIZE as HEADER_SIZE
 from .header import Header, OpKind, differences
 from .link import ControlPlane, Link, Wait, remote_error
 
+log = logging.getLogger("ringcomm")
+
+MAX_ABORT_BYTES = 4096  # an abort's text (``Transport.abort`` cuts it to this)
+MAX_OP_NAME_BYTES = 256  # what a probe says after its header: the op's name
+MAX_NOTICE_BYTES = 64 * 1024  # the most one frame to the control socket may hold
 _POLL_SLICE_MS = 1000
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
 _CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
+
+
+def decode_notice(frames: list[bytes], rank: int,
+                  peers: Container[int]) -> tuple[Header, bytes, Header | None]:
+    """A control-plane message to ``rank``: an abort or a probe from one of its ``peers``,
+    as ``(header, payload, probed)`` where ``probed`` is the header a probe expects (None
+    for an abort). Anything else (another number of frames, a header that does not decode,
+    another kind, an unknown sender, a payload over its bound) is a ``ValueError`` saying
+    what was wrong."""
+    if len(frames) != 2:
+        raise ValueError(f"{len(frames)} frames (a notice has 2)")
+    raw, payload = frames
+    if len(raw) != HEADER_SIZE:
+        raise ValueError(f"a header of {len(raw)} B (expected {HEADER_SIZE})")
+    try:
+        header = Header.unpack(raw)
+    except DesyncError as err:
+        raise ValueError(err.detail) from None
+    if header.kind not in (OpKind.ABORT, OpKind.PROBE):
+        raise ValueError(f"kind {header.kind} (a notice is an abort or a probe)")
+    if header.sender == rank or header.sender not in peers:
+        raise ValueError(f"sender {header.sender}, which is not a peer of rank {rank}")
+    if header.kind == OpKind.ABORT:
+        if len(payload) > MAX_ABORT_BYTES:
+            raise ValueError(f"an abort of {len(payload)} B (at most {MAX_ABORT_BYTES})")
+        return header, payload, None
+    if not HEADER_SIZE <= len(payload) <= HEADER_SIZE + MAX_OP_NAME_BYTES:
+        raise ValueError(f"a probe of {len(payload)} B (a header and an op's name)")
+    try:
+        probed = Header.unpack(payload[:HEADER_SIZE])
+    except DesyncError as err:
+        raise ValueError(f"a probe's header: {err.detail}") from None
+    return header, payload, probed
 
 
 class ZmqControl(ControlPlane):
@@ -59,20 +98,24 @@ class ZmqControl(ControlPlane):
     def handle(self, wait: Wait) -> None:
         """Read one notice. An abort raises RemoteError; a probe from a rank that waits in
         the same op as this one (same sequence number) but sees it differently raises
-        DesyncError; other probes are fine and dropped."""
-        header = Header.unpack(self.socket.recv())
-        payload = self.socket.recv()
-        if header.kind != OpKind.PROBE:
+        DesyncError; other probes are fine and dropped, and so is anything that is not a
+        notice from a peer (logged with the reason)."""
+        frames = self.socket.recv_multipart()
+        try:
+            header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
+        except ValueError as err:
+            log.warning("rank %d's control plane dropped a message: %s", self.rank, err)
+            return
+        if probed is None:
             raise remote_error(header, payload, self.rank, wait.op)
         mine = wait.expected
-        theirs = Header.unpack(payload[:HEADER_SIZE])
-        if mine is None or mine.is_p2p or theirs.is_p2p or theirs.seq != mine.seq:
+        if mine is None or mine.is_p2p or probed.is_p2p or probed.seq != mine.seq:
             return
         # what they expect from this rank, as sent by them; an all-to-all's counts belong
         # to pairs and cannot be compared across them
-        theirs = theirs._replace(
+        theirs = probed._replace(
             sender=header.sender,
-            count=mine.count if mine.kind == OpKind.ALLTOALL else theirs.count)
+            count=mine.count if mine.kind == OpKind.ALLTOALL else probed.count)
         diffs = differences(mine, theirs, rank=self.rank)
         if diffs:
             their_op = payload[HEADER_SIZE:].decode(errors="replace")

@@ -23,53 +23,130 @@ the ZeroMQ context, the files to remove at exit, the control plane, the settings
 from __future__ import annotations
 
 import abc
-import os
+import contextlib
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ...core.arrays import HOST_ONLY
-from .. import shm_ring
-from ..files import TransportFiles, ipc_base
+from ...errors import AuthError, CommTimeout
+from .. import auth, shm_ring
+from ..files import TransportFiles, ipc_base, private_folder
 from ..link import Link
 from ..pipe import Flusher
 from ..zmq_control import ZmqControl
+
+_ASK_EVERY_S = 0.1
 
 
 class Sockets:
     """The ZeroMQ context and every socket made in it. Apart from the transport so that
     nothing it hands out (the control plane's connect) refers back to the transport: a
     reference cycle would leave the context to the garbage collector, whose ``term`` then
-    waits forever for sockets it can no longer see."""
+    waits forever for sockets it can no longer see.
 
-    def __init__(self, io_threads: int) -> None:
+    With ``keys`` (``RINGCOMM_AUTH_TOKEN``), a socket made ``secure`` speaks CURVE: a pull
+    socket is a server that only the token's clients may reach (the context's ``Gatekeeper``
+    checks them), a push socket a client holding the token's keys. A push socket made for a
+    ``peer``'s link reports its handshake, so that ``check_handshakes`` can tell at set-up
+    that the peer refused this rank."""
+
+    def __init__(self, io_threads: int, keys: auth.Keys | None = None, rank: int = 0) -> None:
         self.ctx = zmq.Context(io_threads=io_threads)
+        self.keys = keys
+        self.rank = rank
         self.made: list[zmq.Socket] = []
+        self.watched: list[tuple[zmq.Socket, zmq.Socket, int]] = []  # push, monitor, peer
+        self._gatekeeper: auth.Gatekeeper | None = None
 
-    def pull(self) -> zmq.Socket:
+    def pull(self, secure: bool = False) -> zmq.Socket:
         pull = self.ctx.socket(zmq.PULL)
         self.made.append(pull)
         pull.setsockopt(zmq.RCVHWM, 0)
         pull.setsockopt(zmq.LINGER, 0)
+        if secure and self.keys is not None:
+            if self._gatekeeper is None:
+                self._gatekeeper = auth.Gatekeeper(self.ctx, self.keys, f"rank {self.rank}")
+            self.keys.serve(pull)
         return pull
 
-    def push(self, endpoint: str) -> zmq.Socket:
+    def push(self, endpoint: str, secure: bool = False, peer: int | None = None) -> zmq.Socket:
         push = self.ctx.socket(zmq.PUSH)
         self.made.append(push)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 2000)
         push.copy_threshold = 0  # track every copy=False frame
+        if secure and self.keys is not None:
+            self.keys.dial(push)
+        if peer is not None:  # watched: a link to ``peer``
+            self.watched.append((push, push.get_monitor_socket(auth.HANDSHAKE_EVENTS), peer))
         push.connect(endpoint)
         return push
+
+    def listening(self) -> list[str]:
+        """The endpoints the pull sockets listen on."""
+        return [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in self.made
+                if not sock.closed and sock.type == zmq.PULL]
+
+    def check_handshakes(self, deadline: float,
+                         ask: Callable[[list[int]], None] | None = None) -> None:
+        """Wait until every watched push socket has finished its handshake. A refused one is
+        an ``AuthError`` naming whom it was to reach and why, within a round trip; one still
+        unfinished at ``deadline`` is a ``CommTimeout``. While some are unfinished, ``ask``
+        is called every ``_ASK_EVERY_S`` with their peers (a peer that refused this rank's
+        token and left at once never finishes its handshake: ``ask`` may find out why
+        elsewhere, and raise). The monitors go once done."""
+        pending = {monitor: peer for _, monitor, peer in self.watched}
+        poller = zmq.Poller()
+        for monitor in pending:
+            poller.register(monitor, zmq.POLLIN)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    peers = ", ".join(map(str, pending.values()))
+                    raise CommTimeout(f"no handshake with rank(s) {peers} within the timeout "
+                                      "(alive and reachable?)", rank=self.rank)
+                ready = dict(poller.poll(int(min(left, _ASK_EVERY_S) * 1000) + 1))
+                if not ready and ask is not None:
+                    ask(list(pending.values()))
+                for monitor in ready:
+                    event = parse_monitor_message(monitor.recv_multipart())
+                    why = auth.handshake_failure(event["event"], event["value"])
+                    peer = pending[monitor]
+                    if why is not None:
+                        mine = "holds a token" if self.keys is not None else "holds no token"
+                        raise AuthError(
+                            f"rank {peer} refused this rank's connection: {why}. Every rank "
+                            "must hold the same RINGCOMM_AUTH_TOKEN (or init(auth_token=)); "
+                            f"this rank {mine}", rank=self.rank, peer=peer)
+                    if event["event"] == auth.HANDSHAKE_SUCCEEDED:
+                        poller.unregister(monitor)
+                        del pending[monitor]
+        finally:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        for push, monitor, _ in self.watched:
+            with contextlib.suppress(zmq.ZMQError):
+                push.disable_monitor()
+            monitor.close(linger=0)
+        self.watched.clear()
 
     def close(self, *, abandon: bool) -> None:
         """Close what is still open (each with its own linger) and end the context;
         ``abandon`` drops queued messages (a set-up that failed)."""
+        self._unwatch()
         for sock in self.made:
             if not sock.closed:
                 sock.close()
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
         if abandon:
             self.ctx.destroy(linger=0)
         else:
@@ -116,8 +193,7 @@ class SetUp:
     def ipc_dir(self) -> str:
         """This rank's folder of ipc sockets, pipes and doorbells: made on first use."""
         if self.files.ipc_dir is None:
-            base = ipc_base()
-            os.makedirs(base, exist_ok=True)
+            base = private_folder(ipc_base())
             self.files.ipc_dir = tempfile.mkdtemp(prefix=f"{shm_ring.owner_tag()}-", dir=base)
         return self.files.ipc_dir
 

@@ -6,6 +6,10 @@ pairs where an end offers no shared memory, and every pair when ``RINGCOMM_TRANS
 forces sockets. Its offer is one receiving socket per peer, bound before the offer is
 published (its address is the offer), watched by a monitor that reports the connection
 closing; a pair's sender connects a push socket to the address the receiver bound for it.
+
+With ``RINGCOMM_AUTH_TOKEN`` every tcp pair speaks CURVE (``ringcomm.transport.auth``): only
+a sender holding the token gets through, and its frames are encrypted. An ipc pair stays
+plain: its socket file is this user's alone (``files.bind_private``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 
 import zmq
 
+from .. import auth
+from ..files import bind_private
 from ..link import Link
 from ..socket_link import SocketLink
 from .base import LinkKind, SetUp, Verdict
@@ -32,14 +38,16 @@ class SocketKind(LinkKind):
         setup = self.setup
         endpoints = {}
         for peer in setup.peers:
-            pull = self._pulls[peer] = setup.sockets.pull()
-            if setup.by_ipc(peer):
+            by_ipc = setup.by_ipc(peer)
+            pull = self._pulls[peer] = setup.sockets.pull(secure=not by_ipc)
+            if by_ipc:
                 endpoint = f"ipc://{setup.ipc_dir}/{peer}"
-                pull.bind(endpoint)
+                bind_private(pull, endpoint)
             else:
                 port = pull.bind_to_random_port(f"tcp://{setup.host}")
                 endpoint = f"tcp://{setup.host}:{port}"
-            self.monitors.append((pull, pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
+            self.monitors.append((pull, pull.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_EVENTS)))
             endpoints[str(peer)] = endpoint
         return {"endpoints": endpoints}
 
@@ -55,8 +63,9 @@ class SocketKind(LinkKind):
     def connect(self, peer: int, mine: dict[str, Any], theirs: dict[str, Any]) -> Link:
         setup = self.setup
         monitor = next(m for pull, m in self.monitors if pull is self._pulls[peer])
-        return SocketLink(setup.rank, peer, setup.control, setup.spin_s,
-                          push=setup.sockets.push(theirs["endpoints"][str(setup.rank)]),
+        push = setup.sockets.push(theirs["endpoints"][str(setup.rank)],
+                                  secure=not setup.by_ipc(peer), peer=peer)
+        return SocketLink(setup.rank, peer, setup.control, setup.spin_s, push=push,
                           pull=self._pulls[peer], monitor=monitor)
 
     def close(self) -> None:
