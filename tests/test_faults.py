@@ -235,7 +235,7 @@ def test_a_fault_acts_on_the_message_of_the_call_its_rule_names(caplog):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("action", ["drop", "corrupt"])
+@pytest.mark.parametrize("action", ["kill", "drop", "corrupt"])
 def test_point_to_point_sends_are_ops_of_their_own(action):
     def job(comm):
         out = []
@@ -250,8 +250,12 @@ def test_point_to_point_sends_are_ops_of_their_own(action):
         return out
     results, took = _group(f"{action}:rank=0,op=send,call=2", job, world=2,
                            checksum=True)
-    assert results[0] == [True, True]  # a send completes once its messages left
     err = results[1]
+    if action == "kill":
+        assert isinstance(results[0], RankKilled), results
+        assert isinstance(err, PeerLostError) and err.peer == 0, results
+        return
+    assert results[0] == [True, True]  # a send completes once its messages left
     want = CommTimeout if action == "drop" else ChecksumError
     assert isinstance(err, want) and err.peer == 0, results
     if action == "corrupt":
