@@ -40,7 +40,8 @@ def digest(data: Any, start: int = 0) -> int:
     try:
         return zlib.crc32(data, start)
     except (BufferError, TypeError, ValueError):  # an array numpy cannot export as it is
-        return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8), start)
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return zlib.crc32(raw.data, start)
 
 
 class ChecksumWrapper(Wrapper):
