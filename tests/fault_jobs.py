@@ -59,6 +59,7 @@ def job_fault(rank: int, world: int, store: str, transport: str, spec: str | Non
     with _rank_environment(env or {}, None), ringcomm.faults.inject(spec, checksum=checksum):
         comm = init(rank, world, store, transport, timeout=op_timeout)
         board = comm.transport.board is not None
+        kinds = {link.kind for link in comm.transport.links if link is not None}
         outcomes: list[dict] = []
         try:
             for call in range(calls):
@@ -75,4 +76,5 @@ def job_fault(rank: int, world: int, store: str, transport: str, spec: str | Non
                 comm.close()
             except CommError as err:  # what only close could see belongs to the record
                 outcomes.append({"close": type(err).__name__})
-    return {"outcomes": outcomes, "board": board}
+    return {"outcomes": outcomes, "board": board, "kinds": kinds,
+            "counters": dict(comm.transport.counters)}

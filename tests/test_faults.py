@@ -335,6 +335,9 @@ REAL = [  # op, elements, environment, victim: links ring and board, kill/drop/c
     ("corrupt", "allreduce,msg=1", 300_000, {"RINGCOMM_ALGO": "ring"}, 1),
     ("corrupt", "allreduce", 256, {}, 0),
     pytest.param("corrupt", "allgather", 100, {"RINGCOMM_BOARD": "0"}, 2, marks=slow),
+    # the other link kinds: ZeroMQ ipc sockets, and a shared-memory mailbox for small ones
+    ("corrupt", "allreduce", 3000, {"RINGCOMM_SHM": "0", "RINGCOMM_BOARD": "0"}, 2),
+    ("corrupt", "allreduce", 300, {"RINGCOMM_MAILBOX": "1", "RINGCOMM_BOARD": "0"}, 1),
     pytest.param("corrupt", "send", 1000, {}, 1, marks=slow),
 ]
 
@@ -352,7 +355,11 @@ def test_faults_in_real_processes(cluster, action, op, count, env, victim):
     res = cluster.run(world, "fault_jobs.job_fault", dies=(victim,) if action == "kill" else (),
                       spec=spec, op=op, count=count, checksum=action == "corrupt", calls=3,
                       op_timeout=op_timeout, env=env)
-    assert all(x["board"] == ("RINGCOMM_BOARD" not in env) for x in res if x is not None)
+    assert all(x["board"] == (not env or "RINGCOMM_ALGO" in env) for x in res if x is not None)
+    assert all(x["kinds"] == ({"socket"} if "RINGCOMM_SHM" in env else {"pipe"})
+               for x in res if x is not None), res
+    if "RINGCOMM_MAILBOX" in env:
+        assert all(x["counters"]["mailbox"] for x in res if x is not None), res
     outcomes = _outcomes(res)
     errors = {}
     for r, calls in enumerate(outcomes):
