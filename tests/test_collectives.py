@@ -29,7 +29,8 @@ pytestmark = pytest.mark.timeout(60)
 # the communicator's public methods that are not collectives
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
                    "allreduce_now",  # allreduce's short way, not a collective of its own
-                   "choose", "describe", "wrapped", "tracing", "keep_timeline"}
+                   "choose", "describe", "wrapped", "tracing", "keep_timeline",
+                   "start_faults"}
 
 
 def test_the_table_and_the_communicator_name_the_same_collectives():

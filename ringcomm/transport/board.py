@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..core import config
+from .header import CHECKSUM_AT, Header
 from .header import SIZE as HEADER_SIZE
-from .header import Header
 from .shm_ring import fence, stores_in_order
 
 SLOT_BYTES = 1 << 20  # the largest payload one post holds; larger ops post in pieces
@@ -113,6 +113,24 @@ class Board:
             views[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
+
+    def lose_post(self) -> None:
+        """Count the next post as made without writing it or showing its count: what a post
+        lost on the way looks like to its peers (``ringcomm.faults``' drop). The post after
+        shows this one's count too, and the slot it would have filled still holds an older
+        post, whose header no take accepts."""
+        self.number += 1
+
+    def slot(self, peer: int, number: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the payload part of the slot of ``peer``'s post
+        ``number``, in place: for a checksum over a post, which may start anywhere in it."""
+        start = self._slot(peer, number) + _LINE
+        return self._mem[start: start + nbytes]
+
+    def checksum(self, peer: int) -> int:
+        """The checksum field of the header of ``peer``'s post numbered as this rank's
+        latest (whatever the slot holds: a take compares the rest)."""
+        return _WORD.unpack_from(self._mem, self._slot(peer) + CHECKSUM_AT.start)[0]
 
     def header(self, peer: int, number: int | None = None) -> Header:
         """The header of ``peer``'s post ``number`` (default: the number of this rank's

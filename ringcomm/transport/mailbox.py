@@ -22,7 +22,7 @@ pipe alone.
 Layout (created by the receiver, which owns it; the sender maps it once both ends are open
 and removes its name): a 64-byte line of the receiver's (``consumed``, ``sleeping``), then
 ``SLOTS`` slots of ``SLOT_BYTES``: a stamp (frame number + 1; 0 never written), the frame's
-tag and padding to 16 bytes, the 48-byte header, the payload.
+tag and padding to 16 bytes, the header (``header.SIZE``), the payload.
 """
 
 from __future__ import annotations
