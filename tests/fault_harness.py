@@ -355,6 +355,10 @@ def _serve(slot: int, conn: Connection) -> None:
     stays open until the pool says every rank has reported, so that no rank's leaving is
     what its peers see."""
     os.environ.pop("RINGCOMM_TRACE", None)
+    import ringcomm
+
+    ringcomm.init  # noqa: B018 - loads the library before the pool counts this rank ready
+    conn.send(("ready", os.getpid()))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -422,6 +426,9 @@ class RankPool:
         self.close()
 
     def _ensure(self, slots: Iterable[int]) -> None:
+        """Start a process in each of ``slots`` that has none alive, and wait until each has
+        loaded ringcomm: a case's ranks then meet at the store within its short timeout."""
+        started = set()
         for i in slots:
             p = self._procs[i]
             if p is not None and p.is_alive():
@@ -434,6 +441,11 @@ class RankPool:
             theirs.close()
             self._procs[i], self._conns[i] = p, ours
             self.started += 1
+            started.add(i)
+        died: set[int] = set()
+        _, slow = self._gather(started, "ready", SETUP_S, died)
+        if died or slow:
+            raise AssertionError(f"rank processes {sorted(died | slow)} did not start")
 
     def _drop(self, slot: int) -> None:
         p, conn = self._procs[slot], self._conns[slot]
