@@ -87,3 +87,10 @@ class ChecksumError(CommError):
 class AuthError(CommError):
     """A store or a peer refused this rank's credentials, or this rank refused theirs: the
     ranks do not hold the same ``RINGCOMM_AUTH_TOKEN`` (or one of them has none)."""
+
+
+class RankKilled(BaseException):
+    """A rank that is a thread of a process shared with its peers (``ringcomm.runtime.local``)
+    was killed by an injected fault (``ringcomm.faults``): its thread stops at once, as a
+    process would die, and its peers see it gone. Not a ``CommError`` (not even an
+    ``Exception``), so that nothing handles it as an op that failed and tells the peers."""

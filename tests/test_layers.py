@@ -32,12 +32,14 @@ ALLOWED = {
     "transport": {BASE, "core"},
     "engines": {BASE, "core", "schedules", "transport"},
     "observe": {BASE, "core", "schedules", "transport", "engines"},
+    "faults": {BASE, "core", "schedules", "transport", "engines"},
     "plan": {BASE, "core", "schedules", "transport"},
-    "runtime": {BASE, "core", "schedules", "transport", "engines", "observe", "plan"},
-    "bootstrap": {BASE, "core", "schedules", "transport", "engines", "observe", "plan",
-                  "runtime"},
-    "torch_backend": {BASE, "core", "schedules", "transport", "engines", "observe", "plan",
-                      "runtime", "bootstrap"},
+    "runtime": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
+                "plan"},
+    "bootstrap": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
+                  "plan", "runtime"},
+    "torch_backend": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
+                      "plan", "runtime", "bootstrap"},
 }
 
 

@@ -130,7 +130,7 @@ def init(
                             mode=settings.transport, timeout=timeout)
 
     comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
-                        on_close=list(reversed(closers)), connect=connect)
+                        on_close=list(reversed(closers)), connect=connect, faults_live=False)
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys
         measure_remote(comm)  # several hosts: the link between them, agreed
@@ -139,6 +139,7 @@ def init(
             clock = through_store(scoped, rank, tracing, timeout)
             if trace:
                 comm.keep_timeline(_timeline_folder(trace, generation), clock)
+        comm.start_faults()  # injected faults count the job's ops, not the set-up's
     except CommError:
         comm.close()
         raise

@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from ..errors import ArgumentError
+from . import fault_spec
 from .algorithms import ALLREDUCE_OVER_LINKS
 
 
@@ -137,6 +138,12 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _faults(raw: str) -> fault_spec.FaultSpec:
+    if not raw.strip():
+        raise Unset
+    return fault_spec.parse(raw)
+
+
 def _debug(raw: str) -> str:
     value = raw.strip().upper()
     if value not in ("WARN", "WARNING", "INFO", "DEBUG"):
@@ -208,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("faults", Scope.MUST_MATCH, "RINGCOMM_FAULTS", None,
             "faults to inject where messages move, 'ACTION:KEY=VALUE,...;...' (kill, "
             "delay, drop, corrupt; rank, op, call, msg, peer, ms, seed): for testing how a "
-            "job survives them", None, _text, "none"),
+            "job survives them", None, _faults, "none"),
     Setting("checksum", Scope.MUST_MATCH, "RINGCOMM_CHECKSUM", None,
             "1 adds a checksum to every message and board post, so corruption on the way "
             "is a ChecksumError naming the link, op and message", False, _flag),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._version import __version__ as VERSION
-from ..core import config
+from ..core import config, fault_spec
 from ..core.config import BY_NAME, SETTINGS, Scope, Setting
 from ..errors import ArgumentError, StoreError, StoreTimeout
 from ..transport.header import WIRE_VERSION
@@ -38,6 +38,8 @@ class Settings:
     params: dict[int, cost.CostParams] = field(default_factory=dict)
     profile_source: str = "defaults"
     remote: cost.CostParams | None = None  # links between hosts; None: the defaults
+    faults: fault_spec.FaultSpec | None = None  # what ringcomm.faults injects
+    checksum: bool = False  # every message and board post carries a checksum
 
     def cost_params(self, world_size: int) -> cost.CostParams:
         return cost.Profile(self.params).for_world(world_size)
@@ -53,19 +55,27 @@ class Settings:
         match, agreed = proposal["match"], proposal["agreed"]
         params = {int(n): cost.CostParams(**p) for n, p in agreed["params"].items()}
         remote = cost.CostParams(**agreed["remote"]) if agreed.get("remote") else None
+        faults = fault_spec.parse(match["faults"]) if match.get("faults") else None
         return cls(match["algorithm"], match["transport"], int(agreed["segment_bytes"]),
-                   params, agreed["profile_source"], remote)
+                   params, agreed["profile_source"], remote, faults,
+                   bool(match.get("checksum")))
 
     def describe(self) -> dict[str, Any]:
         """The agreed values, for logs and ``ringcomm env``."""
-        return {"algorithm": self.algorithm or "auto", "transport": self.transport,
-                "segment_bytes": self.segment_bytes, "profile": self.profile_source}
+        described = {"algorithm": self.algorithm or "auto", "transport": self.transport,
+                     "segment_bytes": self.segment_bytes, "profile": self.profile_source}
+        if self.faults:
+            described["faults"] = str(self.faults)
+        if self.checksum:
+            described["checksum"] = True
+        return described
 
 
 def propose(*, segment_bytes: int | None = None, transport: str | None = None) -> dict[str, Any]:
     """This rank's values of every must-match and agreed setting, checked for sense."""
     algorithm: str | None = config.value("algorithm")
     mode = config.transport_mode(transport)
+    faults, checksum = _integrity()
     profile = cost.load_profile()
     if segment_bytes is None:
         segment_bytes = profile.segment_bytes or cost.DEFAULT_SEGMENT_BYTES
@@ -74,11 +84,22 @@ def propose(*, segment_bytes: int | None = None, transport: str | None = None) -
         raise ArgumentError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
     return {
         "match": {"version": VERSION, "wire": WIRE_VERSION, "algorithm": algorithm,
-                  "transport": mode},
+                  "transport": mode, "faults": str(faults) if faults else None,
+                  "checksum": checksum},
         "agreed": {"segment_bytes": segment_bytes, "profile_source": profile.source,
                    "params": {str(n): vars(p) for n, p in profile.params.items()},
                    "remote": vars(profile.remote) if profile.remote else None},
     }
+
+
+def _integrity() -> tuple[fault_spec.FaultSpec | None, bool]:
+    """The faults and the checksum switch this rank proposes: ``ringcomm.faults.inject``'s
+    while it holds, else ``RINGCOMM_FAULTS`` and ``RINGCOMM_CHECKSUM``."""
+    held, spec, checksum = fault_spec.injected()
+    faults = spec if held else config.value("faults")
+    if checksum is None:
+        checksum = bool(config.value("checksum"))
+    return faults, checksum
 
 
 def agree(store: Any, rank: int, world_size: int, timeout: float, *,

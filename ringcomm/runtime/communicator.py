@@ -42,6 +42,7 @@ from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
 from ..engines.wrapping import Wiring, Wrapper
 from ..errors import ArgumentError, CommAborted, DesyncError
+from ..faults import FaultWrapper, wrappers_for
 from ..observe.clock import over_links
 from ..observe.timeline import Clock, Timeline
 from ..plan.collectives import COLLECTIVES
@@ -106,6 +107,7 @@ class Communicator:
         on_close: Sequence[Callable[[], None]] = (),
         connect: Callable[[tuple[int, ...], str], Transport] | None = None,
         wrappers: Sequence[Wrapper] = (),
+        faults_live: bool = True,
     ) -> None:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
@@ -126,10 +128,21 @@ class Communicator:
         self._closed = False
         self._close_lock = threading.Lock()
         self._write_timeline: weakref.finalize[..., Any] | None = None
-        self.wiring = Wiring.of(transport, transport.board, wrappers)
+        # the agreed faults and checksum first (innermost), then the caller's wrappers
+        self.wiring = Wiring.of(transport, transport.board, [
+            *wrappers_for(settings.faults, settings.checksum, transport, live=faults_live),
+            *wrappers])
         self.selector = self._selector()
         self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
                              self.timeout, inline_bytes(self.topology.spare_core(self.rank)))
+
+    def start_faults(self) -> None:
+        """Count ops for the injected faults from here on (a communicator made with
+        ``faults_live=False``: ``ringcomm.init`` and ``split`` call this once their own
+        set-up ops are done, so a fault's ``call=1`` is the program's first call)."""
+        for wrapper in self.wiring.wrappers:
+            if isinstance(wrapper, FaultWrapper):
+                wrapper.start()
 
     def _selector(self) -> Selector:
         return Selector(Group(self.world_size, self.transport.board is not None,
@@ -292,8 +305,9 @@ class Communicator:
         transport = self._connect(members, f"split{number}/{color}")
         sub = Communicator(transport, timeout=self.timeout, settings=self.settings,
                            topology=Topology(tuple(self.topology.ranks[r] for r in members)),
-                           segment_bytes=self.segment_bytes, connect=None)
+                           segment_bytes=self.segment_bytes, connect=None, faults_live=False)
         sub.barrier()  # every member is connected
+        sub.start_faults()
         return sub
 
     # ------------------------------------------------------------------ collectives

@@ -114,6 +114,19 @@ class Board:
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
 
+    def lose_post(self) -> None:
+        """Count the next post as made without writing it or showing its count: what a post
+        lost on the way looks like to its peers (``ringcomm.faults``' drop). The post after
+        shows this one's count too, and the slot it would have filled still holds an older
+        post, whose header no take accepts."""
+        self.number += 1
+
+    def slot(self, peer: int, number: int) -> np.ndarray:
+        """All ``SLOT_BYTES`` of the payload part of the slot of ``peer``'s post ``number``
+        (uint8, in place): for a checksum over a post, which may start anywhere in it."""
+        start = self._slot(peer, number) + _LINE
+        return self._bytes[start: start + SLOT_BYTES]
+
     def header(self, peer: int, number: int | None = None) -> Header:
         """The header of ``peer``'s post ``number`` (default: the number of this rank's
         latest post), once it has made it, with ``peer`` as its sender."""

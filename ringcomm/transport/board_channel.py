@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from ..errors import CommTimeout, PeerLostError
+from ..errors import CommTimeout, DesyncError, PeerLostError
 from .board import Board
 from .header import Header, check
 from .link import Wait
@@ -95,8 +95,27 @@ class BoardChannel(abc.ABC):
         if board.posted(peer) < number:
             self._wait(peer, number, op, deadline, header)
         if not board.matches(peer, header):
-            check(expected_post(header, peer), board.header(peer), rank=self.rank, op=op)
+            check(expected_post(header, peer), self.posted_header(peer, op), rank=self.rank,
+                  op=op)
         return board.payload(peer, dtype, count, at)
+
+    def posted_header(self, peer: int, op: str) -> Header:
+        """The header of ``peer``'s post that a take now reads, once it is posted; a
+        ``DesyncError`` naming the peer where its slot holds no post at all (one was lost on
+        the way, and a later one shows its count)."""
+        try:
+            return self.board.header(peer)
+        except DesyncError:
+            raise DesyncError(f"rank {peer}'s board post of this op is missing: its count "
+                              "says it is there, its slot holds none (was it lost on the "
+                              "way?)", rank=self.rank, op=op, peer=peer) from None
+
+    def wait_for(self, peer: int, header: bytes, deadline: float, op: str) -> None:
+        """Return once ``peer`` has made the post a ``take`` now would read, waiting as
+        ``take`` does: for a wrapper that reads a post's header before taking it."""
+        number = self.board.number
+        if self.board.posted(peer) < number:
+            self._wait(peer, number, op, deadline, header)
 
     def leftover(self) -> Header | None:
         """The header of a post that a peer made and this rank never took (a board op this

@@ -9,10 +9,15 @@ ranks that disagree about anything that shapes the op raise a ``DesyncError`` at
 message they exchange, naming what differs ("rank 1 reduces 1048584 elements, rank 0
 1048576"), instead of reducing bytes into the wrong place.
 
-48 bytes, little-endian:
+56 bytes, little-endian:
 
     seq u64 | nbytes u64 | count u64 | segment bytes u32 | sender u32 | index u32 | arg i32 |
-    kind u8 | dtype u8 | algorithm u8 | reduce u8 | version u8 | 3 bytes padding
+    kind u8 | dtype u8 | algorithm u8 | reduce u8 | checksum u64 | version u8 | 3 bytes padding
+
+``checksum`` is no part of the op descriptor: it is 0 unless checksums are on
+(``RINGCOMM_CHECKSUM=1``, ``ringcomm.faults.checksum``), and then the receiving side of the
+checksum takes it out before the header is compared with what the op expects (which carries
+0), so the desync check never sees it.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from ..core.algorithms import WIRE_CODES, WIRE_NAMES
 from ..core.dtypes import REDUCE_OPS, ReduceOp, dtype_name
 from ..errors import DesyncError
 
-WIRE_VERSION = 6  # bumped whenever the header, the framing or the board changes; agreed at init
-_FORMAT = struct.Struct("<QQQIIIiBBBBB3x")  # Header's fields, then the version
+WIRE_VERSION = 7  # bumped whenever the header, the framing or the board changes; agreed at init
+_FORMAT = struct.Struct("<QQQIIIiBBBBQB3x")  # Header's fields, then the version
 SIZE = _FORMAT.size
+CHECKSUM_AT = slice(44, 52)  # where a packed header holds its checksum
 
 
 class OpKind(IntEnum):
@@ -86,6 +92,7 @@ class Header(NamedTuple):
     dtype: int
     algorithm: int = 0
     reduce: int = 0
+    checksum: int = 0  # not part of the op: see the module docstring
 
     def pack(self) -> bytes:
         return _FORMAT.pack(*self, WIRE_VERSION)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import CommTimeout
+from ..errors import CommTimeout, PeerLostError, RankKilled
 from .base import Transport
 from .board import Board, size
 from .board_channel import BoardChannel, Screening, board_wait
@@ -48,9 +48,20 @@ class InMemoryNetwork:
         self._lock = threading.Lock()
         self.board_memory = bytearray(size(world_size)) if board and world_size > 1 else None
         self.board_posted = threading.Condition()  # notified on every post
+        self.gone: set[int] = set()  # ranks killed by an injected fault (``die``)
 
     def transport(self, rank: int) -> InMemoryTransport:
         return InMemoryTransport(self, rank)
+
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` is gone (its thread ended as a killed process would): every rank
+        waiting for it hears so, after the messages it sent before."""
+        self.gone.add(rank)
+        for box in self.mailboxes:
+            with box.cond:
+                box.cond.notify_all()
+        with self.board_posted:
+            self.board_posted.notify_all()
 
     def subnetwork(self, tag: str, size: int) -> InMemoryNetwork:
         """The network of the subgroup called ``tag``: made by the first of its members to
@@ -70,6 +81,7 @@ class InMemoryLink(Link):
         super().__init__(rank, peer)
         self._theirs = network.mailboxes[peer]
         self._mine = network.mailboxes[rank]
+        self._gone = network.gone
         self._current: bytes | None = None
 
     def send(self, header: Header, payload: np.ndarray | None, op: str) -> None:
@@ -86,6 +98,9 @@ class InMemoryLink(Link):
                 if box.queues[self.peer]:
                     header, self._current = box.queues[self.peer].popleft()
                     return header
+                if self.peer in self._gone:
+                    raise PeerLostError(f"rank {self.peer} is gone (its thread was killed)",
+                                        rank=self.rank, op=wait.op, peer=self.peer)
                 left = wait.deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"no message from rank {self.peer} in time",
@@ -125,6 +140,13 @@ class InMemoryTransport(Transport):
         if network.board_memory is not None:
             self.board = InMemoryBoardChannel(
                 Board(network.board_memory, rank, network.world_size), self, network)
+        self._network = network
+
+    def die(self) -> NoReturn:
+        """This rank's thread ends at once (``RankKilled``), and its peers see it gone, as
+        they would see a killed process's pipes close."""
+        self._network.leave(self.rank)
+        raise RankKilled(f"rank {self.rank} was killed by an injected fault")
 
 
 class InMemoryBoardChannel(BoardChannel):
@@ -144,6 +166,10 @@ class InMemoryBoardChannel(BoardChannel):
                 if aborts:
                     notice, text = aborts[0]
                     raise remote_error(notice, text, self.rank, wait.op)
+                if peer in self._network.gone:
+                    raise PeerLostError(f"rank {peer} is gone (its thread was killed) before "
+                                        "it posted its part of this op", rank=self.rank,
+                                        op=wait.op, peer=peer)
                 left = wait.deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"rank {peer} did not post its part of this op in time",

@@ -99,6 +99,12 @@ class BoardChannelWrapper(BoardChannel):
              op: str, at: int = 0) -> np.ndarray:
         return self.inner.take(peer, header, dtype, count, deadline, op, at)
 
+    def wait_for(self, peer: int, header: bytes, deadline: float, op: str) -> None:
+        self.inner.wait_for(peer, header, deadline, op)
+
+    def posted_header(self, peer: int, op: str) -> Header:
+        return self.inner.posted_header(peer, op)
+
     def leftover(self) -> Header | None:
         return self.inner.leftover()
 
