@@ -20,6 +20,7 @@ run that counts what really left each rank.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import socket
@@ -37,12 +38,14 @@ from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.plan.select import Group, Selector
 from ringcomm.plan.settings import Settings
 from ringcomm.plan.topology import Topology
+from ringcomm.schedules.schedule import Kind
 
 SEGMENT = 16 << 10  # bytes a message segment: ops of tens of KiB go in several messages
-TIMEOUT = 1.5  # seconds an op may take in a case
+TIMEOUT = 1.5  # seconds an op may take, on the ranks the faulted message goes to
+LATER = 1.0  # seconds more on the other ranks: the rank waiting for it is the first to time out
 GRACE = 2.0  # every survivor must have its answer within the timeout plus this
 DELAY_BELOW_MS = 150
-DELAY_ABOVE_MS = int(TIMEOUT * 1000) + 1000
+DELAY_ABOVE_MS = int(TIMEOUT * 1000) + 1000  # past the receivers' timeout, not by much
 SETUP_S = 20.0  # what a rank may take to make its communicator on a busy machine
 ACTIONS = ("kill", "delay_below", "delay_above", "drop", "corrupt")
 POSITIONS = ("first", "middle", "last")
@@ -109,6 +112,26 @@ class Op:
         t = tally(self.call.schedule(rank, world, algorithm, SEGMENT))
         return sum(t.sent.values()) + t.posts
 
+    def outgoing(self, rank: int, world: int) -> list[tuple[frozenset[int], int]]:
+        """``rank``'s messages and board posts in this op, in the order they leave: the
+        ranks each goes to (every other rank for a post) and its payload in bytes."""
+        if self.collective == P2P:
+            per = SEGMENT // 4
+            return [(frozenset({(rank + 1) % world}), 4 * min(per, self.block - start))
+                    for start in range(0, max(self.block, 1), per)]
+        _, algorithm = self.engine(world)
+        out = []
+        for step in self.call.schedule(rank, world, algorithm, SEGMENT).steps:
+            region = step.src or step.dst
+            nbytes = 4 * region.count if region is not None else 0
+            if step.kind is Kind.POST:
+                out.append((frozenset(range(world)) - {rank}, nbytes))
+            elif step.kind is Kind.SEND:
+                out.append((frozenset({step.peer}), nbytes))
+            elif step.kind is Kind.RECV_REDUCE_SEND:
+                out.append((frozenset({step.to}), nbytes))
+        return out
+
 
 def _selector(world: int, board: bool) -> Selector:
     settings = Settings.local(segment_bytes=SEGMENT)
@@ -145,6 +168,25 @@ class Case:
     @property
     def fault_op(self) -> str:
         return self.op.collective
+
+    @property
+    def target(self) -> tuple[frozenset[int], int]:
+        """The ranks the faulted message goes to, and its payload in bytes."""
+        return self.op.outgoing(self.actor, self.world)[self.msg]
+
+    def timeout_of(self, rank: int) -> float:
+        """``rank``'s timeout (a local setting): the ranks the faulted message goes to wait
+        ``timeout``, the others ``LATER`` seconds more, so that the first to give up is one
+        that waits for the acting rank, not one that waits for a rank stalled behind it."""
+        return self.timeout + (0.0 if rank in self.target[0] else LATER)
+
+    @property
+    def harmless(self) -> bool:
+        """Whether the fault cannot change the op's outcome: a delay below the timeout, or
+        a corruption of a message without a payload (a barrier's), which has no byte to
+        flip."""
+        return self.action == "delay_below" or (self.action == "corrupt" and
+                                                self.target[1] == 0)
 
     def spec(self) -> str:
         """The fault as ``RINGCOMM_FAULTS`` reads it."""
@@ -226,7 +268,8 @@ def run_rank(rank: int, world: int, store: str, case: Case) -> tuple[Any, dict[s
     import ringcomm
 
     try:
-        comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=case.timeout,
+        comm = ringcomm.init(rank=rank, world_size=world, store=store,
+                             timeout=case.timeout_of(rank),
                              segment_bytes=SEGMENT)
     except Exception as err:  # noqa: BLE001 - reported to the test
         return None, {"status": "setup", "type": type(err).__name__, "message": str(err),
@@ -358,6 +401,8 @@ def _serve(slot: int, conn: Connection) -> None:
     import ringcomm
 
     ringcomm.init  # noqa: B018 - loads the library before the pool counts this rank ready
+    if "RINGCOMM_DEBUG" not in os.environ:  # each injected fault's warning: on request
+        logging.getLogger("ringcomm").setLevel(logging.ERROR)
     conn.send(("ready", os.getpid()))
     while True:
         msg = conn.recv()
@@ -501,7 +546,7 @@ class RankPool:
         for r in range(world):
             self._conns[r].send(("case", {"rank": r, "store": store, "case": case}))
         died: set[int] = set()
-        limit = SETUP_S + case.timeout + GRACE + 5
+        limit = SETUP_S + case.timeout + LATER + GRACE + 5
         reports, hung = self._gather(set(range(world)), "done", limit, died)
         closing = set(reports)
         for r in closing:
@@ -557,7 +602,6 @@ def judge(outcome: Outcome) -> list[str]:
     """What in ``outcome`` breaks the promise: empty where every rank saw what it should."""
     case = outcome.case
     problems = []
-    limit = case.timeout + GRACE
     errors = {}
     for r, report in enumerate(outcome.ranks):
         status = report["status"]
@@ -575,18 +619,18 @@ def judge(outcome: Outcome) -> list[str]:
             continue
         if report.get("close_error"):
             problems.append(f"rank {r}: close raised {report['close_error']}")
-        if report["elapsed"] > limit:
-            problems.append(f"rank {r} took {report['elapsed']:.2f} s, more than the timeout "
-                            f"{case.timeout:g} s + {GRACE:g} s")
+        if report["elapsed"] > case.timeout_of(r) + GRACE:
+            problems.append(f"rank {r} took {report['elapsed']:.2f} s, more than its timeout "
+                            f"{case.timeout_of(r):g} s + {GRACE:g} s")
         if status == "error":
             errors[r] = report
-            if report["type"] not in ALLOWED[case.action]:
+            if case.harmless or report["type"] not in ALLOWED[case.action]:
                 problems.append(f"rank {r} raised {report['type']} ({report['where']} the "
                                 f"op): {report['message']}")
-        elif case.action != "delay_below":
+        elif not case.harmless:
             problems.append(f"rank {r} finished the op and the barrier after it without an "
                             "error")
-    if case.action in PRIMARY and not any(
+    if case.action in PRIMARY and not case.harmless and not any(
             e["type"] in PRIMARY[case.action] and e["peer"] == case.actor
             for e in errors.values()):
         problems.append(f"no rank raised {' or '.join(sorted(PRIMARY[case.action]))} naming "

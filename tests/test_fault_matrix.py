@@ -76,12 +76,15 @@ def test_the_messages_a_fault_counts_are_what_leaves_each_rank(pool):
 
 
 def test_the_matrix_has_every_case_and_the_positions_differ_where_a_rank_sends_several():
-    """165 cases; first, middle and last are different messages wherever the acting rank
-    sends at least three."""
+    """165 cases; the messages a rank sends, one by one, are as many as the schedule's
+    count; first, middle and last are different messages wherever the acting rank sends at
+    least three."""
     cases = [matrix_case(op, a, p, WORLD) for op in MATRIX_OPS for a in ACTIONS
              for p in POSITIONS]
     assert len(cases) == 165
     for op in MATRIX_OPS:
+        assert [len(op.outgoing(r, WORLD)) for r in range(WORLD)] == \
+            [op.messages(r, WORLD) for r in range(WORLD)], op.label
         indexes = [matrix_case(op, "drop", p, WORLD).msg for p in POSITIONS]
         sent = op.messages(matrix_case(op, "drop", "first", WORLD).actor, WORLD)
         assert indexes == [0, sent // 2, sent - 1]
