@@ -245,8 +245,10 @@ def issue(comm: Any, op: Op) -> np.ndarray | None:
         out = np.full(op.block, 99, np.float32)
         sent = comm.send(contribution(rank, op.block, "float32"), (rank + 1) % world,
                          async_op=True)
-        comm.recv(out, (rank - 1) % world)
-        sent.wait()
+        try:
+            comm.recv(out, (rank - 1) % world)
+        finally:  # as a program waits for every part of a batch: a failed send says why
+            sent.wait()  # (a receive after it raises CommAborted, naming that failure)
         return out
     buffers = op.call.buffers(rank, world)
     op.call.issue(comm, buffers)
