@@ -5,6 +5,8 @@ can run here and which calls it sits out, and whose library it belongs to.
     ringcomm        ringcomm's ``Communicator``, called directly
     ringcomm/torch  ``torch.distributed`` on a process group of backend ``ringcomm``: what
                     users run (``dist.all_reduce``, DDP)
+    ringcomm+checksum  ringcomm's ``Communicator`` with a checksum on every message and
+                    board post (``RINGCOMM_CHECKSUM=1``): what integrity costs
     gloo            ``torch.distributed`` on the default group, Gloo; also the benchmark's
                     control channel (barriers, gathering times and error counts)
     nccl            ``torch.distributed`` on an NCCL group, one GPU per rank
@@ -29,6 +31,7 @@ from .buffers import Buffers
 from .common import timed
 
 TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
+CHECKSUMMED = "ringcomm+checksum"  # the Communicator with checksums on
 
 Call = Callable[[], object]  # one call of a collective, on buffers fixed beforehand
 # (handle, collective, buffers, reduction or None, forced algorithm or None) -> one call
@@ -204,6 +207,13 @@ def _join_communicator(where: RankContext) -> Any:
                          store=f"{where.address}:{where.ports[1]}", timeout=where.timeout)
 
 
+def _join_checksummed(where: RankContext) -> Any:
+    import ringcomm.faults
+
+    with ringcomm.faults.inject(None, checksum=True):
+        return _join_communicator(where)
+
+
 def _close_communicator(comm: Any) -> None:
     comm.close()
 
@@ -332,6 +342,8 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
            calls=_communicator_calls, always=True),  # the cost model's questions go to it
     Runner(TORCH, owner="ringcomm", join=_join_ringcomm_group, calls=_torch_calls,
            process_group=True),
+    Runner(CHECKSUMMED, owner="ringcomm", join=_join_checksummed, leave=_close_communicator,
+           calls=_communicator_calls),
     Runner("nccl", owner="nccl", join=_join_nccl_group, calls=_torch_calls, device="cuda",
            sync=_cuda_sync, process_group=True, on_simulated_hosts=False,
            unavailable=_nccl_unavailable),

@@ -68,7 +68,7 @@ from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
 from . import adapter, multihost
-from .backends import RUNNERS, TORCH, Case, RankContext, Runner, Turns, joining
+from .backends import CHECKSUMMED, RUNNERS, TORCH, Case, RankContext, Runner, Turns, joining
 from .buffers import Buffers, Reference
 from .common import (
     RankFailed,
@@ -101,7 +101,8 @@ def parse_backends(spec: list[str]) -> list[Backend]:
     """``ringcomm``, ``ringcomm:ring`` (any allreduce algorithm, the shared board's too),
     ``ringcomm:all`` (the automatic choice and every flat algorithm over links; the
     two-level ``hier`` only where named: on one host it is a reduce and a broadcast),
-    ``ringcomm/torch``, ``gloo``, ``nccl``; commas or spaces between them. (MPI runs in
+    ``ringcomm/torch``, ``ringcomm+checksum`` (checksums on), ``gloo``, ``nccl``; commas or
+    spaces between them. (MPI runs in
     processes of its own: ``--peers mpi``.)"""
     algorithms = adapter.allreduce_algorithms(board=True)
     out: list[Backend] = []
@@ -126,7 +127,8 @@ def parse_backends(spec: list[str]) -> list[Backend]:
         else:
             raise ValueError(
                 f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
-                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, gloo or nccl")
+                f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, {CHECKSUMMED}, "
+                "gloo or nccl")
         out += [b for b in found if b not in out]
     if not out:
         raise ValueError("--backends names no backend")
@@ -379,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
                    f"ALGO one of {', '.join(adapter.allreduce_algorithms(board=True))}; "
                    "board and twoshot on one host only), ringcomm:all, "
-                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), gloo, "
+                   f"{TORCH} (torch.distributed on a process group of backend ringcomm), "
+                   f"{CHECKSUMMED} (the Communicator with RINGCOMM_CHECKSUM=1), gloo, "
                    f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
                    "rank)")
     p.add_argument("--peers", nargs="+", default=[], metavar="PEER",

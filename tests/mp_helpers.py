@@ -14,6 +14,7 @@ keyword arguments.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import multiprocessing
 import os
@@ -129,7 +130,10 @@ def _serve(slot: int, inbox: Any, outbox: Any) -> None:
             return
         job_id, name, kwargs = msg
         try:
-            result = ("ok", globals()[name](**kwargs), "")
+            module, _, function = name.rpartition(".")  # "module.job": a job of another module
+            job = getattr(importlib.import_module(module), function) if module else \
+                globals()[name]
+            result = ("ok", job(**kwargs), "")
         except BaseException as err:  # noqa: BLE001 - sent back to the test
             result = ("err", err, traceback.format_exc())
         try:

@@ -37,9 +37,11 @@ _CRC = 0xFFFFFFFF
 
 def digest(data: Any, start: int = 0) -> int:
     """CRC-32 of ``data`` (an array or any buffer), continuing from ``start``."""
-    if isinstance(data, np.ndarray):
-        data = data.reshape(-1).view(np.uint8)
-    return zlib.crc32(data, start)
+    try:
+        return zlib.crc32(data, start)
+    except (BufferError, TypeError, ValueError):  # an array numpy cannot export as it is
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return zlib.crc32(raw.data, start)
 
 
 class ChecksumWrapper(Wrapper):
@@ -121,7 +123,7 @@ class _CheckedBoard(BoardChannelWrapper):
             field = 0
         else:
             start = at * payload.itemsize
-            before = digest(board.slot(self.rank, board.number + 1)[:start]) if start else 0
+            before = digest(board.slot(self.rank, board.number + 1, start)) if start else 0
             field = digest(payload, before) | (start + payload.nbytes) << 32
         header = header[:CHECKSUM_AT.start] + _FIELD.pack(field) + header[CHECKSUM_AT.stop:]
         self.inner.post(header, payload, deadline, op, at)
@@ -130,16 +132,16 @@ class _CheckedBoard(BoardChannelWrapper):
              op: str, at: int = 0) -> np.ndarray:
         board = self.board
         self.inner.wait_for(peer, header, deadline, op)
-        posted = self.inner.posted_header(peer, op)  # its sum: the field posts differ in
-        header = (header[:CHECKSUM_AT.start] + _FIELD.pack(posted.checksum)
-                  + header[CHECKSUM_AT.stop:])
-        part = self.inner.take(peer, header, dtype, count, deadline, op, at)
-        end = posted.checksum >> 32
-        got = digest(board.slot(peer, board.number)[:end]) if end else 0
-        if got != posted.checksum & _CRC:
+        field = board.checksum(peer)  # the poster's: the one field the ranks' posts differ in
+        header = header[:CHECKSUM_AT.start] + _FIELD.pack(field) + header[CHECKSUM_AT.stop:]
+        part = self.inner.take(peer, header, dtype, count, deadline, op, at)  # compares
+        end = field >> 32
+        got = digest(board.slot(peer, board.number, end)) if end else 0
+        if got != field & _CRC:
+            posted = board.header(peer)
             raise ChecksumError(
                 f"post {posted.index} of {posted.op_name} from rank {peer} to rank "
                 f"{self.rank} on the shared board arrived corrupted: its CRC-32 is "
-                f"{got:#010x}, the poster's was {posted.checksum & _CRC:#010x}. Check this "
-                "host's memory.", rank=self.rank, op=op, peer=peer)
+                f"{got:#010x}, the poster's was {field & _CRC:#010x}. Check this host's "
+                "memory.", rank=self.rank, op=op, peer=peer)
         return part

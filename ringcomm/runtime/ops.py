@@ -264,7 +264,10 @@ class OpRunner:
                 if not future.set_running_or_notify_cancel():
                     continue
                 if isinstance(item, P2POp):
-                    p2p.start(item, future)
+                    try:
+                        p2p.start(item, future)
+                    except BaseException as err:  # noqa: BLE001 - an injected kill of a
+                        future.set_exception(err)  # thread rank: its caller gets it
                     continue
                 if isinstance(item, _BetweenOps):
                     try:

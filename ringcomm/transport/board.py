@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..core import config
+from .header import CHECKSUM_AT, Header
 from .header import SIZE as HEADER_SIZE
-from .header import Header
 from .shm_ring import fence, stores_in_order
 
 SLOT_BYTES = 1 << 20  # the largest payload one post holds; larger ops post in pieces
@@ -121,11 +121,16 @@ class Board:
         post, whose header no take accepts."""
         self.number += 1
 
-    def slot(self, peer: int, number: int) -> np.ndarray:
-        """All ``SLOT_BYTES`` of the payload part of the slot of ``peer``'s post ``number``
-        (uint8, in place): for a checksum over a post, which may start anywhere in it."""
+    def slot(self, peer: int, number: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the payload part of the slot of ``peer``'s post
+        ``number``, in place: for a checksum over a post, which may start anywhere in it."""
         start = self._slot(peer, number) + _LINE
-        return self._bytes[start: start + SLOT_BYTES]
+        return self._mem[start: start + nbytes]
+
+    def checksum(self, peer: int) -> int:
+        """The checksum field of the header of ``peer``'s post numbered as this rank's
+        latest (whatever the slot holds: a take compares the rest)."""
+        return _WORD.unpack_from(self._mem, self._slot(peer) + CHECKSUM_AT.start)[0]
 
     def header(self, peer: int, number: int | None = None) -> Header:
         """The header of ``peer``'s post ``number`` (default: the number of this rank's
