@@ -277,7 +277,7 @@ def run_rank(rank: int, world: int, store: str, case: Case) -> tuple[Any, dict[s
         return None, {"status": "setup", "type": type(err).__name__, "message": str(err),
                       "traceback": traceback.format_exc()}
     start = time.monotonic()
-    where = "op"
+    where = "in the op"
     try:
         got = issue(comm, case.op)
         elapsed = time.monotonic() - start
@@ -286,7 +286,7 @@ def run_rank(rank: int, world: int, store: str, case: Case) -> tuple[Any, dict[s
             bad = int(np.count_nonzero(got != want)) if got is not None else -1
             return comm, {"status": "wrong", "elapsed": elapsed,
                           "message": f"{bad} of {want.size} elements wrong"}
-        where = "barrier after"
+        where = "in the barrier after the op"
         comm.barrier()
         return comm, {"status": "ok", "elapsed": time.monotonic() - start}
     except ringcomm.CommError as err:
@@ -627,8 +627,8 @@ def judge(outcome: Outcome) -> list[str]:
         if status == "error":
             errors[r] = report
             if case.harmless or report["type"] not in ALLOWED[case.action]:
-                problems.append(f"rank {r} raised {report['type']} ({report['where']} the "
-                                f"op): {report['message']}")
+                problems.append(f"rank {r} raised {report['type']} ({report['where']}): "
+                                f"{report['message']}")
         elif not case.harmless:
             problems.append(f"rank {r} finished the op and the barrier after it without an "
                             "error")
