@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench bench-quick lint setup clean
+.PHONY: demo test test-slow soak bench bench-quick lint setup clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Seeded random faults (kill, delay, drop, corrupt) in random ops at world sizes 2-4 over
+# real processes, counted by outcome (about 5 minutes on 2 cores); SEED=n repeats a run.
+SOAK_TRIALS ?= 300
+soak: $(STAMP)
+	$(PY) tests/fault_soak.py --trials $(SOAK_TRIALS) $(if $(SEED),--seed $(SEED))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
