@@ -102,10 +102,6 @@ def test_the_matrix_has_every_case_and_the_positions_differ_where_a_rank_sends_s
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a rank whose own board post is dropped waits for it like its peers' and, stalled, "
-    "probes itself: KeyError in ZmqControl._to (found by the soak, seed 2027 trials 31, "
-    "132, 168, 278); remove this mark once it raises a typed error"))
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("world", "op", "actor"), [
     (3, Op("allreduce/board", "allreduce", 1 * KIB), 2),

@@ -177,6 +177,8 @@ class ShmBoardChannel(BoardChannel):
         wait = board_wait(op, deadline, header, peer)
         started = time.monotonic()
         spin_until, probe_at = started + self.spin_s, started + STALL_PROBE_S
+        if peer == self.rank:  # its own post, lost on the way (a dropped post): no one to ask
+            probe_at = 0.0
         turn = 0
         while posted(peer) < number:
             turn += 1
@@ -185,7 +187,9 @@ class ShmBoardChannel(BoardChannel):
                 if now >= wait.deadline:
                     raise CommTimeout(f"rank {peer} did not post its part of this op on the "
                                       "shared board within the timeout (is it running this "
-                                      "op?)", rank=self.rank, op=wait.op, peer=peer)
+                                      "op?)" if peer != self.rank else "this rank's own post "
+                                      "on the shared board never appeared (it was lost on the "
+                                      "way)", rank=self.rank, op=wait.op, peer=peer)
                 if probe_at and now >= probe_at:
                     probe_at = 0.0
                     assert wait.expected is not None  # a board wait knows the op's header
