@@ -49,6 +49,12 @@ class ZmqControl(ControlPlane):
             sock = self._push[peer] = self._connect(self.endpoints[peer])
         return sock
 
+    def connect(self, peers: list[int]) -> None:
+        """Connect to ``peers``' control sockets now rather than on first use: those
+        reached by ``ipc://``, whose socket files go once the group is set up."""
+        for peer in peers:
+            self._to(peer)
+
     def abort(self, peer: int, header: Header, text: bytes) -> None:
         self._to(peer).send_multipart((header.pack(), text))
 

@@ -23,14 +23,17 @@ the ZeroMQ context, the files to remove at exit, the control plane, the settings
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from ...core.arrays import HOST_ONLY
+from ...errors import CommError
 from .. import shm_ring
 from ..files import TransportFiles, ipc_base
 from ..link import Link
@@ -42,11 +45,15 @@ class Sockets:
     """The ZeroMQ context and every socket made in it. Apart from the transport so that
     nothing it hands out (the control plane's connect) refers back to the transport: a
     reference cycle would leave the context to the garbage collector, whose ``term`` then
-    waits forever for sockets it can no longer see."""
+    waits forever for sockets it can no longer see.
+
+    A push to an ``ipc://`` address is watched until it has connected (``wait_connected``):
+    the socket file's name may go only then, and the connection outlives it."""
 
     def __init__(self, io_threads: int) -> None:
         self.ctx = zmq.Context(io_threads=io_threads)
         self.made: list[zmq.Socket] = []
+        self._connecting: list[tuple[zmq.Socket, zmq.Socket]] = []  # (ipc push, its monitor)
 
     def pull(self) -> zmq.Socket:
         pull = self.ctx.socket(zmq.PULL)
@@ -61,12 +68,37 @@ class Sockets:
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 2000)
         push.copy_threshold = 0  # track every copy=False frame
+        if endpoint.startswith("ipc://"):  # watched from before the connect: see the class
+            self._connecting.append((push, push.get_monitor_socket(zmq.EVENT_CONNECTED)))
         push.connect(endpoint)
         return push
+
+    def wait_connected(self, deadline: float, rank: int) -> None:
+        """Return once every ``ipc://`` push made so far is connected: its peer's socket
+        file may then be removed. A CommError if one is not by ``deadline`` (monotonic)."""
+        while self._connecting:
+            push, monitor = self._connecting[0]
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not monitor.poll(left_ms):
+                raise CommError("could not connect to "
+                                f"{push.getsockopt_string(zmq.LAST_ENDPOINT)} in time (has "
+                                "that rank died during the set-up?)", rank=rank)
+            monitor.recv_multipart()  # the one event it watches: connected
+            self._connecting.pop(0)
+            self._unwatch(push, monitor)
+
+    @staticmethod
+    def _unwatch(push: zmq.Socket, monitor: zmq.Socket) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            push.disable_monitor()
+        monitor.close(linger=0)
 
     def close(self, *, abandon: bool) -> None:
         """Close what is still open (each with its own linger) and end the context;
         ``abandon`` drops queued messages (a set-up that failed)."""
+        for push, monitor in self._connecting:  # a set-up that failed before they connected
+            self._unwatch(push, monitor)
+        self._connecting.clear()
         for sock in self.made:
             if not sock.closed:
                 sock.close()
