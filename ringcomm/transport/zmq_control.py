@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,12 +29,14 @@ from .link import ControlPlane, Link, Wait, remote_error
 _POLL_SLICE_MS = 1000
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
+WAKE_ENDPOINT = "inproc://ringcomm-wake"  # the control socket's own door, for ``wake``
 _CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
 
 
 class ZmqControl(ControlPlane):
-    """This rank's control socket (``socket``, bound by the transport) and push sockets to
-    the peers' control sockets, made on first use with ``connect``."""
+    """This rank's control socket (``socket``, bound by the transport for its peers, and
+    here to ``WAKE_ENDPOINT`` for ``wake``) and push sockets to the peers' control sockets,
+    made on first use with ``connect``."""
 
     def __init__(self, rank: int, socket: zmq.Socket, endpoints: dict[int, str],
                  connect: Callable[[str], zmq.Socket]) -> None:
@@ -42,6 +45,9 @@ class ZmqControl(ControlPlane):
         self.endpoints = endpoints  # peer -> its control socket's address
         self._connect = connect
         self._push: dict[int, zmq.Socket] = {}
+        socket.bind(WAKE_ENDPOINT)  # inproc: one per ZeroMQ context, so one per transport
+        self._wake: zmq.Socket | None = None  # used by whichever thread aborts, one at a time
+        self._wake_lock = threading.Lock()
 
     def _to(self, peer: int) -> zmq.Socket:
         sock = self._push.get(peer)
@@ -57,6 +63,12 @@ class ZmqControl(ControlPlane):
 
     def abort(self, peer: int, header: Header, text: bytes) -> None:
         self._to(peer).send_multipart((header.pack(), text))
+
+    def wake(self, header: Header, text: bytes) -> None:
+        with self._wake_lock:
+            if self._wake is None:
+                self._wake = self._connect(WAKE_ENDPOINT)
+            self._wake.send_multipart((header.pack(), text))
 
     def probe(self, peer: int, expected: Header, op: str) -> None:
         probe = Header.control(OpKind.PROBE, expected.seq, self.rank)
@@ -102,6 +114,9 @@ class ZmqControl(ControlPlane):
     def close(self) -> None:
         for sock in self._push.values():
             sock.close(linger=500)
+        with self._wake_lock:
+            if self._wake is not None:
+                self._wake.close(linger=0)
 
 
 class PolledLink(Link):
