@@ -12,6 +12,10 @@ files among them), and then ends the way SCENARIO says:
   a run of allreduces; the others fail with the error they get.
 - ``torch``: ``dist.init_process_group("ringcomm")``, a 4 MiB ``all_reduce`` (on the board)
   and a 4 MiB ``broadcast`` from every rank (over the rings), then a normal exit.
+- ``die``: world 3, a 4 MiB ring allreduce (over the shared-memory rings where the links
+  have them) and a barrier; then rank 1 SIGKILLs itself and the others call ``os._exit``:
+  no rank runs an exit hook, so whatever is left on the file system stays there. The link
+  kind comes from the environment the test sets (``RINGCOMM_SHM``, ``RINGCOMM_BOARD``).
 
 Imports only what the scenario needs, so a rank starts in a fraction of a second (torch's
 scenario excepted).
@@ -101,6 +105,20 @@ def scenario_kill(rank: int, world: int, port: int, victim: int = 1) -> None:
         print(json.dumps({"error": type(err).__name__}), flush=True)
         raise
     raise AssertionError(f"rank {victim} was killed but rank {rank} got no error")
+
+
+def scenario_die(rank: int, world: int, port: int) -> None:
+    comm = init(rank, world, port)
+    x = np.ones(MiB, np.float32)
+    comm.allreduce(x, algorithm="ring")
+    assert (x == world).all()
+    comm.barrier()  # every rank has read from its rings
+    kinds = sorted({link.kind for link in comm.transport.links if link is not None})
+    report(kinds=kinds, board=comm.transport.board is not None)
+    comm.barrier()  # every rank has looked at its files
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)
 
 
 def scenario_torch(rank: int, world: int, port: int) -> None:

@@ -1,6 +1,7 @@
 """No litter, even after a crash: programs that never call ``close()`` or
-``destroy_process_group()``, that end in an error, or whose rank is SIGKILLed leave no ipc
-folder in ``<tmp>/ringcomm-<uid>/`` and no shared-memory ring in /dev/shm.
+``destroy_process_group()``, that end in an error, or whose ranks are SIGKILLed or call
+``os._exit`` leave no ipc folder in ``<tmp>/ringcomm-<uid>/`` and no shared-memory ring in
+/dev/shm. Once set up, a running rank has nothing on the file system at all.
 
 The ranks are real programs (``tests/litter_rank.py``, one subprocess per rank) that end on
 their own. Every file of ringcomm's is named for the process that made it (its pid), so the
@@ -20,14 +21,17 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import pytest
 from mp_helpers import transport_pair
 
-import ringcomm
+from ringcomm import CommTimeout
 from ringcomm.bootstrap.store import StoreClient, StoreServer
 from ringcomm.transport import files, shm_ring
 from ringcomm.transport.files import ipc_base
 from ringcomm.transport.group import GroupTransport
+from ringcomm.transport.header import Header, OpKind
+from ringcomm.transport.kinds import Sockets
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -57,9 +61,10 @@ class Ranks:
     """``world`` processes running ``litter_rank.py SCENARIO``; ``wait`` collects each one's
     exit status, JSON lines and stderr (and kills them all if one outlives ``timeout``)."""
 
-    def __init__(self, scenario: str, world: int) -> None:
+    def __init__(self, scenario: str, world: int, **env_vars: str) -> None:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
+        env.update(env_vars)
         self.procs = [subprocess.Popen(
             [sys.executable, os.path.join(HERE, "litter_rank.py"), scenario, str(r),
              str(world), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -93,14 +98,41 @@ def _ok(results):
 
 @pytest.mark.timeout(60)
 def test_a_program_that_never_closes_leaves_nothing():
-    """Rings are unlinked as soon as their reader maps them (the run is still going), the
-    ipc folders when the program exits without close()."""
+    """Rings are unlinked as soon as their reader maps them and the ipc folders once set-up
+    is over: the run is still going, and nothing of it is on the file system."""
     ranks = Ranks("exit", 2)
     seen = _ok(ranks.wait(30))
     for rep in seen:
         assert rep["shm"] > 0, rep  # shared memory was used
-        assert [os.path.dirname(f) for f in rep["files"]] == [ipc_base()], rep  # no ring name
+        assert rep["files"] == [], rep  # no ring name, no ipc folder
     assert files_of(ranks.pids) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,env,links,board", [
+    ("pipes and shared memory", {"RINGCOMM_BOARD": "0"}, ["pipe"], False),
+    ("the board", {}, ["pipe"], True),
+    ("ipc sockets", {"RINGCOMM_SHM": "0"}, ["socket"], False),
+])
+def test_ranks_killed_or_exiting_without_exit_hooks_leave_nothing(tmp_path, kind, env, links,
+                                                                   board):
+    """Set up, a ring allreduce and a barrier, then rank 1 is SIGKILLed and ranks 0 and 2
+    call ``os._exit``: no exit hook, finalizer or sweep runs anywhere, and still nothing is
+    left in the ipc folders' base, in /dev/shm or in the ranks' temp dir (their own here,
+    so that it can be checked whole)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    ranks = Ranks("die", 3, TMPDIR=str(tmp), **env)
+    results = ranks.wait(30)
+    for r, (code, lines, err) in enumerate(results):
+        assert code == (-9 if r == 1 else 0) and lines, f"rank {r} ({code}):\n{err}"
+        rep = lines[0]
+        assert (rep["kinds"], rep["board"]) == (links, board), (kind, rep)
+        assert rep["files"] == [], rep  # while it runs
+    base = tmp / f"ringcomm-{os.getuid()}"
+    assert [p.name for p in tmp.iterdir()] == [base.name]
+    assert list(base.iterdir()) == []
+    assert files_of(ranks.pids) == []  # /dev/shm (the ipc folders' base is not ipc_base())
 
 
 @pytest.mark.timeout(60)
@@ -119,26 +151,22 @@ def test_a_program_that_ends_in_a_desync_error_leaves_nothing():
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_killed_mid_op_leaves_nothing_once_the_next_transport_starts():
+def test_a_rank_killed_mid_op_leaves_nothing():
     """Rank 1 is SIGKILLed in the middle of ring allreduces, with a 1 MiB message to rank 0
     that rank 0 never receives (its ring is never mapped). Once the survivors have failed and
-    exited, no ring of rank 1's is left (readers removed the names they mapped, and rank 0
-    the one it never read); its ipc folder goes when the next transport on the host starts."""
+    exited, nothing of rank 1's is left: readers removed the names of the rings they mapped,
+    rank 0 the one it never read, and its ipc folder went at the end of set-up."""
     ranks = Ranks("kill", 3)
     results = ranks.wait(40)
-    victim = ranks.pids[1]
     code, lines, err = results[1]
     assert code == -9, (code, err)
-    assert any(f.endswith("-1to0") for f in lines[0]["files"]), lines  # the unread ring
+    assert [os.path.basename(f).rsplit("-", 1)[1] for f in lines[0]["files"]] == ["1to0"], \
+        lines  # the unread ring, and no ipc folder
     for r in (0, 2):
         code, lines, err = results[r]
         assert code == 1 and len(lines) == 2, (r, code, err)
         assert lines[1]["error"] in ("PeerLostError", "RemoteError"), (r, lines, err)
-    assert [f for f in files_of([victim]) if f.startswith(shm_ring.SHM_DIR)] == []
-    assert files_of(ranks.pids[::2]) == []  # the survivors cleaned up after themselves
-    with ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", timeout=10):
-        pass
-    assert files_of([victim]) == []
+    assert files_of(ranks.pids) == []  # no sweep ran: the survivors removed the ring
 
 
 @pytest.mark.timeout(60)
@@ -146,7 +174,7 @@ def test_a_torch_program_without_destroy_process_group_leaves_nothing():
     ranks = Ranks("torch", 2)
     seen = _ok(ranks.wait(45))
     assert all(rep["shm"] > 0 for rep in seen), seen
-    assert all(rep["files"] for rep in seen), seen  # the ipc folders, while running
+    assert all(rep["files"] == [] for rep in seen), seen  # nothing while running
     assert files_of(ranks.pids) == []
 
 
@@ -154,16 +182,66 @@ def test_a_torch_program_without_destroy_process_group_leaves_nothing():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("shm", [True, False], ids=["pipes", "ipc-sockets"])
+def test_links_and_control_planes_work_on_once_their_names_are_gone(shm):
+    """The folders go at the end of set-up; the pipes, ipc sockets and control sockets in
+    them stay connected (each rank connected to its peers' control sockets before)."""
+    pair = transport_pair(shm=shm)
+    try:
+        assert [t.ipc_dir for t in pair if os.path.exists(t.ipc_dir)] == []
+        for me, peer in ((0, 1), (1, 0)):
+            notice = Header.control(OpKind.ABORT, 7, me)
+            pair[me].control.abort(peer, notice, b"test")
+            assert pair[peer].control.socket.poll(5000), f"rank {me}'s notice is lost"
+            assert Header.unpack(pair[peer].control.socket.recv()) == notice
+            assert pair[peer].control.socket.recv() == b"test"
+            x = np.arange(1 << 18, dtype=np.uint8)  # through the ring, where there is one
+            header = Header(0, x.nbytes, x.size, 1 << 20, me, 0, 0, OpKind.ALLREDUCE, 0, 0, 0)
+            pair[me].send(peer, header, x, "allreduce #0")
+            got = pair[peer].recv(me, header, time.monotonic() + 10, "allreduce #0")
+            assert np.array_equal(np.frombuffer(bytes(got), np.uint8), x)
+            pair[peer].release(me)
+    finally:
+        for t in pair:
+            t.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_ipc_socket_file_may_go_only_once_its_peer_has_connected(tmp_path):
+    """``check_handshakes`` returns only once every watched ipc push has shaken hands; then
+    the file's name may go, and the connection works on without it."""
+    sockets = Sockets(1)
+    try:
+        path = tmp_path / "socket"
+        sockets.push(f"ipc://{path}", peer=1)  # nobody listens there yet
+        with pytest.raises(CommTimeout, match="no handshake with rank"):
+            sockets.check_handshakes(time.monotonic() + 0.3)
+        pull = sockets.pull()
+        pull.bind(f"ipc://{path}")
+        push = sockets.push(f"ipc://{path}", peer=1)
+        sockets.check_handshakes(time.monotonic() + 10)
+        path.unlink()
+        push.send(b"after")
+        assert pull.poll(5000) and pull.recv() == b"after"
+    finally:
+        sockets.close(abandon=True)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_a_transport_that_is_garbage_collected_removes_its_files():
-    """Also shows that the finalizer does not keep the transport alive."""
+    """A ring its reader never mapped keeps its name until then. Also shows that the
+    finalizer does not keep the transport alive."""
     pair = transport_pair()
     dirs = [t.ipc_dir for t in pair]
-    assert all(d and os.path.isdir(d) for d in dirs), dirs
-    assert all(os.path.basename(d).startswith(f"{os.getpid()}-") for d in dirs), dirs
+    assert all(d and os.path.basename(d).startswith(f"{os.getpid()}-") for d in dirs), dirs
+    assert [d for d in dirs if os.path.exists(d)] == []  # gone once set up
+    assert pair[0].reserve(1, 1 << 20) is not None  # a ring to rank 1, never read
+    ring = next(p for p in pair[0].setup.files.shm_paths if p.endswith("-0to1"))
+    assert os.path.exists(ring), ring
     del pair
     gc.collect()
-    assert [d for d in dirs if os.path.exists(d)] == []
+    assert not os.path.exists(ring)
 
 
 @pytest.mark.timeout(30)

@@ -516,6 +516,19 @@ class Communicator:
         root): everything is closed all the same, then ``DesyncError`` says so."""
         self._close(check=True)
 
+    def abort(self, reason: str = "the program aborted this communicator") -> None:
+        """Give up on this communicator at once, from any thread, and release everything it
+        holds: the op in flight ends with ``CommAborted`` (``reason``), queued ones fail, every
+        peer hears that this rank failed (so they raise instead of waiting out their
+        timeout), then the worker thread stops and links, sockets, shared memory and files
+        are released as ``close`` releases them. Never raises; does nothing once closed.
+        What ``torch.distributed``'s abort of a ringcomm group calls; after a failure, a new
+        communicator (``ringcomm.init``) starts clean in the same process."""
+        if self._closed:
+            return
+        self._ops.abort(reason)
+        self._close(check=False)
+
     def _close(self, *, check: bool) -> None:
         with self._close_lock:
             if self._closed:

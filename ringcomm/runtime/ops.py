@@ -20,8 +20,10 @@ waiting out their timeout. A communicator that has failed stays failed (``CommAb
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,6 +72,24 @@ class CollectiveCall:
     recv_counts: tuple[int, ...] | None = None
 
 
+def drop_locals(err: BaseException) -> None:
+    """Clear the variables of ringcomm's own frames in ``err``'s traceback (and in those of
+    the errors it was raised from): the error keeps its message and where it was raised,
+    but no longer the memory its op was using (views of the shared board, buffers), which
+    would otherwise stay mapped for as long as the program keeps the error."""
+    seen: set[int] = set()
+    error: BaseException | None = err
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+                with contextlib.suppress(RuntimeError):  # a frame still running keeps them
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+
+
 @dataclass(frozen=True)
 class _BetweenOps:
     """Work for the worker between two ops (``OpRunner.between_ops``)."""
@@ -81,6 +101,8 @@ class _BetweenOps:
 # point-to-point op, or work between ops.
 Queued = tuple[CollectiveCall, int, str] | P2POp | _BetweenOps
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ABORT_WAIT_S = 5.0  # the most ``abort`` waits for ops to unwind before it lets go
 _ALONE = object()  # the plan of every allreduce in a group of one: nothing to exchange
 _NO_PLAN = object()  # a call the fast entry does not take (the general way runs it)
 
@@ -107,6 +129,7 @@ class OpRunner:
         self._seq = itertools.count()
         self._failure: CommError | None = None
         self.hang = HangReporter(self.rank, self.world_size, store)
+        self._peers_told = False  # this rank's failure went out to its peers
         self.closed = False
         self._queue: queue.SimpleQueue[tuple[Queued, concurrent.futures.Future[Any]] | None] \
             = queue.SimpleQueue()
@@ -261,6 +284,8 @@ class OpRunner:
             else:
                 entry = self._queue.get()
             if entry is None:
+                if self._failure is not None:  # nothing more will leave: fail them now
+                    p2p.fail_all(self._failure)
                 p2p.close()
                 return
             item, future = entry
@@ -301,11 +326,34 @@ class OpRunner:
         return future.result()
 
     def stop(self) -> None:
-        """Finish what is queued, then stop the worker (from any thread but the worker)."""
+        """Finish what is queued, then stop the worker (from any thread but the worker), and
+        let go of the memory kept for later ops."""
         self.closed = True
         self._queue.put(None)
         if threading.current_thread() is not self._worker:
             self._worker.join()
+        self.scratch = Scratch()
+        self._plans.clear()
+        if self._failure is not None:
+            drop_locals(self._failure)
+
+    def abort(self, reason: str) -> None:
+        """Give up now (``Communicator.abort``): no op starts from here on, the op in flight,
+        if any, ends with ``CommAborted`` at once whichever thread runs it (and tells the
+        peers as it fails), queued ones fail, and the peers hear that this rank failed.
+        Returns once nothing runs here any more (``stop`` then finds the worker idle)."""
+        self.closed = True
+        if self._failure is None:
+            if not self.idle:
+                self.transport.wake(reason)
+            self._failure = CommAborted(reason, rank=self.rank)
+        give_up = time.monotonic() + _ABORT_WAIT_S
+        while self._outstanding and time.monotonic() < give_up:
+            time.sleep(0.005)  # the op in flight unwinds, queued ones fail, within ms
+        if not self._peers_told:
+            self._peers_told = True
+            with contextlib.suppress(Exception):  # best effort: peers may be gone already
+                self.transport.abort(-1, f"CommAborted: {reason}")
 
     # ------------------------------------------------------------------ running
     def _fail(self, err: CommError, seq: int) -> None:
@@ -313,6 +361,7 @@ class OpRunner:
         if it was a timeout (here or on the peer that told us), leave the hang report."""
         self._failure = err
         if not isinstance(err, RemoteError):
+            self._peers_told = True
             self.transport.abort(seq, f"{type(err).__name__}: {err}")
         self.hang.on_failure(err)
 

@@ -81,10 +81,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
     # -- lifecycle
     def shutdown(self) -> None:
         """Called by ``destroy_process_group``: stop the worker, close sockets and files."""
+        self._views = HostViews()  # a program that keeps the group (a DDP model) keeps no view
         self.comm.close()
 
     def abort(self) -> None:
-        self.comm.close()
+        """Called by ``torch.distributed.distributed_c10d._abort_process_group``: end what is
+        in flight, tell the peers, release everything (``Communicator.abort``); never
+        raises."""
+        self._views = HostViews()
+        self.comm.abort("torch.distributed aborted the process group")
 
     def _start(self, opts: Any, method: Callable[..., Any], *args: Any,
                **kwargs: Any) -> CommWork:

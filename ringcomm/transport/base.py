@@ -184,6 +184,13 @@ class Transport:
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("SIGKILL returned")  # never reached
 
+    def wake(self, text: str) -> None:
+        """End the op this rank has in flight, whichever thread runs it, with
+        ``CommAborted(text)``, as a peer's abort would end it (``OpRunner.abort``)."""
+        body = text.encode()[:4096]
+        self.control.wake(Header.control(OpKind.ABORT, 0, self.rank)._replace(nbytes=len(body)),
+                          body)
+
     def leftover(self) -> Header | None:
         """The header of a collective message that has arrived and that no op of this rank
         took, if there is one: at close, proof that the ranks disagreed about an op (a rank

@@ -1,13 +1,20 @@
 """No litter, even after a crash: what a transport leaves on the file system, and the sweep.
 
 A transport's files are its ipc folder (``<tmp>/ringcomm-<uid>/<pid>-<pid namespace>-<random>``:
-the ipc sockets and, briefly, the named pipes; both folders 0700 and every file in them
-0600, so no other user can open, connect to or swap them) and the names of its shared-memory rings
-(``shm_ring``; each reader removes the name as soon as it has mapped the ring). ``close``
-removes them; so does a finalizer when the transport is garbage-collected or still open at
+its named pipes, doorbells and ipc sockets; the folders 0700 and every file in them 0600, so
+no other user can open, connect to or swap them) and the names of its shared-memory rings
+(``shm_ring``). Each name is needed only until the other end has opened it: the folder goes
+as soon as every peer of the host has (``settled``, at the end of set-up), and a ring's name
+as soon as its reader has mapped it; open pipes, mapped memory and connected ipc sockets
+work on without their names. So from then on a rank that dies, by SIGKILL or ``os._exit``
+too, leaves nothing but the name of a ring it had just created and its reader had not yet
+mapped.
+
+What is still there when the transport ends (a set-up that failed, a ring never read) goes at
+``close``, or from a finalizer when the transport is garbage-collected or still open at
 interpreter exit (a program that never calls ``close`` or ``destroy_process_group``, or ends
-in an exception). A process that dies without running Python's exit hooks (SIGKILL, a
-SIGTERM that Python does not handle) cannot: the next transport set up on the host
+in an exception). A process that dies without running Python's exit hooks before that point
+(during set-up, say) cannot remove it: the next transport set up on the host
 (``sweep_litter``) removes the files whose owner pid, which their names carry, has ended.
 """
 
@@ -108,8 +115,8 @@ def sweep_litter() -> list[str]:
 
 
 class TransportFiles:
-    """What a transport has on the file system: its ipc folder and the names of the rings
-    to and from its local peers. ``remove`` runs from ``close``, or from a
+    """What a transport has on the file system: its ipc folder (until ``settled``) and the
+    names of the rings to and from its local peers. ``remove`` runs from ``close``, or from a
     ``weakref.finalize`` when the transport is garbage-collected or still open at interpreter
     exit (the finalizer's ``atexit``), whichever comes first, and only once. It holds no
     reference to the transport, so the finalizer does not keep the transport alive; it only
@@ -119,6 +126,12 @@ class TransportFiles:
         self.pid = os.getpid()
         self.ipc_dir: str | None = None
         self.shm_paths: list[str] = []
+
+    def settled(self) -> None:
+        """Every peer has opened what is in the ipc folder: remove it now (what is open
+        stays usable), so that not even a SIGKILL leaves it behind."""
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def remove(self) -> None:
         if os.getpid() != self.pid:  # a forked child exiting: the files are its parent's

@@ -18,7 +18,8 @@ Why this shape:
 - Where every rank of the group shares this host and offers shared memory, the group also
   gets a shared board (``board_setup``), a channel of its own beside the links (``board``).
 
-Nothing is left behind, even after a crash (``files``).
+Nothing is left behind, even after a crash (``files``): once every pair is connected, the
+names that set-up needed (pipes, doorbells, ipc sockets) are removed (``_settle``).
 """
 
 from __future__ import annotations
@@ -194,6 +195,24 @@ class GroupTransport(Transport):
         local = [link for link in by_kind.get("local", {}).values()
                  if isinstance(link, LocalLink)]
         self.board = self._board_setup.connect(records, self, local)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Remove this rank's folder once every peer of its host has opened what is in it
+        (pipes, doorbells, ipc sockets: a pipe's or a doorbell's open ends, like a connected
+        ipc socket, work on without their names), so that a rank that dies from here on,
+        even by SIGKILL or ``os._exit``, leaves nothing behind. Peers that reach this rank
+        by ipc (every one on its host but with ``RINGCOMM_TRANSPORT=tcp``) are exactly those
+        that open its files; each says in the store when its connections are made."""
+        setup = self.setup
+        users = [peer for peer in setup.peers if setup.by_ipc(peer)]
+        if not users:
+            return
+        self.control.connect([p for p in users if self.control.endpoints[p].startswith("ipc")])
+        self._sockets.check_handshakes(time.monotonic() + setup.timeout, self._refused_by)
+        setup.store.set(setup.key("settled", setup.rank), b"1")
+        setup.store.wait([setup.key("settled", peer) for peer in users], setup.timeout)
+        setup.files.settled()
 
     def _refused_by(self, peers: list[int]) -> None:
         """Raise ``AuthError`` if one of ``peers`` gave up on this group's handshakes (its

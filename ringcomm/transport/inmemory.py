@@ -128,6 +128,9 @@ class _InMemoryControl(ControlPlane):
     def abort(self, peer: int, header: Header, text: bytes) -> None:
         self._net.mailboxes[peer].deliver(header.sender, header, text, abort=True)
 
+    def wake(self, header: Header, text: bytes) -> None:
+        self.abort(header.sender, header, text)
+
 
 class InMemoryTransport(Transport):
     """Rank ``rank``'s links in ``network``, and its view of the network's board if it has

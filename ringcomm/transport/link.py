@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import CommTimeout, RemoteError
+from ..errors import CommAborted, CommError, CommTimeout, RemoteError
 from .header import Header
 
 
@@ -51,9 +51,12 @@ class SendHandle(Protocol):
     def wait(self, timeout: float) -> bool: ...
 
 
-def remote_error(header: Header, payload: Any, rank: int, op: str) -> RemoteError:
-    """The error an abort notice from ``header.sender`` becomes on this rank."""
+def remote_error(header: Header, payload: Any, rank: int, op: str) -> CommError:
+    """The error an abort notice from ``header.sender`` becomes on this rank: this rank's own
+    (``ControlPlane.wake``) ends its op with ``CommAborted``."""
     text = bytes(payload).decode(errors="replace")
+    if header.sender == rank:
+        return CommAborted(text, rank=rank, op=op)
     return RemoteError(f"rank {header.sender} failed and aborted the group: {text}",
                        rank=rank, op=op, peer=header.sender)
 
@@ -158,6 +161,12 @@ class ControlPlane(abc.ABC):
     @abc.abstractmethod
     def abort(self, peer: int, header: Header, text: bytes) -> None:
         """Tell ``peer`` that this rank failed (``header`` is an ABORT control header)."""
+
+    @abc.abstractmethod
+    def wake(self, header: Header, text: bytes) -> None:
+        """End this rank's own wait, whichever thread waits, as an abort from a peer would
+        (``header`` is an ABORT control header naming this rank): for ``abort`` called while
+        an op is in flight. Safe to call from any thread."""
 
     def probe(self, peer: int, expected: Header, op: str) -> None:  # noqa: B027 - optional hook
         """Tell ``peer`` which op this rank has been waiting in, and what it expects of it,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Container
 
@@ -34,6 +35,7 @@ MAX_NOTICE_BYTES = 64 * 1024  # the most one frame to the control socket may hol
 _POLL_SLICE_MS = 1000
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
+WAKE_ENDPOINT = "inproc://ringcomm-wake"  # the control socket's own door, for ``wake``
 _CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
 
 
@@ -71,25 +73,41 @@ def decode_notice(frames: list[bytes], rank: int,
 
 
 class ZmqControl(ControlPlane):
-    """This rank's control socket (``socket``, bound by the transport) and push sockets to
-    the peers' control sockets, made on first use with ``connect``."""
+    """This rank's control socket (``socket``, bound by the transport for its peers, and
+    here to ``WAKE_ENDPOINT`` for ``wake``) and push sockets to the peers' control sockets,
+    made on first use with ``connect``."""
 
     def __init__(self, rank: int, socket: zmq.Socket, endpoints: dict[int, str],
-                 connect: Callable[[str], zmq.Socket]) -> None:
+                 connect: Callable[..., zmq.Socket]) -> None:
         self.rank = rank
         self.socket = socket
         self.endpoints = endpoints  # peer -> its control socket's address
         self._connect = connect
         self._push: dict[int, zmq.Socket] = {}
+        socket.bind(WAKE_ENDPOINT)  # inproc: one per ZeroMQ context, so one per transport
+        self._wake: zmq.Socket | None = None  # used by whichever thread aborts, one at a time
+        self._wake_lock = threading.Lock()
 
     def _to(self, peer: int) -> zmq.Socket:
         sock = self._push.get(peer)
         if sock is None:
-            sock = self._push[peer] = self._connect(self.endpoints[peer])
+            sock = self._push[peer] = self._connect(self.endpoints[peer], peer=peer)
         return sock
+
+    def connect(self, peers: list[int]) -> None:
+        """Connect to ``peers``' control sockets now rather than on first use: those
+        reached by ``ipc://``, whose socket files go once the group is set up."""
+        for peer in peers:
+            self._to(peer)
 
     def abort(self, peer: int, header: Header, text: bytes) -> None:
         self._to(peer).send_multipart((header.pack(), text))
+
+    def wake(self, header: Header, text: bytes) -> None:
+        with self._wake_lock:
+            if self._wake is None:
+                self._wake = self._connect(WAKE_ENDPOINT)
+            self._wake.send_multipart((header.pack(), text))
 
     def probe(self, peer: int, expected: Header, op: str) -> None:
         probe = Header.control(OpKind.PROBE, expected.seq, self.rank)
@@ -139,6 +157,9 @@ class ZmqControl(ControlPlane):
     def close(self) -> None:
         for sock in self._push.values():
             sock.close(linger=500)
+        with self._wake_lock:
+            if self._wake is not None:
+                self._wake.close(linger=0)
 
 
 class PolledLink(Link):

@@ -53,8 +53,9 @@ class Sockets:
     With ``keys`` (``RINGCOMM_AUTH_TOKEN``), a socket made ``secure`` speaks CURVE: a pull
     socket is a server that only the token's clients may reach (the context's ``Gatekeeper``
     checks them), a push socket a client holding the token's keys. A push socket made for a
-    ``peer``'s link reports its handshake, so that ``check_handshakes`` can tell at set-up
-    that the peer refused this rank."""
+    ``peer`` (its link, or its control socket) reports its handshake, so that
+    ``check_handshakes`` can tell at set-up that the peer refused this rank, and that an
+    ``ipc://`` socket file's name may go (the connection outlives it)."""
 
     def __init__(self, io_threads: int, keys: auth.Keys | None = None, rank: int = 0) -> None:
         self.ctx = zmq.Context(io_threads=io_threads)
@@ -83,7 +84,7 @@ class Sockets:
         push.copy_threshold = 0  # track every copy=False frame
         if secure and self.keys is not None:
             self.keys.dial(push)
-        if peer is not None:  # watched: a link to ``peer``
+        if peer is not None:  # watched: a link or control push to ``peer``
             self.watched.append((push, push.get_monitor_socket(auth.HANDSHAKE_EVENTS), peer))
         push.connect(endpoint)
         return push
