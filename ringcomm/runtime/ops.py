@@ -86,6 +86,9 @@ def drop_locals(err: BaseException) -> None:
             if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
                 with contextlib.suppress(RuntimeError):  # a frame still running keeps them
                     tb.tb_frame.clear()
+                    # a snapshot of the locals taken earlier (the hang report reads a step
+                    # from one) outlives ``clear``: reading it again drops what is gone
+                    tb.tb_frame.f_locals  # noqa: B018
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
 

@@ -43,7 +43,7 @@ def decode_notice(frames: list[bytes], rank: int,
                   peers: Container[int]) -> tuple[Header, bytes, Header | None]:
     """A control-plane message to ``rank``: an abort or a probe from one of its ``peers``,
     as ``(header, payload, probed)`` where ``probed`` is the header a probe expects (None
-    for an abort). Anything else (another number of frames, a header that does not decode,
+    for an abort; an abort from ``rank`` itself is its ``wake``). Anything else (another number of frames, a header that does not decode,
     another kind, an unknown sender, a payload over its bound) is a ``ValueError`` saying
     what was wrong."""
     if len(frames) != 2:
@@ -57,7 +57,8 @@ def decode_notice(frames: list[bytes], rank: int,
         raise ValueError(err.detail) from None
     if header.kind not in (OpKind.ABORT, OpKind.PROBE):
         raise ValueError(f"kind {header.kind} (a notice is an abort or a probe)")
-    if header.sender == rank or header.sender not in peers:
+    if header.sender not in peers and not (header.sender == rank
+                                           and header.kind == OpKind.ABORT):  # its own wake
         raise ValueError(f"sender {header.sender}, which is not a peer of rank {rank}")
     if header.kind == OpKind.ABORT:
         if len(payload) > MAX_ABORT_BYTES:
