@@ -326,22 +326,43 @@ def test_a_store_listens_on_loopback_unless_told_otherwise():
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 def test_same_host_folders_are_0700_and_their_files_0600():
-    group = _group(2, ["h", "h"], HOST, mode="ipc")
-    try:
-        base = files.ipc_base()
+    """Seen while rank 0 waits in its set-up for rank 1 (the folder goes once both have
+    opened what is in it)."""
+    base = files.ipc_base()
+    ours = f"{os.getpid()}-"
+    before = {n for n in os.listdir(base) if n.startswith(ours)}
+    made: list = [None, None]
+    with StoreServer(HOST, 0, auth_token="") as server:
+        def make(rank: int) -> None:
+            with StoreClient(server.address, timeout=20, auth_token="") as client:
+                made[rank] = GroupTransport(rank, 2, client, hosts=["h", "h"], host=HOST,
+                                            mode="ipc", timeout=20, auth_token="")
+        first = threading.Thread(target=make, args=(0,))
+        first.start()
+        deadline = time.monotonic() + 20
+        folder = None
+        while folder is None or not os.listdir(folder):  # its control socket, bound
+            assert time.monotonic() < deadline, "rank 0 made no folder"
+            time.sleep(0.01)
+            new = [n for n in os.listdir(base) if n.startswith(ours) and n not in before]
+            folder = os.path.join(base, new[0]) if new else None
         assert stat.S_IMODE(os.lstat(base).st_mode) == 0o700
-        folders = [t.ipc_dir for t in group]
-        for folder in folders:
-            assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
-            entries = list(os.scandir(folder))
-            assert entries, folder  # its ipc sockets
-            for entry in entries:
-                info = entry.stat(follow_symlinks=False)
-                assert stat.S_IMODE(info.st_mode) == 0o600, (entry.path, oct(info.st_mode))
-                assert info.st_uid == os.getuid()
+        assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+        for entry in os.scandir(folder):
+            info = entry.stat(follow_symlinks=False)
+            assert stat.S_IMODE(info.st_mode) == 0o600, (entry.path, oct(info.st_mode))
+            assert info.st_uid == os.getuid()
+        second = threading.Thread(target=make, args=(1,))
+        second.start()
+        for t in (first, second):
+            t.join(30)
+    try:
+        assert all(made), made
+        assert not os.path.exists(folder)  # gone once both are set up
     finally:
-        for t in group:
-            t.close()
+        for t in made:
+            if t is not None:
+                t.close()
 
 
 def test_a_folder_of_another_user_or_a_link_is_refused(tmp_path):

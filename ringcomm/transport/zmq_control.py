@@ -43,9 +43,9 @@ def decode_notice(frames: list[bytes], rank: int,
                   peers: Container[int]) -> tuple[Header, bytes, Header | None]:
     """A control-plane message to ``rank``: an abort or a probe from one of its ``peers``,
     as ``(header, payload, probed)`` where ``probed`` is the header a probe expects (None
-    for an abort; an abort from ``rank`` itself is its ``wake``). Anything else (another number of frames, a header that does not decode,
-    another kind, an unknown sender, a payload over its bound) is a ``ValueError`` saying
-    what was wrong."""
+    for an abort; an abort from ``rank`` itself is its ``wake``). Anything else (another
+    number of frames, a header that does not decode, another kind, an unknown sender, a
+    payload over its bound) is a ``ValueError`` saying what was wrong."""
     if len(frames) != 2:
         raise ValueError(f"{len(frames)} frames (a notice has 2)")
     raw, payload = frames
