@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
                    "allreduce_now",  # allreduce's short way, not a collective of its own
                    "choose", "describe", "wrapped", "tracing", "keep_timeline",
-                   "start_faults"}
+                   "start_faults", "abort"}
 
 
 def test_the_table_and_the_communicator_name_the_same_collectives():
