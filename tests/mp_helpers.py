@@ -35,6 +35,8 @@ import torch
 
 import ringcomm
 from ringcomm import ArgumentError, CommError
+from ringcomm.transport import shm_ring
+from ringcomm.transport.files import ipc_base
 
 MiB = 1 << 20
 BIG = 5 * MiB // 4  # elements: a 5 MiB float32 message, several 1 MiB segments
@@ -46,6 +48,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def files_of(pids) -> list[str]:
+    """ringcomm's files named for any of ``pids``: ipc folders and shared-memory rings."""
+    found = []
+    for folder, prefix in ((ipc_base(), "{}-"), (shm_ring.SHM_DIR, "ringcomm-{}-")):
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        found += [os.path.join(folder, n) for n in names
+                  if any(n.startswith(prefix.format(pid)) for pid in pids)]
+    return sorted(found)
 
 
 def transport_pair(mode: str = "ipc", shm: bool = True,

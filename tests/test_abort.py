@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from mp_helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RELEASED = {"threads": [], "zmq_threads": [], "ringcomm_fds": [], "maps": [], "files": []}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(scenario: str, world: int, timeout: float) -> list[tuple[int, dict | None, str]]:

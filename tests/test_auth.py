@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from mp_helpers import free_port
 from zmq.utils.monitor import parse_monitor_message
 
 from ringcomm import ArgumentError, AuthError
@@ -31,12 +32,6 @@ HOST = "127.0.0.1"
 RANK_SCRIPT = str(Path(__file__).with_name("auth_rank.py"))
 TOKEN = "correct horse battery staple, 0f3c9a"
 QUICK_S = 5.0  # a refusal must come this fast, with a 60 s timeout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(world: int, store: str, tokens: list[str | None], *, plain_store: bool = False,

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from mp_helpers import files_of
 
 from ringcomm.transport import shm_ring
-from ringcomm.transport.files import ipc_base
 
 torch = pytest.importorskip("torch")
 
@@ -52,18 +52,6 @@ def train(folder: Path, *fault: str) -> subprocess.CompletedProcess:
 def worker_pids(folder: Path) -> dict[str, int]:
     """``attempt-rank`` -> the pid of that worker, as the example wrote it."""
     return {p.name[len("pid-"):]: int(p.read_text()) for p in folder.glob("pid-*")}
-
-
-def files_of(pids) -> list[str]:
-    found = []
-    for folder, prefix in ((ipc_base(), "{}-"), (shm_ring.SHM_DIR, "ringcomm-{}-")):
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            continue
-        found += [os.path.join(folder, n) for n in names
-                  if any(n.startswith(prefix.format(pid)) for pid in pids)]
-    return sorted(found)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mp_helpers import free_port
 
 from ringcomm import CommTimeout, RemoteError
 from ringcomm.engines.progress import OpProgress, in_order, over_links
@@ -212,12 +212,6 @@ def test_a_state_survives_the_store():
 
 
 # --------------------------------------------------------------------------- real processes
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_ranks(tmp_path: Path, scenario: str, algorithm: str = "auto", timeout: float = 1.0,
               world: int = 3, port: int | None = None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,11 @@ import uuid
 
 import numpy as np
 import pytest
-from mp_helpers import transport_pair
+from mp_helpers import files_of, free_port, transport_pair
 
 from ringcomm import CommTimeout
 from ringcomm.bootstrap.store import StoreClient, StoreServer
 from ringcomm.transport import files, shm_ring
-from ringcomm.transport.files import ipc_base
 from ringcomm.transport.group import GroupTransport
 from ringcomm.transport.header import Header, OpKind
 from ringcomm.transport.kinds import Sockets
@@ -36,25 +34,6 @@ from ringcomm.transport.kinds import Sockets
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def files_of(pids) -> list[str]:
-    """ringcomm's files named for any of ``pids``: ipc folders and shared-memory rings."""
-    found = []
-    for folder, prefix in ((ipc_base(), "{}-"), (shm_ring.SHM_DIR, "ringcomm-{}-")):
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            continue
-        found += [os.path.join(folder, n) for n in names
-                  if any(n.startswith(prefix.format(pid)) for pid in pids)]
-    return sorted(found)
 
 
 class Ranks:

@@ -310,6 +310,7 @@ class OpRunner:
                 try:
                     future.set_result(self._run(*item))
                 except BaseException as err:  # noqa: BLE001 - delivered via the future
+                    drop_locals(err)  # the caller may keep it; the op's memory it may not
                     future.set_exception(err)
                     if self._failure is not None:
                         p2p.fail_all(self._failure)
