@@ -116,6 +116,20 @@ def scenario_die(rank: int, world: int, port: int) -> None:
     kinds = sorted({link.kind for link in comm.transport.links if link is not None})
     report(kinds=kinds, board=comm.transport.board is not None)
     comm.barrier()  # every rank has looked at its files
+    # no rank may die before every rank has received all it will: ``os._exit`` drops what
+    # ZeroMQ has queued and not yet written. A rank says it has through the store (whose
+    # requests are answered), and waits until every rank has; rank 0 serves the store, so a
+    # rank that asks after it died gets an error instead, and dies all the same.
+    from ringcomm.bootstrap.store import StoreClient
+    from ringcomm.errors import StoreError
+
+    try:
+        with StoreClient(f"127.0.0.1:{port}", timeout=20) as store:
+            store.set(f"litter/done/{rank}", b"1")
+            store.wait([f"litter/done/{r}" for r in range(world)])
+    except StoreError:
+        if rank == 0:
+            raise
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(0)
