@@ -1,7 +1,8 @@
 # Two front-door commands; each sets itself up on a fresh clone.
 #   make demo   several ranks on localhost under torchrun: a checked allreduce and its bandwidth
 #   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
-#   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts)
+#   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts,
+#   the fault matrix; make soak runs 300 seeded random faults)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
