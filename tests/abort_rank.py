@@ -8,6 +8,8 @@ after giving it up, and after the second group closed.
   and, while it waits for rank 2 (which sleeps), calls ``comm.abort()`` from the main
   thread; rank 1 waits in the same allreduce; rank 2 joins it late. Every rank then aborts
   (a second abort does nothing), and the three start a new group that must work.
+- ``idle``: world 3 on one host; rank 0 aborts between ops, while ranks 1 and 2 wait in
+  their next allreduce, which must end with rank 0's reason, not a lost peer or a timeout.
 - ``torch``: world 3 through ``torch.distributed``; rank 2 is SIGKILLed in the middle of a
   run of ``all_reduce``s; rank 0 gives up with torch's ``_abort_process_group``, rank 1 with
   ``destroy_process_group``; the two then make a group of two that must work.
@@ -109,6 +111,22 @@ def scenario_abort(rank: int, world: int, port: int, port2: int) -> dict:
         out["second"] = float(y[0])
     out["held_before"] = before
     out["held_at_end"] = held()
+    return out
+
+
+def scenario_idle(rank: int, world: int, port: int, port2: int) -> dict:
+    import ringcomm
+
+    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=20)
+    x = np.ones(1024, np.float32)
+    comm.allreduce(x)
+    comm.barrier()
+    out: dict = {"board": comm.transport.board is not None}
+    if rank == 0:
+        comm.abort("given up between ops")  # nothing in flight: the peers are told all the same
+    else:
+        out["err"] = failure(lambda: comm.allreduce(x))
+        comm.close()
     return out
 
 

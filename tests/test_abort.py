@@ -82,6 +82,18 @@ def test_abort_ends_the_op_in_flight_tells_the_peers_and_releases_everything():
         assert rep["second"] == 0 + 1 + 2, rep  # the new group works
 
 
+@pytest.mark.timeout(60)
+def test_an_abort_between_ops_tells_the_peers_waiting_in_their_next_op():
+    results = run_ranks("idle", 3, 45)
+    for r, (code, rep, err) in enumerate(results):
+        assert code == 0 and rep is not None, f"rank {r} ({code}):\n{err}"
+        assert rep["board"], rep
+        if r:
+            got = rep["err"]
+            assert got is not None and got["type"] == "RemoteError", (r, got)
+            assert "given up between ops" in got["msg"] and got["s"] < 2.0, (r, got)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torch_abort_and_destroy_of_a_failed_group_release_everything():

@@ -133,6 +133,7 @@ class OpRunner:
         self._failure: CommError | None = None
         self.hang = HangReporter(self.rank, self.world_size, store)
         self._peers_told = False  # this rank's failure went out to its peers
+        self._tell_lock = threading.Lock()
         self.closed = False
         self._queue: queue.SimpleQueue[tuple[Queued, concurrent.futures.Future[Any]] | None] \
             = queue.SimpleQueue()
@@ -352,12 +353,20 @@ class OpRunner:
                 self.transport.wake(reason)
             self._failure = CommAborted(reason, rank=self.rank)
         give_up = time.monotonic() + _ABORT_WAIT_S
-        while self._outstanding and time.monotonic() < give_up:
+        while not self.idle and time.monotonic() < give_up:
             time.sleep(0.005)  # the op in flight unwinds, queued ones fail, within ms
-        if not self._peers_told:
+        with contextlib.suppress(Exception):  # best effort: peers may be gone already
+            self._tell_peers(0, f"CommAborted: {reason}")
+
+    def _tell_peers(self, seq: int, text: str) -> None:
+        """Tell every peer that this rank failed, once, from whichever thread fails first
+        (the worker's op, or ``abort`` on the caller's thread): one thread at a time on the
+        control plane's sockets."""
+        with self._tell_lock:
+            if self._peers_told:
+                return
             self._peers_told = True
-            with contextlib.suppress(Exception):  # best effort: peers may be gone already
-                self.transport.abort(-1, f"CommAborted: {reason}")
+            self.transport.abort(seq, text)
 
     # ------------------------------------------------------------------ running
     def _fail(self, err: CommError, seq: int) -> None:
@@ -365,8 +374,7 @@ class OpRunner:
         if it was a timeout (here or on the peer that told us), leave the hang report."""
         self._failure = err
         if not isinstance(err, RemoteError):
-            self._peers_told = True
-            self.transport.abort(seq, f"{type(err).__name__}: {err}")
+            self._tell_peers(seq, f"{type(err).__name__}: {err}")
         self.hang.on_failure(err)
 
     def _segment(self, data: Buffer) -> int:
