@@ -110,6 +110,25 @@ def test_keys_come_from_the_token_alone_and_differ_between_tokens():
 # --------------------------------------------------------------------------- the store
 
 
+@pytest.mark.timeout(30)
+def test_a_curve_server_whose_gatekeeper_is_gone_refuses_even_the_right_key():
+    """Fail closed: with no ZAP handler in its context, a server admits nobody (libzmq's
+    default would admit any client that knows the server's public key)."""
+    keys = auth.keys_for(TOKEN)
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        keys.serve(pull)
+        port = pull.bind_to_random_port(f"tcp://{HOST}")
+        push = ctx.socket(zmq.PUSH)
+        keys.dial(push)
+        push.connect(f"tcp://{HOST}:{port}")
+        push.send(b"let me in")
+        assert not pull.poll(1000)
+    finally:
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("client_token", ["wrong token", ""], ids=["wrong", "missing"])
 def test_store_refuses_a_client_without_its_token_quickly_and_stores_nothing(

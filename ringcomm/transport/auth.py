@@ -36,6 +36,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP han
 ZAP_VERSION = b"1.0"
 DOMAIN = "ringcomm"
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "salt": b"ringcomm CURVE keys v1"}
+_LOGGED_REFUSALS = 10  # refused connections logged one by one; then one line a hundred
+_REFUSALS_PER_LINE = 100
 
 # What a socket monitor reports about a handshake (libzmq 4.3 and later).
 HANDSHAKE_SUCCEEDED = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -59,6 +61,7 @@ class Keys:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.server_public)
         sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse, never admit
 
     def dial(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (before it connects) a CURVE client holding the token's keys."""
@@ -129,7 +132,10 @@ class Gatekeeper:
                 if stop in events:
                     return
                 if rep in events:
-                    rep.send_multipart(self.answer(rep.recv_multipart()))
+                    try:
+                        rep.send_multipart(self.answer(rep.recv_multipart()))
+                    except zmq.ZMQError as err:  # one request failed; the next is answered
+                        log.warning("%s could not answer a ZAP request: %s", self._what, err)
         finally:
             rep.close()
             stop.close()
@@ -156,8 +162,11 @@ class Gatekeeper:
 
     def _refuse(self, peer: str, reason: str) -> None:
         self.refused += 1
-        log.warning("%s refused a connection from %s: %s (it does not hold this "
-                    "RINGCOMM_AUTH_TOKEN)", self._what, peer, reason)
+        if self.refused <= _LOGGED_REFUSALS or self.refused % _REFUSALS_PER_LINE == 0:
+            # a stranger knocking in a loop must not fill the log: the first few, then a count
+            log.warning("%s refused a connection from %s: %s (it does not hold this "
+                        "RINGCOMM_AUTH_TOKEN; %d refused so far)", self._what, peer, reason,
+                        self.refused)
 
     def close(self) -> None:
         if not self._thread.is_alive():
