@@ -42,6 +42,7 @@ from ..errors import CommError, CommTimeout, RemoteError
 log = logging.getLogger("ringcomm")
 
 GATHER_S = 1.0  # the most rank 0 waits for the other ranks' states
+SETTLE_S = 2.0  # the most a closing communicator waits for a report still at the store
 QUIET_S = 0.5  # rank 0 stops sooner once no new state has come for this long
 PUBLISH_S = 0.5  # the most another rank spends handing its state to the store
 POLL_S = 0.02  # how often rank 0 looks for states still missing
@@ -322,6 +323,14 @@ class HangReporter:
         self.world_size = world_size
         self.store = store
         self._reported = False  # a communicator fails once; so does its report
+        self._thread: threading.Thread | None = None  # the one that talks to the store
+
+    def settle(self, timeout: float = SETTLE_S) -> None:
+        """Wait (at most ``timeout``) for the report's talk with the store to end, before
+        the store is closed: a store client's sockets may not be closed while another
+        thread still waits on one."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def on_failure(self, err: CommError) -> None:
         """If ``err`` ends an op because of a timeout: log this rank's state, hand it to the
@@ -343,7 +352,8 @@ class HangReporter:
             return HangReport(self.rank, self.world_size, states, text=mine.describe())
         gather = self.rank == 0
         started = time.monotonic()
-        found, note = _exchange(self.store, self.rank, self.world_size, mine.to_json(), gather)
+        found, note, self._thread = _exchange(self.store, self.rank, self.world_size,
+                                              mine.to_json(), gather)
         if not gather:
             if note:
                 log.warning("rank %d: the hang report did not reach rank 0: %s", self.rank,
@@ -368,7 +378,7 @@ class HangReporter:
 
 
 def _exchange(store: ReportStore, rank: int, world_size: int, mine: str,
-              gather: bool) -> tuple[dict[int, bytes], str]:
+              gather: bool) -> tuple[dict[int, bytes], str, threading.Thread]:
     """Put this rank's state in the store and, if ``gather``, collect the others' states
     until all have come, ``GATHER_S`` has passed, or none has come for ``QUIET_S``. On a
     thread of its own, which is left behind when its time is up (a store that does not
@@ -410,5 +420,5 @@ def _exchange(store: ReportStore, rank: int, world_size: int, mine: str,
     with lock:
         if not in_time:
             note.append("the store did not answer in time")
-        return dict(found), "; ".join(note)
+        return dict(found), "; ".join(note), thread
 

@@ -341,6 +341,7 @@ class OpRunner:
         self._plans.clear()
         if self._failure is not None:
             drop_locals(self._failure)
+            self.hang.settle()  # before the group's store is closed
 
     def abort(self, reason: str) -> None:
         """Give up now (``Communicator.abort``): no op starts from here on, the op in flight,
@@ -348,10 +349,11 @@ class OpRunner:
         peers as it fails), queued ones fail, and the peers hear that this rank failed.
         Returns once nothing runs here any more (``stop`` then finds the worker idle)."""
         self.closed = True
-        if self._failure is None:
-            if not self.idle:
-                self.transport.wake(reason)
-            self._failure = CommAborted(reason, rank=self.rank)
+        if self._failure is not None:  # failed before: the peers know (from it, or told it)
+            return
+        if not self.idle:
+            self.transport.wake(reason)
+        self._failure = CommAborted(reason, rank=self.rank)
         give_up = time.monotonic() + _ABORT_WAIT_S
         while not self.idle and time.monotonic() < give_up:
             time.sleep(0.005)  # the op in flight unwinds, queued ones fail, within ms
