@@ -20,6 +20,7 @@ def _pytest(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_examples_test_of_a_rank_killed_mid_training_passes():
     assert "1 passed" in _pytest("-k", "killed")

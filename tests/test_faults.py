@@ -325,8 +325,9 @@ def _outcomes(res):
 
 
 REAL = [  # op, elements, environment, victim: links ring and board, kill/drop/corrupt
-    ("kill", "allreduce", 300_000, {"RINGCOMM_ALGO": "ring"}, 1),
-    ("kill", "allreduce", 256, {}, 2),
+    # kills in real processes: the fault matrix's default cases, and these in the slow suite
+    pytest.param("kill", "allreduce", 300_000, {"RINGCOMM_ALGO": "ring"}, 1, marks=slow),
+    pytest.param("kill", "allreduce", 256, {}, 2, marks=slow),
     pytest.param("kill", "broadcast", 2000, {"RINGCOMM_BOARD": "0"}, 0, marks=slow),
     ("drop", "allreduce", 300_000, {"RINGCOMM_ALGO": "ring"}, 1),
     pytest.param("drop", "allreduce", 256, {}, 1, marks=slow),
