@@ -316,7 +316,8 @@ def test_a_traced_torchrun_job_merges_onto_one_clock_and_plots(tmp_path, capsys)
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "3", str(JOB)],
                           env=env, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} done" for r in range(3)]
+    # the ranks share torchrun's stdout: look for each one's line, whatever the order
+    assert all(f"rank {r} done" in proc.stdout for r in range(3)), proc.stdout
     files = read_timelines(folder, 3)
     engines = set()
     for rank, trace in enumerate(files):

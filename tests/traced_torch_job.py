@@ -40,7 +40,7 @@ def main() -> None:
     assert torch.equal(y, torch.full((100_000,), float(world)))
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank} done")
+    print(f"rank {rank} done", flush=True)
 
 
 if __name__ == "__main__":
