@@ -92,7 +92,10 @@ class ZmqControl(ControlPlane):
     def _to(self, peer: int) -> zmq.Socket:
         sock = self._push.get(peer)
         if sock is None:
-            sock = self._push[peer] = self._connect(self.endpoints[peer], peer=peer)
+            endpoint = self.endpoints[peer]
+            # an ipc push is watched until its handshake (then its socket file may go)
+            sock = self._push[peer] = self._connect(
+                endpoint, peer=peer if endpoint.startswith("ipc://") else None)
         return sock
 
     def connect(self, peers: list[int]) -> None:
