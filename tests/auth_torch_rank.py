@@ -39,4 +39,5 @@ except Exception as err:  # noqa: BLE001 - reported: torch may wrap ringcomm's e
         cause = cause.__cause__
     result = {"error": type(cause).__name__, "message": str(err)[-600:],
               "seconds": time.monotonic() - started}
-print(json.dumps(result), flush=True)
+sys.stdout.write(json.dumps(result) + "\n")  # one write: the ranks share one stdout
+sys.stdout.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -425,7 +426,8 @@ def test_under_torchrun_the_rank_links_still_authenticate(mode):
     done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
                            str(Path(__file__).with_name("auth_torch_rank.py")), mode],
                           capture_output=True, text=True, timeout=150, env=env)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # the ranks share torchrun's stdout: each one's JSON object, wherever its line breaks
+    results = [json.loads(found) for found in re.findall(r"\{[^{}]*\}", done.stdout)]
     assert len(results) == 2, done.stdout + done.stderr[-3000:]
     if mode == "same":
         assert results == [{"sum_ok": True, "tcp": True}] * 2
