@@ -76,15 +76,22 @@ def failure(fn) -> dict | None:
     return None
 
 
-def scenario_abort(rank: int, world: int, port: int, port2: int) -> dict:
+def warmed_up(rank: int, world: int, port: int):
+    """A group with one allreduce and a barrier behind it: every link and the board used."""
     import ringcomm
 
-    before = held()
     comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=20)
     x = np.ones(1024, np.float32)
     comm.allreduce(x)
     comm.barrier()
-    out: dict = {"board": comm.transport.board is not None}
+    return comm, x, {"board": comm.transport.board is not None}
+
+
+def scenario_abort(rank: int, world: int, port: int, port2: int) -> dict:
+    import ringcomm
+
+    before = held()
+    comm, x, out = warmed_up(rank, world, port)
     if rank == 0:
         comm.inline_bytes = 0  # the allreduce runs on the worker; this thread aborts it
         work = comm.allreduce(x, async_op=True)
@@ -115,13 +122,7 @@ def scenario_abort(rank: int, world: int, port: int, port2: int) -> dict:
 
 
 def scenario_idle(rank: int, world: int, port: int, port2: int) -> dict:
-    import ringcomm
-
-    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=20)
-    x = np.ones(1024, np.float32)
-    comm.allreduce(x)
-    comm.barrier()
-    out: dict = {"board": comm.transport.board is not None}
+    comm, x, out = warmed_up(rank, world, port)
     if rank == 0:
         comm.abort("given up between ops")  # nothing in flight: the peers are told all the same
     else:
