@@ -1,0 +1,200 @@
+"""The device runtime seam: the few CUDA operations ringcomm uses, behind one interface.
+
+Why a seam: the device engines (CUDA IPC, host staging, NCCL) and the device buffer kinds
+need streams, events, copies, IPC handles and elementwise reductions, and nothing else of
+CUDA. Behind this interface there are two runtimes: CuPy's (``cupy_runtime``, imported
+lazily, for a machine with a GPU) and a strict fake in numpy (``fake``, for every machine
+without one), which applies queued work only when something waits for it, so device code
+that forgets a wait, a record or a close fails its tests on a CPU.
+
+The model is CUDA's, and every runtime keeps its rules:
+
+- Work (copies, reductions) is queued on a ``Stream`` and runs in queue order; the host call
+  returns before the work is done. Host memory handed to a copy must stay untouched and
+  alive until the stream has passed the copy.
+- ``record(event, stream)`` marks the point the stream has reached *when the call is made*;
+  ``wait_event(stream, event)`` makes later work on ``stream`` wait for the latest record of
+  ``event`` made before the call (a record made after the call does not count; an event
+  never recorded is no wait at all). ``event_synchronize`` blocks the host until the latest
+  record is done.
+- Device pointers are plain ints that the host must not dereference. An ``Allocation`` is a
+  base pointer from the device's own allocator (never a pool block), so it can be
+  exported: ``export_memory`` gives a handle that another *process* opens once
+  (``open_memory``: opening a handle twice in one process, or one's own, is an error), and
+  closes (``close_memory``) before the exporter frees it (``free`` while a peer still maps
+  it is an error). Interprocess events work the same way (``export_event``/``open_event``).
+- Reductions (``reduce``, ``finish``) are elementwise kernels on the stream, with the
+  semantics of ``ringcomm.core.dtypes.reduce_into`` and ``finish_reduction``, every dtype
+  the core knows (float16 and bfloat16 included).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import ReduceOp
+
+
+class Stream(abc.ABC):
+    """An in-order queue of device work. ``handle`` is the runtime's own (a
+    ``cudaStream_t`` as an int for CUDA): what another library's stream is matched by."""
+
+    handle: int
+
+
+class Event(abc.ABC):
+    """A point in a stream's work (see the module docstring for record and wait)."""
+
+    interprocess: bool
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """``nbytes`` of device memory at ``ptr`` on device ``device``, from the device's own
+    allocator: exportable, freed only by ``free``."""
+
+    ptr: int
+    nbytes: int
+    device: int
+
+
+class DeviceRuntime(abc.ABC):
+    """The CUDA operations ringcomm uses (see the module docstring)."""
+
+    name: str  # "cupy" | "fake"
+    memory: str  # what buffers in this runtime's memory say their memory is ("cuda", ...)
+
+    # ---------------------------------------------------------------- devices
+    @abc.abstractmethod
+    def available(self) -> bool:
+        """Whether a device can be used (CuPy imports without a GPU; this says no then)."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+
+    @abc.abstractmethod
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the calling thread's current device."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, str]:
+        """What ``ringcomm env`` and ``gpu.json`` show: device name, driver, CUDA and library
+        versions (strings; "-" where unknown)."""
+
+    # ---------------------------------------------------------------- streams and events
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A stream of its own on the current device (never the legacy default stream)."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The calling thread's current stream (what a caller's work was queued on)."""
+
+    @abc.abstractmethod
+    def external_stream(self, handle: int) -> Stream:
+        """The stream another library made (torch's ``cuda_stream``), by its handle."""
+
+    @abc.abstractmethod
+    def synchronize(self, stream: Stream) -> None:
+        """Block the host until all work queued on ``stream`` is done."""
+
+    @abc.abstractmethod
+    def new_event(self, *, interprocess: bool = False) -> Event:
+        """An event without timing (interprocess ones can be exported)."""
+
+    @abc.abstractmethod
+    def record(self, event: Event, stream: Stream) -> None: ...
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Later work on ``stream`` waits for the latest record of ``event`` (device side: the
+        host does not block)."""
+
+    @abc.abstractmethod
+    def event_synchronize(self, event: Event) -> None:
+        """Block the host until the latest record of ``event`` is done."""
+
+    @abc.abstractmethod
+    def event_done(self, event: Event) -> bool:
+        """Whether the latest record of ``event`` is done (never blocks)."""
+
+    @abc.abstractmethod
+    def export_event(self, event: Event) -> bytes:
+        """An interprocess event's handle, for another process's ``open_event``."""
+
+    @abc.abstractmethod
+    def open_event(self, handle: bytes) -> Event:
+        """Another process's interprocess event (waitable here, not recordable)."""
+
+    # ---------------------------------------------------------------- memory
+    @abc.abstractmethod
+    def malloc(self, nbytes: int) -> Allocation:
+        """Device memory of its own (not from a pool), on the current device."""
+
+    @abc.abstractmethod
+    def free(self, allocation: Allocation) -> None:
+        """Give ``allocation`` back; an error while another process still maps it."""
+
+    @abc.abstractmethod
+    def export_memory(self, allocation: Allocation) -> bytes:
+        """A handle to ``allocation`` that another process opens with ``open_memory``."""
+
+    @abc.abstractmethod
+    def open_memory(self, handle: bytes) -> int:
+        """Map another process's exported allocation; its base pointer here. Once per handle
+        and process (a second open is an error, as is opening one's own)."""
+
+    @abc.abstractmethod
+    def close_memory(self, ptr: int) -> None:
+        """Unmap what ``open_memory`` returned ``ptr`` for; the pointer is dead afterwards."""
+
+    @abc.abstractmethod
+    def live_allocations(self) -> int:
+        """Allocations made here and not freed, plus handles opened and not closed: 0 once
+        everything is given back (what the tests of ``close()`` look at)."""
+
+    @abc.abstractmethod
+    def host_register(self, address: int, nbytes: int) -> None:
+        """Page-lock host memory this process maps (a /dev/shm ring), so copies to and from
+        it run at full speed; ``host_unregister`` before it is unmapped."""
+
+    @abc.abstractmethod
+    def host_unregister(self, address: int) -> None: ...
+
+    # ---------------------------------------------------------------- work on a stream
+    @abc.abstractmethod
+    def copy(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        """Device to device (either may be a peer's mapped memory)."""
+
+    @abc.abstractmethod
+    def to_host(self, dst: np.ndarray, src: int, stream: Stream) -> None:
+        """Device to host: ``dst.nbytes`` bytes from ``src`` into ``dst`` (contiguous)."""
+
+    @abc.abstractmethod
+    def from_host(self, dst: int, src: np.ndarray, stream: Stream) -> None:
+        """Host to device: all of ``src`` (contiguous) to ``dst``."""
+
+    @abc.abstractmethod
+    def reduce(self, dst: int, a: int, b: int, count: int, dtype: np.dtype, op: ReduceOp,
+               stream: Stream) -> None:
+        """``dst = a (op) b`` over ``count`` elements (``dst`` may be ``a``)."""
+
+    @abc.abstractmethod
+    def finish(self, ptr: int, count: int, dtype: np.dtype, op: ReduceOp, world_size: int,
+               stream: Stream) -> None:
+        """What remains once a region is fully reduced: ``avg`` divides by ``world_size``
+        (``finish_reduction``'s rule), as one scale at the end."""
+
+    # ---------------------------------------------------------------- arrays
+    def array_at(self, ptr: int, count: int, dtype: np.dtype) -> Any:  # noqa: B027
+        """The runtime's own array over ``count`` elements at ``ptr`` (a CuPy array for
+        CuPy), for code that needs one; None where the runtime has none."""
+        return None
