@@ -140,7 +140,8 @@ class Communicator:
         # device memory); ``exchange`` swaps their handles (without one: staging only)
         self.device = devices.device_runtime(settings)
         lanes = {} if self.device is None else devices.open_lanes(
-            self.device, transport, exchange, self.topology, settings, self._segment_bytes)
+            self.device, transport, exchange, self.topology, settings, self._segment_bytes,
+            self.timeout)
         # the agreed faults and checksum first (innermost), then the caller's wrappers
         self.wiring = Wiring.of(transport, transport.board, [
             *wrappers_for(settings.faults, settings.checksum, transport, live=faults_live),

@@ -16,6 +16,7 @@ import time
 from ..core import device as devices
 from ..core.algorithms import CUDA_IPC, STAGED
 from ..core.device.runtime import DeviceRuntime
+from ..engines.cuda_ipc import IpcChannel
 from ..engines.device import DeviceLane
 from ..engines.device_channel import Exchange
 from ..engines.staged import StagedChannel
@@ -58,22 +59,19 @@ def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
 
 
 def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,
-               topology: Topology, settings: Settings,
-               segment_bytes: int) -> dict[str, DeviceLane]:
+               topology: Topology, settings: Settings, segment_bytes: int,
+               timeout: float) -> dict[str, DeviceLane]:
     """The group's device lanes, by engine name: ``staged`` always, ``cuda-ipc`` where it
     serves (``ipc_serves``) and an ``exchange`` is at hand. Collective: every rank calls it
-    at set-up. What was made is closed again if a later part fails."""
+    at set-up, which waits at most ``timeout`` seconds for the peers' handles. What was made
+    is closed again if a later part fails."""
     lanes: dict[str, DeviceLane] = {}
     try:
         serves, why = ipc_serves(topology, settings)
-        try:
-            from ..engines.cuda_ipc import IpcChannel  # type: ignore[import-not-found]
-        except ImportError:
-            serves, why = False, "this build has no cuda-ipc channel"
         if serves and exchange is not None:
             channel = IpcChannel(runtime, transport, exchange, transport.rank,
                                  transport.world_size, slots=settings.ipc_slots,
-                                 slot_bytes=settings.ipc_slot_bytes)
+                                 slot_bytes=settings.ipc_slot_bytes, timeout_s=timeout)
             lanes[CUDA_IPC] = DeviceLane(channel)
         elif serves:
             log.debug("rank %d: no cuda-ipc engine: no way to exchange handles",
