@@ -222,6 +222,58 @@ def test_device_collectives_across_processes_in_full(cluster, engine, world):
     check(res[0]["cases"], world, [r["results"] for r in res])
 
 
+def job_tight_rings(rank: int, world: int, store: str, transport: str, count: int,
+                    segment: int, **_: object) -> list[list[float]]:
+    """Staged messages over shared-memory rings far smaller than an op moves: the rings
+    wrap many times within one op, so a payload released to the link before its copy to
+    the device is done, or a bounce buffer rewritten while a send still reads it (within an
+    op, or by the next op), shows up as wrong values."""
+    import ringcomm
+
+    os.environ["RINGCOMM_DEVICE_ENGINE"] = "staged"
+    os.environ["RINGCOMM_SHM_BYTES"] = str(64 << 10)
+    comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                         transport=transport, device="fake", segment_bytes=segment)
+    try:
+        x = FakeDeviceArray.from_host(np.arange(count, dtype=np.float32) + rank)
+        z = FakeDeviceArray.from_host(np.full(count, -1.0, np.float32))
+        out = FakeDeviceArray.empty(count * world, np.float32)
+        comm.allgather(out, x)
+        comm.allreduce(x, algorithm="ring")
+        comm.gather(out if rank == 0 else None, x, root=0)
+        comm.allreduce(z, algorithm="ring")  # right after the gather's last sends
+        every = count // 64
+        got = [x.to_host()[::every].tolist(), out.to_host()[::every].tolist(),
+               z.to_host()[::every].tolist()]
+        for array in (x, z, out):
+            array.close()
+        return got
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("transport,count,segment", [
+    ("ipc", 64 << 10, 16 << 10),  # 16 KiB messages through a 64 KiB ring
+    ("tcp", 1 << 20, 128 << 10),  # sends that read the bounce buffer until they are out
+])
+def test_staging_through_links_that_hold_its_memory(cluster, transport, count, segment):
+    """Over tight shared-memory rings, and over tcp, whose large sends read the bounce
+    buffer until the socket has taken them."""
+    world = 2
+    res = cluster.run(world, "test_device_engine.job_tight_rings", transport=transport,
+                      count=count, segment=segment, timeout=60)
+    every = count // 64
+    base = np.arange(count, dtype=np.float32)
+    total = sum(base + r for r in range(world))
+    for rank, (x, out, z) in enumerate(res):
+        assert x == total[::every].tolist()
+        assert z == [-1.0 * world] * len(z)
+        if rank == 0:  # the gather of the sums
+            assert out == np.concatenate([total] * world)[::every].tolist()
+        else:  # the allgather of the inputs
+            assert out == np.concatenate([base + r for r in range(world)])[::every].tolist()
+
+
 def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine: str,
                       **_: object) -> dict[str, object]:
     """Rank 2 is killed at its third message of the second allreduce; the others report
