@@ -11,10 +11,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from what_runs import CALLS, contribution
 
 from ringcomm.core.device.fake import FakeDeviceArray
 from ringcomm.plan.collectives import COLLECTIVES
-from what_runs import CALLS, contribution
 
 # (collective, block, dtype, op, root, algorithm)
 Case = tuple[str, int, str, str, int, str | None]
