@@ -9,11 +9,15 @@ deterministic.
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 import threading
 
+import device_peer
 import ml_dtypes
 import numpy as np
 import pytest
+from device_peer import Peer
 
 from ringcomm.core.device import available_runtimes, runtime
 from ringcomm.core.device.fake import FakeDeviceArray, FakeDeviceFault, FakeRuntime
@@ -315,3 +319,100 @@ def test_from_host_reads_the_values_when_the_copy_runs(fake):
     host[:] = 9
     np.testing.assert_array_equal(x.to_host(), np.full(4, 9.0))
     x.close()
+
+
+# ----------------------------------------------------------------------------- two processes
+
+SCRATCH_DIRS = ("/dev/shm", tempfile.gettempdir())
+
+
+def _listing() -> set[str]:
+    return {os.path.join(d, n) for d in SCRATCH_DIRS for n in os.listdir(d)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_ipc_between_two_processes(name):
+    """Memory and an event exported by one process, opened by the other, both ways: the
+    waiting consumer reads what the producer queued; on the fake, one that skips the wait
+    reads what was there before, and the exporter cannot free before the importer closes."""
+    rt = runtime(name)
+    strict = name == "fake"
+    before, files_before = rt.live_allocations(), _listing()
+    peer = Peer(name)
+    try:
+        first = np.arange(4096, dtype=np.float32)
+        second = first * 2
+        # the peer exports, this process imports
+        here: dict = {}
+        memory, event = peer("export", nbytes=first.nbytes)
+        device_peer.open_(rt, here, memory, event)
+        if strict:
+            with pytest.raises(FakeDeviceFault, match="already open here"):
+                rt.open_memory(memory)
+            with pytest.raises(FakeDeviceFault, match="already open in this process"):
+                rt.open_event(event)
+            with pytest.raises(FakeDeviceFault, match="can be waited on here, not recorded"):
+                rt.record(here["peer_ready"], here["stream"])
+        peer("produce", values=first)  # queued there, not run
+        if strict:
+            stale = device_peer.consume(rt, here, first, wait=False)
+            np.testing.assert_array_equal(stale, np.zeros_like(first))
+        np.testing.assert_array_equal(device_peer.consume(rt, here, first, wait=True), first)
+        peer("produce", values=second)
+        if strict:
+            stale = device_peer.consume(rt, here, first, wait=False)
+            np.testing.assert_array_equal(stale, first)
+        np.testing.assert_array_equal(device_peer.consume(rt, here, first, wait=True), second)
+        if strict:
+            status, text = peer.ask("free")
+            assert status == "error" and f"process(es) {os.getpid()} still map" in text
+        mapped_at = here["peer"]
+        device_peer.close(rt, here)
+        if strict:
+            with pytest.raises(FakeDeviceFault, match="mapping of process .* closed earlier"):
+                rt.copy(mapped_at, mapped_at, 4, rt.current_stream())
+            with pytest.raises(FakeDeviceFault, match="no mapping opened"):
+                rt.close_memory(mapped_at)
+        peer("free")
+        if strict:
+            with pytest.raises(FakeDeviceFault, match="has exited or given it back|is stale"):
+                rt.open_memory(memory)
+        assert peer("live") == 0
+        # this process exports, the peer imports (this process's device thread serves it)
+        mine: dict = {}
+        memory, event = device_peer.export(rt, mine, first.nbytes)
+        peer("open", memory=memory, event=event)
+        device_peer.produce(rt, mine, second)
+        np.testing.assert_array_equal(peer("consume", like=first, wait=True), second)
+        if strict:
+            with pytest.raises(FakeDeviceFault, match=f"process\\(es\\) {peer.pid} still map"):
+                device_peer.free(rt, mine)
+            mapped = peer("maps")
+            assert any("memfd:ringcomm-fake-device" in m for m in mapped)
+            assert not any(m.startswith(SCRATCH_DIRS) and "fake" in m for m in mapped)
+        peer("close")
+        device_peer.free(rt, mine)
+    finally:
+        peer.close()
+    assert rt.live_allocations() == before
+    assert not {f for f in _listing() - files_before if "fake" in f or "ringcomm" in f}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_a_killed_importer_does_not_block_the_free(name):
+    rt = runtime(name)
+    peer = Peer(name)
+    mine: dict = {}
+    try:
+        memory, event = device_peer.export(rt, mine, 1024)
+        peer("open", memory=memory, event=event)
+        if name == "fake":
+            with pytest.raises(FakeDeviceFault, match="still map"):
+                device_peer.free(rt, mine)
+        peer.kill()
+        peer.proc.join(10)  # reaped: no process of that pid any more
+        device_peer.free(rt, mine)
+    finally:
+        peer.close()
