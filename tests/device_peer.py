@@ -62,6 +62,19 @@ def consume(rt: DeviceRuntime, st: State, like: np.ndarray, wait: bool) -> np.nd
         rt.free(local)
 
 
+def relay(rt: DeviceRuntime, st: State, memory: bytes, event: bytes,
+          nbytes: int) -> tuple[bytes, bytes]:
+    """Open the peer's memory and event, export memory and an event of this process, and
+    queue: wait for the peer's event, copy its memory into ours, record ours. A consumer of
+    ours then waits through this process on the peer (a chain of waits)."""
+    open_(rt, st, memory, event)
+    handles = export(rt, st, nbytes)
+    rt.wait_event(st["stream"], st["peer_ready"])
+    rt.copy(st["alloc"].ptr, st["peer"], nbytes, st["stream"])
+    rt.record(st["ready"], st["stream"])
+    return handles
+
+
 def close(rt: DeviceRuntime, st: State) -> None:
     rt.close_memory(st.pop("peer"))
 
@@ -81,8 +94,8 @@ def maps(rt: DeviceRuntime, st: State) -> list[str]:
         return [line.split(None, 5)[-1].strip() for line in f if len(line.split()) > 5]
 
 
-STEPS = {f.__name__.rstrip("_"): f for f in (export, produce, open_, consume, close, free,
-                                              live, maps)}
+STEPS = {f.__name__.rstrip("_"): f for f in (export, produce, open_, relay, consume, close,
+                                              free, live, maps)}
 
 
 def serve(conn: Any, name: str) -> None:

@@ -401,6 +401,30 @@ def test_ipc_between_two_processes(name):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", RUNTIMES)
+def test_a_chain_of_waits_through_another_process(name):
+    """This process produces, the peer relays (waits on us, copies, records), this process
+    waits on the peer: each side's work runs only when the other asks for it (fake)."""
+    rt = runtime(name)
+    peer = Peer(name)
+    mine: dict = {}
+    theirs: dict = {}
+    values = np.arange(1000, dtype=np.int64)
+    try:
+        memory, event = device_peer.export(rt, mine, values.nbytes)
+        device_peer.produce(rt, mine, values)
+        relayed = peer("relay", memory=memory, event=event, nbytes=values.nbytes)
+        device_peer.open_(rt, theirs, *relayed)
+        np.testing.assert_array_equal(device_peer.consume(rt, theirs, values, wait=True), values)
+        device_peer.close(rt, theirs)
+        peer("close")
+        peer("free")
+        device_peer.free(rt, mine)
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", RUNTIMES)
 def test_a_killed_importer_does_not_block_the_free(name):
     rt = runtime(name)
     peer = Peer(name)
