@@ -431,6 +431,29 @@ def test_a_chain_of_waits_through_another_process(name):
         peer.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_wait_on_a_dead_process_is_a_device_hang(fake):
+    """The recording process dies before its device thread ran the record: the waiter gets
+    FakeDeviceFault("device hang") once the fake's timeout is over, not a wait forever."""
+    peer = Peer("fake")
+    theirs: dict = {}
+    values = np.arange(8, dtype=np.float64)
+    saved = fake.hang_timeout
+    try:
+        memory, event = peer("export", nbytes=values.nbytes)
+        device_peer.open_(fake, theirs, memory, event)
+        peer("produce", values=values)
+        peer.kill()
+        peer.proc.join(10)
+        fake.hang_timeout = 0.5
+        with pytest.raises(FakeDeviceFault, match="device hang: the host waited 0.5 s"):
+            fake.event_synchronize(theirs["peer_ready"])
+        device_peer.close(fake, theirs)
+    finally:
+        fake.hang_timeout = saved
+        peer.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", RUNTIMES)
 def test_a_killed_importer_does_not_block_the_free(name):
