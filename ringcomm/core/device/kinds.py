@@ -268,6 +268,11 @@ class CudaInterfaceKind(RuntimeKind):
         except (KeyError, TypeError, ValueError) as err:
             raise ArgumentError(f"{name}'s __cuda_array_interface__ cannot be read ({err!r}); "
                                 "it needs shape, typestr and data (version 3)") from None
+        if dtype.kind == "V":
+            raise ArgumentError(
+                f"{name}'s __cuda_array_interface__ says {cai['typestr']!r}, raw bytes: the "
+                "interface has no name for bfloat16 or other such types; pass the array "
+                "through DLPack (it names bfloat16), as a CuPy array or as a torch tensor")
         if cai.get("mask") is not None:
             raise ArgumentError(f"{name} is a masked array; ringcomm takes unmasked ones")
         if not _c_contiguous(shape, cai.get("strides"), dtype.itemsize):
