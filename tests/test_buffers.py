@@ -591,9 +591,9 @@ def test_device_arrays_on_the_board_are_staged_without_a_forced_algorithm(world,
     """A group with a shared board and no forced algorithm runs a small allreduce one-shot
     and a large one two-shot (three posts of a piece each), broadcasts, all-gathers and
     barriers on the board: device arrays go through host memory there too, and a reader on
-    another stream that does not wait for the results sees the old values. Untraced, a blocking allreduce takes the
-    communicator's short way; traced, the general one, whose trace shows the board ran
-    every op."""
+    another stream that does not wait for the results sees the old values. Untraced, a
+    blocking allreduce takes the communicator's short way; traced, the general one, whose
+    trace shows the board ran every op."""
     from ringcomm.transport.board import SLOT_BYTES
 
     f32 = np.dtype(np.float32)

@@ -28,6 +28,7 @@ runtime is made only for an array that needs it.
 from __future__ import annotations
 
 import abc
+import importlib
 import math
 import sys
 from typing import Any
@@ -45,7 +46,12 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 def _runtime(name: str) -> DeviceRuntime:
     """The process-wide runtime ``name`` (an ``ArgumentError`` where it cannot be had)."""
-    return _device_package.runtime(name)  # type: ignore[no-any-return]
+    return _device_package.runtime(name)
+
+
+def _cupy() -> Any:
+    """CuPy, once its runtime is in use (so it imports)."""
+    return importlib.import_module("cupy")
 
 
 def _interface_runtime() -> DeviceRuntime:
@@ -246,7 +252,8 @@ class CudaInterfaceKind(RuntimeKind):
 
     @staticmethod
     def _interface(x: Any) -> dict[str, Any]:
-        return x.__cuda_array_interface__  # type: ignore[no-any-return]
+        interface: dict[str, Any] = x.__cuda_array_interface__
+        return interface
 
     def runtime_of(self, x: Any) -> DeviceRuntime:
         return _interface_runtime()
@@ -254,10 +261,8 @@ class CudaInterfaceKind(RuntimeKind):
     def device_of(self, x: Any, runtime: DeviceRuntime) -> int | None:
         if runtime.name != "cupy":
             return None
-        import cupy  # the runtime is CuPy's: it is importable
-
         ptr = self._interface(x)["data"][0]
-        return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device) if ptr else None
+        return int(_cupy().cuda.runtime.pointerGetAttributes(ptr).device) if ptr else None
 
     def describe(self, x: Any, name: str, writable: bool) -> tuple[np.dtype, int]:
         cai = self._interface(x)
@@ -320,9 +325,7 @@ class DLPackKind(RuntimeKind):
         if not runtime.available():
             raise ArgumentError(f"{name} is CUDA memory (DLPack) but no GPU can be used here")
         _on_current_device(runtime, int(device), name, self.set_device_hint)
-        import cupy  # the runtime is CuPy's and can be used
-
-        return self._cupy_kind.buffer(cupy.from_dlpack(x), name, writable, reads)
+        return self._cupy_kind.buffer(_cupy().from_dlpack(x), name, writable, reads)
 
     # the CuPy array made in ``buffer`` is what is described
     def runtime_of(self, x: Any) -> DeviceRuntime:
