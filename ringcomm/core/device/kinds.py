@@ -54,15 +54,21 @@ def _cupy() -> Any:
     return importlib.import_module("cupy")
 
 
+_INTERFACE_RUNTIME: list[DeviceRuntime] = []  # chosen once per process
+
+
 def _interface_runtime() -> DeviceRuntime:
     """The runtime that reads memory named only by a pointer (the CUDA array interface):
     CuPy's where a GPU can be used, else the fake one, whose pointers are the only device
-    pointers a machine without a GPU has."""
-    try:
-        cupy = _runtime("cupy")
-    except ArgumentError:
-        return _runtime("fake")
-    return cupy if cupy.available() else _runtime("fake")
+    pointers a machine without a GPU has. Chosen once per process."""
+    if not _INTERFACE_RUNTIME:
+        try:
+            cupy = _runtime("cupy")
+            chosen = cupy if cupy.available() else _runtime("fake")
+        except ArgumentError:
+            chosen = _runtime("fake")
+        _INTERFACE_RUNTIME.append(chosen)
+    return _INTERFACE_RUNTIME[0]
 
 
 def _known_dtype(dtype: np.dtype, name: str) -> np.dtype:
