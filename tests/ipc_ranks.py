@@ -143,6 +143,10 @@ class Rank:
         header = ctx.desc.incoming(peer, index, nbytes)
         self.channel.recv(peer, header, ptr, nbytes, self.stream, ctx, **reduce)
 
+    def finish(self, ctx: OpContext) -> None:
+        """The op's last step is queued: pieces still waiting for slots get them."""
+        self.channel.finish(self.stream, ctx)
+
     def close(self) -> int:
         """Close the channel, free the buffers; what ``live_allocations`` says then, less
         what it said before the channel was made (for a rank alone in its process)."""
@@ -186,6 +190,7 @@ def stream_of_messages(me: Rank, sizes: list[int], *, sender: int, receiver: int
         sources = [me.put(message(sender, i, n)) for i, n in enumerate(sizes)]
         for i, (ptr, n) in enumerate(zip(sources, sizes, strict=True)):
             me.send(receiver, ctx, i, ptr, n)
+        me.finish(ctx)
         for ptr, n in zip(sources, sizes, strict=True):
             me.rt.from_host(ptr, np.zeros(max(n, 1), np.uint8), me.stream)
         me.rt.synchronize(me.stream)
@@ -221,6 +226,7 @@ def ring_reductions(me: Rank, count: int, dtype_name: str, op: str, rounds: int,
         me.send(nxt, ctx, 0, src, nbytes)
         me.recv(prev, ctx, 0, dst, nbytes, reduce_with=src, op=REDUCE_OPS[op],
                 divide_by=2 if op == "avg" else 1)
+        me.finish(ctx)
         got = me.get(dst, count, dtype)
         want = expected_reduction(mine, theirs, op, 2 if op == "avg" else 1)
         assert np.array_equal(got.astype(np.float64), want.astype(np.float64)), \
@@ -287,6 +293,7 @@ def _job_killed(rank: int, world: int, transport: Transport, exchange: Any,
         src, dst = me.put(message(rank, 0, 1024)), me.empty(1024)
         me.send(nxt, ctx, 0, src, 1024)  # 16 pieces through 2 slots: needs credits
         me.recv(prev, ctx, 0, dst, 1024)
+        me.finish(ctx)
     except Exception as err:  # noqa: BLE001 - the test reads it
         error = err
     took = time.monotonic() - started
@@ -303,7 +310,7 @@ JOBS: dict[str, Callable[..., Any]] = {
 }
 
 
-def run_processes(world: int, job: str, timeout: float, **kwargs: Any) -> dict[int, Any]:
+def run_processes(world: int, job: str, limit_s: float, **kwargs: Any) -> dict[int, Any]:
     """``job`` on ``world`` spawned processes; each rank's outcome (a killed rank has none)."""
     from ringcomm.bootstrap.store import StoreServer
 
@@ -317,7 +324,7 @@ def run_processes(world: int, job: str, timeout: float, **kwargs: Any) -> dict[i
         for p in procs:
             p.start()
         outcomes: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and any(p.is_alive() for p in procs):
             for p in procs:
                 p.join(0.05)
@@ -328,7 +335,7 @@ def run_processes(world: int, job: str, timeout: float, **kwargs: Any) -> dict[i
             rank, outcome = results.get()
             outcomes[rank] = outcome
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        assert not hung, f"ranks {hung} did not finish within {timeout} s"
+        assert not hung, f"ranks {hung} did not finish within {limit_s} s"
         return outcomes
     finally:
         for p in procs:
