@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
-from ..core.arrays import HOST, Buffer
+from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Schedule
@@ -43,7 +42,7 @@ __all__ = ["DeviceEngine", "DeviceLane"]
 class DeviceLane:
     """What a device engine keeps between ops, made once per channel when the group is set
     up (engines are made again whenever wrappers change): the channel, the stream every op
-    runs on, the done event, and device scratch by use (``"scratch"``, a lifted host
+    runs on, and device scratch by use (``"scratch"``, a lifted host
     buffer's role), one allocation each, grown to the largest need. Ops run one at a time
     on the one stream, so one allocation per use serves them all."""
 
@@ -51,7 +50,6 @@ class DeviceLane:
         self.channel = channel
         self.runtime = runtime = channel.runtime
         self.stream = runtime.new_stream()
-        self.done = runtime.new_event()
         self._held: dict[str, Allocation] = {}
 
     def scratch(self, use: str, nbytes: int) -> int:
@@ -102,7 +100,7 @@ class DeviceEngine(Engine):
         itemsize = ctx.dtype.itemsize
         desc = ctx.desc
         pointers: dict[str, int] = {}
-        device: list[Any] = []  # the caller's device buffers: their producers and streams
+        device: list[DeviceBuffer] = []  # the caller's: their producers and streams
         lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
         written = {step.dst.buf for step in schedule.steps if step.dst is not None}
         for role, buf in buffers.items():
@@ -113,11 +111,9 @@ class DeviceEngine(Engine):
                     runtime.from_host(ptr, buf.region(0, buf.count), stream)
                 pointers[role] = ptr
                 lifted.append((role, buf, ptr))
-            elif buf.memory in self.moves:
-                producer = buf.producer  # type: ignore[attr-defined]
-                if producer is not None:
-                    runtime.wait_event(stream, producer)
-                pointers[role] = buf.pointer  # type: ignore[attr-defined]
+            elif buf.memory in self.moves and isinstance(buf, DeviceBuffer):
+                runtime.wait_event(stream, buf.producer)
+                pointers[role] = buf.pointer
                 device.append(buf)
             else:
                 raise ValueError(f"{buf.name} lives in {buf.memory} memory; the {self.name} "
@@ -190,10 +186,13 @@ class DeviceEngine(Engine):
                 raise
             raise timed_out(err, progress, f" (the last sends of {schedule.algorithm} "
                             f"{schedule.collective})", rank, ctx.name) from None
-        done = lane.done
+        done = runtime.new_event()  # this op's own: a Work may wait on it after later ops
         runtime.record(done, stream)
         for buf in device:
             runtime.wait_event(buf.caller_stream, done)
+            buf.done = done
+            # the caller's array outlives the work queued on it, even if the caller drops it
+            keep_until_done(runtime, done, 0, buf.array)
         if lifted:  # host memory: the host reads it, so the host waits for it
             for role, buf, ptr in lifted:
                 if role in written and buf.count:

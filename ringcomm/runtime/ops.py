@@ -259,6 +259,8 @@ class OpRunner:
             return _NO_PLAN
         rop = reduce_op(op, data.dtype)  # a bad op raises here, named by the caller
         if self.world_size == 1:
+            if data.memory == self.selector.group.device_memory:
+                return _NO_PLAN  # its device engine orders it against the caller's stream
             return _ALONE
         choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
                                       memory=data.memory)
