@@ -22,13 +22,14 @@ it. Both are given back at ``close``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
-from ..core.device.runtime import Allocation
+from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Schedule
 from .base import Engine
@@ -37,6 +38,8 @@ from .device_channel import DeviceChannel
 from .progress import over_links, timed_out, waited_for
 
 __all__ = ["DeviceEngine", "DeviceLane"]
+
+log = logging.getLogger("ringcomm")
 
 
 class DeviceLane:
@@ -63,16 +66,46 @@ class DeviceLane:
             held = self._held[use] = self.runtime.malloc(max(nbytes, 1))
         return held.ptr
 
-    def close(self) -> None:
-        """Give the scratch back (once the stream is done with it), then the channel's
-        memory, mappings and registrations."""
+    def close(self, settle_s: float | None = None) -> None:
+        """Give the scratch back once the stream is done with it, then close the channel
+        (its memory, mappings and registrations, in the safe order). ``settle_s``: after a
+        failure, wait at most that long for the stream, which may wait for a lost peer's
+        event that never comes; if it does not settle, the scratch and the channel's own
+        staging stay allocated (to the process's end) rather than freed under work still
+        queued on them, and the channel is told only to let its peers go."""
+        runtime = self.runtime
+        settled = True
+        if settle_s is None:
+            runtime.synchronize(self.stream)
+        else:
+            settled = _settles(runtime, self.stream, settle_s)
         try:
-            self.runtime.synchronize(self.stream)
-            for held in self._held.values():
-                self.runtime.free(held)
+            if settled:
+                for held in self._held.values():
+                    runtime.free(held)
+            else:
+                log.warning("device work of the %s engine still waits (for a lost peer?): its "
+                            "device memory stays allocated until the process ends",
+                            self.channel.name)
             self._held.clear()
         finally:
-            self.channel.close()
+            if settled:
+                self.channel.close()
+            else:
+                self.channel.abandon()
+
+
+def _settles(runtime: DeviceRuntime, stream: Stream, seconds: float) -> bool:
+    """Whether the work queued on ``stream`` finishes within ``seconds`` (polled, never a
+    blocking wait, which could last for ever)."""
+    mark = runtime.new_event()
+    runtime.record(mark, stream)
+    give_up = time.monotonic() + seconds
+    while not runtime.event_done(mark):
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class DeviceEngine(Engine):

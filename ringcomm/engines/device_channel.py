@@ -73,5 +73,11 @@ class DeviceChannel(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Give back device memory, mappings and host registrations, in the safe order."""
 
+    def abandon(self) -> None:
+        """After a failure, when device work on this channel's memory may never finish (it
+        waits for a lost peer): let the peers go without freeing what that work uses. By
+        default, ``close``."""
+        self.close()
+
     def describe(self) -> str:
         return self.name

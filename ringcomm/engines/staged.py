@@ -192,5 +192,11 @@ class StagedChannel(DeviceChannel):
                 self.runtime.free(held)
                 self._staging[peer] = None
 
+    def abandon(self) -> None:
+        """Work still queued may read the bounce buffers and write the staging: keep them
+        (and their registration) to the process's end."""
+        self._closed = True
+        self._pending.clear()
+
     def describe(self) -> str:
         return "staged (device -> page-locked host -> link -> device)"

@@ -554,7 +554,8 @@ class Communicator:
         self._ops.stop()
         lanes_failed = None
         try:  # before the links they use; IPC's close is collective
-            devices.close_lanes(self.wiring.lanes, strict=True)
+            devices.close_lanes(self.wiring.lanes, strict=True,
+                                failed=self._ops.failure is not None)
         except Exception as failed:  # noqa: BLE001 - raised once everything is closed
             lanes_failed = failed
         stray = None

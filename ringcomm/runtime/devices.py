@@ -85,17 +85,23 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
     return lanes
 
 
-def close_lanes(lanes: dict[str, DeviceLane], *, strict: bool = False) -> None:
+_SETTLE_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for device work
+
+
+def close_lanes(lanes: dict[str, DeviceLane], *, strict: bool = False,
+                failed: bool = False) -> None:
     """Close every lane (each synchronizes its stream, frees its scratch, then closes its
     channel in the safe order): after the worker has stopped, before the links close, since
     closing IPC mappings is collective and says so to the peers. Every lane is closed even
     if one fails; with ``strict`` the first failure is raised afterwards (a close that
-    leaks is a bug to see), else it is logged (an abort must not raise)."""
+    leaks is a bug to see), else it is logged (an abort must not raise). After a failure
+    (``failed``) device work may wait for a lost peer for ever: each lane waits for it a
+    little only (``DeviceLane.close``)."""
     first: BaseException | None = None
     for name, lane in list(lanes.items()):
         started = time.monotonic()
         try:
-            lane.close()
+            lane.close(_SETTLE_AFTER_FAILURE_S if failed else None)
         except Exception as err:  # noqa: BLE001 - every lane gets closed; see ``strict``
             log.warning("closing the %s device lane failed: %s", name, err)
             first = first or err
