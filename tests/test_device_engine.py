@@ -8,6 +8,7 @@ caller.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 
@@ -15,12 +16,15 @@ import numpy as np
 import pytest
 from device_cases import Case, cases_for, check, run_cases
 
-from ringcomm import DesyncError
+from ringcomm import ArgumentError, DesyncError
 from ringcomm.core import device
 from ringcomm.core.arrays import IN_FLIGHT, keep_until_done
 from ringcomm.core.device.fake import FakeDeviceArray
 from ringcomm.errors import CommError
 from ringcomm.observe.steps import TraceEvent
+from ringcomm.plan.cost import DEFAULT_DEVICE_PARAMS
+from ringcomm.plan.settings import _check_match as check_match
+from ringcomm.plan.settings import propose
 from ringcomm.runtime.local import run_group
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,6 +149,35 @@ def test_more_pieces_than_slots_before_a_receive(engine_env):
     (choice, out), _ = run_group(2, fn, device="fake", segment_bytes=64, timeout=20)
     assert choice.engine == "cuda-ipc", choice
     assert out.tolist() == [6.0] * 4096
+
+
+def test_a_tuned_profile_gives_the_device_engines_their_constants(monkeypatch, tmp_path):
+    """``ringcomm tune`` on a GPU writes the device engines' constants under "devices";
+    rank 0's profile is agreed, and the choice says it used them."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"params": {}, "devices": {
+        "cuda-ipc": {"alpha": 1e-6, "beta": 1e-12, "gamma": 1e-12}}}))
+    monkeypatch.setenv("RINGCOMM_PROFILE", str(profile))
+
+    def fn(comm):
+        return [comm.selector.choose("allreduce", 1 << 20, 4, memory=RUNTIME.memory,
+                                     forced=None).why,
+                comm.settings.device_cost("cuda-ipc").alpha,
+                comm.settings.device_cost("staged").alpha]
+
+    why, ipc_alpha, staged_alpha = run_group(2, fn, device="fake")[0]
+    assert "tuned constants" in why
+    assert ipc_alpha == 1e-6 and staged_alpha == DEFAULT_DEVICE_PARAMS["staged"].alpha
+
+
+def test_ranks_that_differ_on_the_device_are_refused_at_init():
+    """The device setting must match: one rank on the fake runtime and one without a
+    device would run different engines on the same call."""
+    proposals = [propose(device="fake")["match"], propose(device="off")["match"]]
+    with pytest.raises(ArgumentError, match="ranks disagree on device"):
+        check_match(proposals, 0)
+    with pytest.raises(ArgumentError, match="device 'gpu' is unknown"):
+        propose(device="gpu")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
