@@ -151,6 +151,30 @@ def test_more_pieces_than_slots_before_a_receive(engine_env):
     assert out.tolist() == [6.0] * 4096
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_host_arrays_beside_device_arrays_in_one_call(engine_env, engine):
+    """A numpy array handed to a device op with a device array: the engine copies it to the
+    device for the op, and back where the op writes it."""
+    engine_env(engine)
+
+    def fn(comm):
+        mine = np.arange(4, dtype=np.float32) + 10 * comm.rank
+        out = FakeDeviceArray.empty(8, np.float32)
+        comm.allgather(out, mine)  # host input, device output
+        gathered = out.to_host()
+        x = FakeDeviceArray.from_host(np.arange(8, dtype=np.float32))
+        block = np.zeros(4, np.float32)
+        comm.reduce_scatter(block, x)  # device input, host output
+        scattered = block.copy()  # read at once: the op is over for the host
+        x.close()
+        out.close()
+        return gathered, scattered
+
+    (g0, b0), (g1, b1) = run_group(2, fn, device="fake")
+    assert g0.tolist() == g1.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert b0.tolist() == [0, 2, 4, 6] and b1.tolist() == [8, 10, 12, 14]
+
+
 def test_a_tuned_profile_gives_the_device_engines_their_constants(monkeypatch, tmp_path):
     """``ringcomm tune`` on a GPU writes the device engines' constants under "devices";
     rank 0's profile is agreed, and the choice says it used them."""

@@ -26,8 +26,6 @@ import logging
 import time
 from collections.abc import Mapping
 
-import numpy as np
-
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..errors import CommError, CommTimeout
@@ -135,7 +133,6 @@ class DeviceEngine(Engine):
         pointers: dict[str, int] = {}
         device: list[DeviceBuffer] = []  # the caller's: their producers and streams
         lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
-        written = {step.dst.buf for step in schedule.steps if step.dst is not None}
         for role, buf in buffers.items():
             if buf.memory == HOST:
                 ptr = lane.scratch(f"host:{role}", buf.nbytes)
@@ -227,9 +224,10 @@ class DeviceEngine(Engine):
             # the caller's array outlives the work queued on it, even if the caller drops it
             keep_until_done(runtime, done, 0, buf.array)
         if lifted:  # host memory: the host reads it, so the host waits for it
+            written = {step.dst.buf for step in steps if step.dst is not None}
             for role, buf, ptr in lifted:
-                if role in written and buf.count:
-                    runtime.to_host(_contiguous(buf.region(0, buf.count)), ptr, stream)
+                if role in written and buf.count:  # a region is contiguous host memory
+                    runtime.to_host(buf.region(0, buf.count), ptr, stream)
             runtime.synchronize(stream)
             for _, buf, _ in lifted:
                 buf.after_op()
@@ -237,8 +235,3 @@ class DeviceEngine(Engine):
     def describe(self) -> str:
         return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"
 
-
-def _contiguous(view: np.ndarray) -> np.ndarray:
-    """A region of a host buffer is a 1-D slice of contiguous memory, so itself."""
-    assert view.flags.c_contiguous, "a host buffer's region is contiguous"
-    return view
