@@ -99,7 +99,11 @@ class Communicator:
     (``ringcomm.runtime.hang_report``); without one each rank logs its own state only.
 
     Arrays may be numpy arrays or torch CPU tensors, used in place, or of any kind
-    registered in ``ringcomm.core.arrays`` (a device array is staged through host memory).
+    registered in ``ringcomm.core.arrays``. Where the settings name a device runtime
+    (``device``), the group gets device engines over channels made here once (``devices``;
+    ``exchange`` swaps their handles among the ranks: without one, only host staging), and
+    that runtime's arrays are reduced on the device; other device arrays are staged through
+    host memory.
     """
 
     def __init__(
