@@ -194,6 +194,18 @@ def test_a_tuned_profile_gives_the_device_engines_their_constants(monkeypatch, t
     assert ipc_alpha == 1e-6 and staged_alpha == DEFAULT_DEVICE_PARAMS["staged"].alpha
 
 
+def test_a_board_algorithm_is_refused_for_device_memory():
+    def fn(comm):
+        x = FakeDeviceArray.from_host(np.ones(4, np.float32))
+        try:
+            with pytest.raises(ArgumentError, match="'twoshot' runs on the shared board"):
+                comm.allreduce(x, algorithm="twoshot")
+        finally:
+            x.close()
+
+    run_group(2, fn, device="fake", board=True)
+
+
 def test_ranks_that_differ_on_the_device_are_refused_at_init():
     """The device setting must match: one rank on the fake runtime and one without a
     device would run different engines on the same call."""

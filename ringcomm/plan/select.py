@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..core.algorithms import ALGORITHMS, BOARD, LINKS
+from ..core.algorithms import ALGORITHMS, BOARD, LINKS, engines_of
 from ..core.arrays import HOST
 from ..errors import ArgumentError
 from ..schedules import ALLREDUCE, ON_BOARD
@@ -138,7 +138,7 @@ class Selector:
             return algorithm, why
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
-            if name in ON_BOARD:
+            if name in ALGORITHMS and engine not in engines_of(name):
                 raise ArgumentError(f"algorithm {forced!r} runs on the shared board of host "
                                     f"memory; device memory goes over {engine}: choose one of "
                                     f"{', '.join(ALLREDUCE)}")
