@@ -86,3 +86,13 @@ def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes:
     schedules = schedules_for(collective, n, count, itemsize, max(1, segment_bytes // itemsize))
     params = cost.load_profile().for_world(n)
     return cost.simulate(schedules, itemsize, params).time(params, cost.cores_per_rank(n))
+
+
+def device_choice(comm: Any, collective: str, world_size: int, nbytes: int,
+                  itemsize: int) -> tuple[str | None, float | None]:
+    """What a communicator made for device memory runs for an allreduce of ``nbytes`` and
+    the cost model's time for it; (None, None) for the other collectives, whose algorithm
+    cannot be forced and is not priced on a device engine."""
+    if collective != "allreduce" or nbytes == 0:
+        return None, None
+    return comm.allreduce_algorithm(nbytes, itemsize), None
