@@ -1,2 +1,43 @@
 """Device memory: the runtime seam (``runtime``), its CuPy and strict fake implementations,
-and the kinds of device arrays the communicator accepts."""
+and the kinds of device arrays the communicator accepts.
+
+``runtime(name)`` gives the process-wide runtime of that name: "fake" (numpy, everywhere)
+or "cupy" (a CUDA GPU and CuPy). Runtimes are made on first use, so importing ringcomm
+never imports CuPy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ...errors import ArgumentError
+from .runtime import DeviceRuntime
+
+RUNTIME_NAMES = ("fake",)
+_runtimes: dict[str, DeviceRuntime] = {}
+_lock = threading.Lock()
+
+
+def runtime(name: str) -> DeviceRuntime:
+    """The process-wide device runtime ``name`` ("fake" or "cupy"); an ``ArgumentError``
+    saying what to install or set where it cannot be had."""
+    with _lock:
+        found = _runtimes.get(name)
+        if found is None:
+            found = _runtimes[name] = _make(name)
+        return found
+
+
+def _make(name: str) -> DeviceRuntime:
+    if name == "fake":
+        from .fake import FakeRuntime
+
+        return FakeRuntime()
+    raise ArgumentError(
+        f"unknown device runtime {name!r}; use one of: {', '.join(RUNTIME_NAMES)}")
+
+
+def available_runtimes() -> list[str]:
+    """The runtimes that can be used in this process ("fake" always; "cupy" where CuPy
+    imports and sees a GPU)."""
+    return ["fake"]

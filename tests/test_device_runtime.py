@@ -1,0 +1,317 @@
+"""The device runtimes keep CUDA's rules (``ringcomm/core/device/runtime.py``).
+
+The tests of behaviour a GPU shares run over every runtime this machine has (the fake
+everywhere, CuPy where a GPU is); the strictness demonstrations (a forgotten wait reads
+stale bytes, a misused handle raises) are the fake's own, because only the fake makes them
+deterministic.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ringcomm.core.device import available_runtimes, runtime
+from ringcomm.core.device.fake import FakeDeviceArray, FakeDeviceFault, FakeRuntime
+from ringcomm.core.device.runtime import Allocation, DeviceRuntime
+from ringcomm.core.dtypes import REDUCE_OPS, finish_reduction, reduce_into
+from ringcomm.errors import ArgumentError
+
+RUNTIMES = available_runtimes()
+
+
+@pytest.fixture(params=RUNTIMES)
+def rt(request: pytest.FixtureRequest) -> DeviceRuntime:
+    return runtime(request.param)
+
+
+@pytest.fixture
+def fake() -> FakeRuntime:
+    rt = runtime("fake")
+    assert isinstance(rt, FakeRuntime)
+    return rt
+
+
+def put(rt: DeviceRuntime, values: np.ndarray, stream=None) -> Allocation:
+    """A fresh allocation holding ``values`` (queued on ``stream``)."""
+    stream = stream or rt.current_stream()
+    alloc = rt.malloc(values.nbytes)
+    rt.from_host(alloc.ptr, np.ascontiguousarray(values), stream)
+    return alloc
+
+
+def get(rt: DeviceRuntime, ptr: int, like: np.ndarray, stream) -> np.ndarray:
+    out = np.zeros_like(like)
+    rt.to_host(out, ptr, stream)
+    rt.synchronize(stream)
+    return out
+
+
+# ----------------------------------------------------------------------------- every runtime
+
+def test_runtime_registry():
+    assert "fake" in RUNTIMES
+    assert runtime("fake") is runtime("fake")
+    with pytest.raises(ArgumentError, match="unknown device runtime 'nope'"):
+        runtime("nope")
+
+
+def test_copies_and_events_in_order(rt):
+    before = rt.live_allocations()
+    producer, consumer = rt.new_stream(), rt.new_stream()
+    values = np.arange(1000, dtype=np.float32)
+    a = rt.malloc(values.nbytes)
+    b = rt.malloc(values.nbytes)
+    rt.from_host(a.ptr, values, producer)
+    ready = rt.new_event()
+    rt.record(ready, producer)
+    rt.wait_event(consumer, ready)
+    rt.copy(b.ptr, a.ptr, values.nbytes, consumer)
+    np.testing.assert_array_equal(get(rt, b.ptr, values, consumer), values)
+    rt.event_synchronize(ready)
+    assert rt.event_done(ready)
+    assert rt.external_stream(consumer.handle) is consumer or \
+        rt.external_stream(consumer.handle).handle == consumer.handle
+    rt.free(a)
+    rt.free(b)
+    assert rt.live_allocations() == before
+
+
+def test_never_recorded_event_is_no_wait(rt):
+    stream = rt.new_stream()
+    event = rt.new_event()
+    assert rt.event_done(event)
+    rt.event_synchronize(event)  # returns at once
+    rt.wait_event(stream, event)
+    values = np.arange(8, dtype=np.int64)
+    a = rt.malloc(values.nbytes)
+    rt.from_host(a.ptr, values, stream)
+    np.testing.assert_array_equal(get(rt, a.ptr, values, stream), values)
+    rt.free(a)
+
+
+def _values(dtype: np.dtype, count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, count).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(1, 50, count).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dtype)
+    return rng.standard_normal(count).astype(dtype)
+
+
+REDUCTIONS = [(op, name) for op in REDUCE_OPS.values() for name in sorted(op.dtypes)]
+
+
+@pytest.mark.parametrize("op,dtype_name", REDUCTIONS,
+                         ids=[f"{op.name}-{d}" for op, d in REDUCTIONS])
+def test_reductions_equal_the_host_bits(rt, op, dtype_name):
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    count = 257
+    x, y = _values(dtype, count, 1), _values(dtype, count, 2)
+    expect = np.empty_like(x)
+    reduce_into(expect, x, y, op)
+    finish_reduction(expect, op, 3)
+    stream = rt.new_stream()
+    a, b = put(rt, x, stream), put(rt, y, stream)
+    rt.reduce(a.ptr, a.ptr, b.ptr, count, dtype, op, stream)  # dst may be a
+    rt.finish(a.ptr, count, dtype, op, 3, stream)
+    got = get(rt, a.ptr, x, stream)
+    assert got.tobytes() == expect.tobytes()
+    rt.free(a)
+    rt.free(b)
+
+
+def test_avg_divides_once_at_the_end(rt):
+    op = REDUCE_OPS["avg"]
+    stream = rt.new_stream()
+    parts = [np.full(16, v, np.float32) for v in (1.0, 2.0, 6.0)]
+    acc = put(rt, parts[0], stream)
+    others = [put(rt, p, stream) for p in parts[1:]]
+    for other in others:
+        rt.reduce(acc.ptr, acc.ptr, other.ptr, 16, np.dtype(np.float32), op, stream)
+    rt.finish(acc.ptr, 16, np.dtype(np.float32), op, 3, stream)
+    got = get(rt, acc.ptr, parts[0], stream)
+    np.testing.assert_array_equal(got, np.full(16, 3.0, np.float32))
+    for alloc in [acc, *others]:
+        rt.free(alloc)
+
+
+def test_pointer_arithmetic_inside_an_allocation(rt):
+    stream = rt.new_stream()
+    values = np.arange(64, dtype=np.int32)
+    a = put(rt, values, stream)
+    b = rt.malloc(values.nbytes)
+    rt.copy(b.ptr, a.ptr + 128, 128, stream)  # elements 32..63 to the start of b
+    rt.copy(b.ptr + 128, a.ptr, 128, stream)  # elements 0..31 to its end
+    got = get(rt, b.ptr, values, stream)
+    np.testing.assert_array_equal(got, np.concatenate([values[32:], values[:32]]))
+    rt.free(a)
+    rt.free(b)
+
+
+def test_current_stream_is_per_thread(rt):
+    mine = rt.current_stream()
+    assert rt.current_stream() is mine or rt.current_stream().handle == mine.handle
+    theirs: list = []
+    t = threading.Thread(target=lambda: theirs.append(rt.current_stream().handle))
+    t.start()
+    t.join(10)
+    if rt.name == "fake":  # CuPy's per-thread default is the legacy stream, shared
+        assert theirs and theirs[0] != mine.handle
+
+
+# ------------------------------------------------------------------ the fake's strictness
+
+def test_a_forgotten_wait_reads_stale_memory(fake):
+    producer, consumer = fake.new_stream(), fake.new_stream()
+    values = np.arange(32, dtype=np.float32)
+    a = put(fake, np.zeros(32, np.float32), producer)
+    fake.synchronize(producer)
+    b = fake.malloc(values.nbytes)
+    fake.from_host(a.ptr, values, producer)
+    ready = fake.new_event()
+    fake.record(ready, producer)
+    fake.copy(b.ptr, a.ptr, values.nbytes, consumer)  # no wait_event: the producer has not run
+    np.testing.assert_array_equal(get(fake, b.ptr, values, consumer), np.zeros(32))
+    fake.wait_event(consumer, ready)
+    fake.copy(b.ptr, a.ptr, values.nbytes, consumer)
+    np.testing.assert_array_equal(get(fake, b.ptr, values, consumer), values)
+    fake.free(a)
+    fake.free(b)
+
+
+def test_a_record_made_after_the_wait_is_not_waited_for(fake):
+    producer, consumer = fake.new_stream(), fake.new_stream()
+    a = put(fake, np.zeros(4, np.int64), producer)
+    ready = fake.new_event()
+    fake.record(ready, producer)  # generation 1: the zeros
+    fake.wait_event(consumer, ready)  # captures generation 1
+    fake.from_host(a.ptr, np.full(4, 7, np.int64), producer)
+    fake.record(ready, producer)  # generation 2, after the wait: does not count
+    out = np.full(4, -1, np.int64)
+    fake.to_host(out, a.ptr, consumer)
+    fake.synchronize(consumer)
+    np.testing.assert_array_equal(out, np.zeros(4))
+    assert not fake.event_done(ready)  # the 7s are not written yet...
+    assert fake.event_done(ready)  # ...until a poll has set them going
+    fake.free(a)
+
+
+def test_event_done_keeps_a_polling_loop_live(fake):
+    stream = fake.new_stream()
+    a = put(fake, np.ones(4), stream)
+    event = fake.new_event()
+    fake.record(event, stream)
+    polls = 0
+    while not fake.event_done(event):
+        polls += 1
+        assert polls < 5
+    assert polls == 1
+    fake.free(a)
+
+
+def test_bad_pointers_fault_at_once(fake):
+    stream = fake.new_stream()
+    a = fake.malloc(64)
+    host = np.zeros(8)
+    with pytest.raises(FakeDeviceFault, match=r"run past the end .*\(by 8 bytes\)"):
+        fake.copy(a.ptr + 8, a.ptr, 64, stream)
+    with pytest.raises(FakeDeviceFault, match="not fake device memory"):
+        fake.copy(a.ptr, host.ctypes.data, 8, stream)
+    with pytest.raises(FakeDeviceFault, match="not fake device memory"):
+        fake.to_host(host, a.ptr - 8, stream)
+    fake.free(a)
+    with pytest.raises(FakeDeviceFault, match=f"{a.ptr:#x} lies in the allocation freed"):
+        fake.from_host(a.ptr, host, stream)
+    with pytest.raises(FakeDeviceFault, match="double free"):
+        fake.free(a)
+
+
+def test_free_first_runs_the_queued_work_that_uses_the_memory(fake):
+    stream = fake.new_stream()
+    a = put(fake, np.arange(4, dtype=np.int16), stream)
+    b = fake.malloc(8)
+    fake.copy(b.ptr, a.ptr, 8, stream)
+    fake.free(a)  # waits for the queued copy, as cudaFree waits for the device
+    assert fake.live_allocations() >= 1
+    np.testing.assert_array_equal(get(fake, b.ptr, np.zeros(4, np.int16), stream),
+                                  np.arange(4))
+    fake.free(b)
+
+
+def test_handles_refuse_misuse_in_one_process(fake):
+    a = fake.malloc(64)
+    handle = fake.export_memory(a)
+    with pytest.raises(FakeDeviceFault, match="own allocation"):
+        fake.open_memory(handle)
+    with pytest.raises(FakeDeviceFault, match="not a fake memory handle"):
+        fake.open_memory(b"junk")
+    with pytest.raises(FakeDeviceFault, match="no mapping opened with open_memory"):
+        fake.close_memory(a.ptr)
+    event = fake.new_event(interprocess=True)
+    with pytest.raises(FakeDeviceFault, match="event of this process"):
+        fake.open_event(fake.export_event(event))
+    with pytest.raises(FakeDeviceFault, match="only an event made with new_event"):
+        fake.export_event(fake.new_event())
+    fake.free(a)
+    with pytest.raises(FakeDeviceFault, match="only the base of a live allocation"):
+        fake.export_memory(a)
+
+
+def test_host_registration_is_tracked(fake):
+    before = fake.live_allocations()
+    ring = np.zeros(4096, np.uint8)
+    address = ring.ctypes.data
+    fake.host_register(address, ring.nbytes)
+    assert fake.live_allocations() == before + 1
+    with pytest.raises(FakeDeviceFault, match="overlaps"):
+        fake.host_register(address + 100, 10)
+    fake.host_unregister(address)
+    with pytest.raises(FakeDeviceFault, match="no range registered"):
+        fake.host_unregister(address)
+    assert fake.live_allocations() == before
+
+
+def test_streams_and_devices_are_checked(fake):
+    with pytest.raises(FakeDeviceFault, match="no fake stream has handle"):
+        fake.external_stream(0x1)
+    with pytest.raises(FakeDeviceFault, match="has 1 device"):
+        fake.set_device(1)
+    fake.set_device(0)
+    assert fake.device_count() == 1 and fake.describe()["device"] == "fake (numpy)"
+
+
+def test_fake_device_array_refuses_host_access(fake):
+    before = fake.live_allocations()
+    x = FakeDeviceArray.from_host(np.arange(6.0).reshape(2, 3))
+    assert (x.shape, x.size, x.nbytes, x.dtype) == ((2, 3), 6, 48, np.float64)
+    with pytest.raises(TypeError, match=r"\.to_host\(\)"):
+        np.asarray(x)
+    with pytest.raises(TypeError):
+        memoryview(x)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(x.to_host(), np.arange(6.0).reshape(2, 3))
+    assert fake.live_allocations() == before + 1
+    y = FakeDeviceArray.empty(3, np.int32)
+    y.close()
+    del x
+    gc.collect()
+    assert fake.live_allocations() == before
+
+
+def test_from_host_reads_the_values_when_the_copy_runs(fake):
+    values = np.arange(4.0)
+    x = FakeDeviceArray.from_host(values)  # from_host keeps its own copy of values
+    values[:] = -1
+    np.testing.assert_array_equal(x.to_host(), np.arange(4.0))
+    stream = fake.current_stream()
+    host = np.arange(4.0)
+    fake.from_host(x.ptr, host, stream)  # the runtime's copy reads host when it runs
+    host[:] = 9
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 9.0))
+    x.close()
