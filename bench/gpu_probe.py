@@ -63,7 +63,7 @@ def versions(device: str) -> dict[str, Any]:
     return out
 
 
-def _export_side(device: str, conn: Any) -> None:
+def _export_side(device: str, conn: Any, parent: Any) -> None:
     """The exporter: memory and an event, handles sent, freed once the importer has closed."""
     rt = _runtime(device)
     stream = rt.new_stream()
@@ -76,7 +76,7 @@ def _export_side(device: str, conn: Any) -> None:
         raise RuntimeError("the importer did not close its mapping")
     rt.synchronize(stream)
     rt.free(memory)
-    conn.send(rt.live_allocations())
+    parent.send(rt.live_allocations())
 
 
 def _import_side(device: str, conn: Any) -> None:
@@ -101,7 +101,8 @@ def ipc(device: str, timeout: float = 60.0) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     exporter_end, importer_end = ctx.Pipe()
-    exporter = ctx.Process(target=_export_side, args=(device, exporter_end))
+    heard, told = ctx.Pipe(duplex=False)
+    exporter = ctx.Process(target=_export_side, args=(device, exporter_end, told))
     importer = ctx.Process(target=_import_side, args=(device, importer_end))
     started = time.monotonic()
     exporter.start()
@@ -109,7 +110,7 @@ def ipc(device: str, timeout: float = 60.0) -> dict[str, Any]:
     try:
         for p in (importer, exporter):
             p.join(max(0.1, started + timeout - time.monotonic()))
-        left = exporter_end.recv() if exporter_end.poll(1.0) else None
+        left = heard.recv() if heard.poll(1.0) else None
     finally:
         for p in (importer, exporter):
             if p.is_alive():
