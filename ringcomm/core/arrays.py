@@ -20,31 +20,33 @@ that is the kind's job, not the caller's. Three buffers cover every kind of arra
 - ``HostBuffer``, for memory the CPU addresses (numpy arrays, torch CPU tensors): regions
   are views of the caller's memory, so results land in place without a copy, and the hooks
   do nothing.
-- ``DeviceBuffer``, for memory it does not address (a device), as it is: what an engine that
-  moves that memory would take, and what ``staged_for`` stages for the others.
+- ``DeviceBuffer``, for memory in a device runtime (``ringcomm.core.device.runtime``), as
+  it is: what a device engine takes (a pointer, the runtime, the producer event recorded on
+  the caller's stream at issue, the caller's stream to order the results on), and what
+  ``staged_for`` stages for the others.
 - ``StagedBuffer``, a device buffer staged for host memory: a host mirror of the whole
-  buffer. ``before_op`` waits for the device work that produces the array, then copies it
-  into the mirror if the op reads it; ``after_op`` copies the mirror back if the op writes
-  it, then records that the result is there, so later device work can wait for it. When an
-  op fails, ``after_op`` is not called and the device memory keeps its old values. Whole
+  buffer, moved by the runtime on a staging stream. ``before_op`` waits for the producer,
+  then copies the array into the mirror if the op reads it; ``after_op`` copies the mirror
+  back if the op writes it and makes the caller's stream wait for that copy. When an op
+  fails, ``after_op`` is not called and the device memory keeps its old values. Whole
   buffers keep the executor unaware of devices, at a price: the copies do not overlap the
-  wire (staging region by region would need the executor to say which regions it reads and
-  which it writes).
+  wire (the device engines do better).
 
 An ``ArrayKind`` turns one type of array into a buffer, or says clearly why it cannot;
 ``register`` adds one and ``as_buffer`` finds it. numpy and torch CPU are registered here
-(torch by duck typing: it is never imported here). A device kind is a ``DeviceKind``: a
-check (``layout``), the producer to wait for, taken on the caller's thread when the op is
-issued (what a CUDA kind takes from the current stream), and ``wait_for``, ``to_host``,
-``from_host`` and ``record``. ``ringcomm.core.fake_device`` is one, so a CuPy or torch CUDA
-kind is the same few methods and changes neither the algorithms nor the executor.
+(torch by duck typing: it is never imported here). A device kind is a ``DeviceKind``, which
+only says where an array is (``layout``: runtime, pointer, dtype, count, device, stream);
+``ringcomm.core.device.kinds`` has them and registers them.
 """
 
 from __future__ import annotations
 
 import abc
 import sys
+import threading
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # numpy first: without it, ml_dtypes fails with an ImportError that names no module
@@ -53,6 +55,7 @@ import numpy as np  # isort: split
 import ml_dtypes
 
 from ..errors import ArgumentError
+from .device.runtime import DeviceRuntime, Event, Stream
 from .dtypes import ReduceOp, dtype_code, finish_reduction, reduce_into
 
 HOST = "host"  # memory the CPU addresses
@@ -151,29 +154,62 @@ class HostBuffer(Buffer):
         return f"<{type(self).__name__} {self.name}: {self.count} x {self.dtype}>"
 
 
+@dataclass(frozen=True)
+class DeviceLayout:
+    """What a device kind reads off one of its arrays (``DeviceKind.layout``): the runtime
+    whose memory holds it, the device pointer of element 0, the element dtype (as numpy
+    names it) and count, and the stream the caller's work on it is queued on (None: the
+    runtime's current stream on the calling thread)."""
+
+    runtime: DeviceRuntime
+    pointer: int
+    dtype: np.dtype
+    count: int
+    device: int
+    stream: Stream | None = None
+
+
 class DeviceBuffer(Buffer):
-    """A device array as it is (see the module docstring): its kind, the array, what the op
-    does with it, and the producer taken when the op was issued (on the caller's thread).
+    """A device array as it is (see the module docstring), for one op: where it is
+    (``runtime``, ``pointer``, ``device``), what the op does with it (``reads``, ``writes``),
+    and how the op is ordered against the caller, as CUDA orders work:
+
+    - ``producer``: an event recorded on ``caller_stream`` when the op was issued (on the
+      caller's thread): whatever reads or writes the array waits for it first.
+    - ``caller_stream``: the stream the caller's work on the array is queued on; whoever
+      finishes the op makes it wait for the op's last work on the array, and sets ``done``
+      to that point (an event), which the torch backend's ``Work.wait`` uses.
+
     An engine that moves its memory takes it as it is; for the others ``staged_for`` makes
-    the host mirror. Until a device engine exists, every op stages it."""
+    the host mirror."""
 
-    __slots__ = ("kind", "array", "reads", "writes", "producer")
+    __slots__ = ("array", "runtime", "pointer", "device", "reads", "writes", "producer",
+                 "caller_stream", "done", "_staging")
 
-    def __init__(self, kind: DeviceKind, array: Any, name: str, dtype: np.dtype, count: int,
-                 *, reads: bool, writes: bool) -> None:
-        self.kind = kind
+    def __init__(self, array: Any, layout: DeviceLayout, name: str, *, reads: bool,
+                 writes: bool) -> None:
+        runtime = layout.runtime
         self.array = array
+        self.runtime = runtime
+        self.pointer = layout.pointer
+        self.device = layout.device
         self.name = name
-        self.dtype = dtype
-        self.count = count
-        self.nbytes = count * dtype.itemsize
+        self.dtype = layout.dtype
+        self.count = layout.count
+        self.nbytes = layout.count * layout.dtype.itemsize
         self.reads = reads
         self.writes = writes
-        self.producer = kind.producer(array)
+        stream = layout.stream if layout.stream is not None else runtime.current_stream()
+        self.caller_stream = stream
+        self.producer = runtime.new_event()
+        runtime.record(self.producer, stream)
+        self.done: Event | None = None
+        # made here, on the caller's thread, whose current device is the array's
+        self._staging = staging_stream(runtime, layout.device)
 
     @property
-    def memory(self) -> str:  # type: ignore[override]  # the kind's, not the class's
-        return self.kind.memory
+    def memory(self) -> str:  # type: ignore[override]  # the runtime's, not the class's
+        return self.runtime.memory
 
     def staged_for(self, moves: frozenset[str]) -> Buffer:
         if self.memory in moves:
@@ -208,9 +244,72 @@ class DeviceBuffer(Buffer):
         return f"<DeviceBuffer {self.name}: {self.count} x {self.dtype} in {self.memory}>"
 
 
+_STAGING: dict[tuple[int, int], Stream] = {}  # (id of the runtime, device) -> its stream
+_STAGING_LOCK = threading.Lock()
+
+
+def staging_stream(runtime: DeviceRuntime, device: int) -> Stream:
+    """The stream that staging copies of ``device``'s arrays run on: one per runtime and
+    device, made on first use by the calling thread (whose current device must be
+    ``device``), apart from every caller's stream so that staging waits only for what
+    the producer event covers."""
+    key = (id(runtime), device)
+    stream = _STAGING.get(key)
+    if stream is None:
+        with _STAGING_LOCK:
+            stream = _STAGING.get(key)
+            if stream is None:
+                stream = _STAGING[key] = runtime.new_stream()
+    return stream
+
+
+class _InFlight:
+    """Objects that queued device work still uses (a host mirror being copied to the
+    device, the device array it is copied into), each kept referenced until its event is
+    done, so neither is freed or reused under the copy. Checked without blocking whenever
+    one is added; past ``LIMIT`` entries the oldest is waited for, which bounds the memory
+    held by a program that never waits on its results."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._held: deque[tuple[DeviceRuntime, Event, tuple[Any, ...]]] = deque()
+        self._lock = threading.Lock()
+
+    def hold(self, runtime: DeviceRuntime, event: Event, *objects: Any) -> None:
+        with self._lock:
+            held = self._held
+            held.append((runtime, event, objects))
+            while held and held[0][0].event_done(held[0][1]):
+                held.popleft()
+            oldest = held.popleft() if len(held) > self.LIMIT else None
+        if oldest is not None:
+            oldest[0].event_synchronize(oldest[1])
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+IN_FLIGHT = _InFlight()
+
+
+def keep_until_done(runtime: DeviceRuntime, event: Event, *objects: Any) -> None:
+    """Keep ``objects`` referenced until the latest record of ``event`` (made on a stream of
+    ``runtime``) is done: what queued device work reads or writes must outlive it."""
+    IN_FLIGHT.hold(runtime, event, *objects)
+
+
 class StagedBuffer(HostBuffer):
     """A device buffer staged for host memory (see the module docstring): regions, copies and
-    reductions work on a host mirror of all of it; the hooks move it."""
+    reductions work on a host mirror of all of it; the hooks move it, on the staging
+    stream of the array's runtime and device (``staging_stream``).
+
+    ``before_op`` makes the staging stream wait for the producer, and, if the op reads the
+    array, copies it into the mirror and blocks until the copy is done (the executor reads
+    the mirror next). ``after_op``, if the op wrote the array, queues the copy back, records
+    ``done`` after it and makes the caller's stream wait for it: the host does not block,
+    and the mirror and the array are kept referenced until ``done`` (``keep_until_done``)
+    rather than waited for, since nothing on the host needs the copy finished."""
 
     __slots__ = ("_device",)
 
@@ -220,15 +319,23 @@ class StagedBuffer(HostBuffer):
 
     def before_op(self) -> None:
         device = self._device
-        device.kind.wait_for(device.array, device.producer)
+        runtime, stream = device.runtime, device._staging
+        runtime.wait_event(stream, device.producer)
         if device.reads:
-            device.kind.to_host(device.array, self._host)
+            runtime.to_host(self._host, device.pointer, stream)
+            runtime.synchronize(stream)
 
     def after_op(self) -> None:
         device = self._device
-        if device.writes:
-            device.kind.from_host(device.array, self._host)
-        device.kind.record(device.array)
+        if not device.writes:
+            return  # read on the host before the op went on: nothing left on the device
+        runtime, stream = device.runtime, device._staging
+        runtime.from_host(device.pointer, self._host, stream)
+        done = runtime.new_event()
+        runtime.record(done, stream)
+        runtime.wait_event(device.caller_stream, done)
+        device.done = done
+        keep_until_done(runtime, done, self._host, device.array)
 
 
 # --------------------------------------------------------------------------- kinds
@@ -261,40 +368,21 @@ class HostKind(ArrayKind):
 
 
 class DeviceKind(ArrayKind):
-    """Arrays in memory the host cannot address (``memory`` names it): buffers are
-    ``DeviceBuffer`` objects, staged through host memory for engines that move host memory."""
-
-    memory = "device"
+    """Arrays in a device runtime's memory, which the host cannot address: buffers are
+    ``DeviceBuffer`` objects, staged through host memory for engines that move host memory.
+    A kind only says where an array is (``layout``); the buffer does the rest through the
+    runtime. ``ringcomm.core.device.kinds`` has the kinds (CuPy, torch CUDA, the
+    ``__cuda_array_interface__`` and DLPack protocols, the fake runtime's arrays)."""
 
     def buffer(self, x: Any, name: str, writable: bool, reads: bool) -> Buffer:
-        dtype, count = self.layout(x, name)
-        return DeviceBuffer(self, x, name, dtype, count, reads=reads, writes=writable)
+        return DeviceBuffer(x, self.layout(x, name, writable), name, reads=reads,
+                            writes=writable)
 
     @abc.abstractmethod
-    def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
-        """``x``'s element dtype (as numpy names it) and element count; an
-        ``ArgumentError`` for what this kind cannot move."""
-
-    def producer(self, x: Any) -> Any:
-        """Taken when the op is issued, on the caller's thread: what ``wait_for`` waits for
-        (a CUDA kind: an event recorded on the current stream). None by default."""
-        return None
-
-    @abc.abstractmethod
-    def wait_for(self, x: Any, producer: Any) -> None:
-        """Return once the work that ``producer`` stands for has written ``x``."""
-
-    @abc.abstractmethod
-    def to_host(self, x: Any, out: np.ndarray) -> None:
-        """Copy all of ``x`` into ``out`` (1-D, host memory), finished on return."""
-
-    @abc.abstractmethod
-    def from_host(self, x: Any, src: np.ndarray) -> None:
-        """Copy ``src`` (1-D, host memory) into all of ``x``."""
-
-    @abc.abstractmethod
-    def record(self, x: Any) -> None:
-        """Mark the op done with ``x``: later work that reads ``x`` waits for this point."""
+    def layout(self, x: Any, name: str, writable: bool) -> DeviceLayout:
+        """Where ``x`` is and what it holds; an ``ArgumentError`` for what this kind cannot
+        move (saying what to pass instead). Called on the caller's thread when the op is
+        issued."""
 
 
 class NumpyKind(HostKind):

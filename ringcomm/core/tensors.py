@@ -4,12 +4,13 @@
   of the tensor (``TorchCPUKind`` in ``arrays``), or, for a call that runs on the caller's
   thread from start to end, a view made from its address once per address, size and dtype
   (``HostViews``: viewing a tensor as numpy costs more than a small op's exchange).
-- A CUDA tensor is device memory (``TorchCUDAKind``, memory ``cuda``): an engine that moves
-  device memory takes it as it is; every other engine gets it staged through host memory,
-  ordered after the work the caller's stream had queued when the op was issued.
+- A contiguous CUDA tensor is device memory (``ringcomm.core.device.kinds.TorchCUDAKind``, memory
+  ``cuda``): a device engine takes it as it is; every other engine gets it staged through
+  host memory, ordered after the work the caller's stream had queued when the op was
+  issued, and the caller's stream ordered after the results.
 - Any other tensor the host cannot view in place (strided, a conjugate or negated view, on
-  another device) is copied once (``CopiedBuffer``): into a contiguous host copy when the op
-  is issued, back into the tensor when the op is done.
+  another device; a strided CUDA tensor too) is copied once (``CopiedBuffer``): into a
+  contiguous host copy when the op is issued, back into the tensor when the op is done.
 - A dtype the core does not reduce moves as its bytes (``as_bytes``), for ops that only move.
 
 ``tensor_buffer`` picks among them for the torch backend. torch is never imported here until
@@ -25,28 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError
-from .arrays import Buffer, DeviceKind, HostBuffer, as_buffer, register
-
-CUDA = "cuda"  # the memory of a CUDA tensor
+from .arrays import Buffer, HostBuffer
+from .device.kinds import TorchCUDAKind, torch_numpy_dtype
 
 
 def _torch() -> Any:
     return sys.modules["torch"]  # loaded: a tensor was handed in
 
 
-_NUMPY_DTYPES: dict[Any, np.dtype] = {}
-
-
-def numpy_dtype(dtype: Any, name: str = "tensor") -> np.dtype:
-    """numpy's name for the core dtype of torch ``dtype`` (``ml_dtypes``' for bfloat16), as
-    the core views it; an ``ArgumentError`` naming ``name`` for a dtype it does not know."""
-    host = _NUMPY_DTYPES.get(dtype)
-    if host is None:
-        torch = _torch()
-        empty = torch.empty(0, dtype=dtype, device="cpu")
-        host = _NUMPY_DTYPES[dtype] = as_buffer(empty, name=name).dtype
-    return host
+numpy_dtype = torch_numpy_dtype
 
 
 def viewable(t: Any, core_dtypes: frozenset[Any]) -> bool:
@@ -136,59 +124,7 @@ class CopiedBuffer(HostBuffer):
                 self._tensor.copy_(copy.reshape(self._tensor.shape))
 
 
-class TorchCUDAKind(DeviceKind):
-    """CUDA tensors: device memory (``memory = "cuda"``), staged through host memory for the
-    engines that move host memory. The op is ordered after the work the caller's current
-    stream had queued when it was issued (an event recorded then, waited for before the
-    copy), and its results are on the device before the op reports completion."""
-
-    noun = "a torch CUDA tensor"
-    memory = CUDA
-
-    def owns(self, x: Any) -> bool:
-        torch = sys.modules.get("torch")
-        return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
-
-    def layout(self, x: Any, name: str) -> tuple[np.dtype, int]:
-        if x.layout != _torch().strided:
-            raise ArgumentError(f"{name} is a {x.layout} tensor; ringcomm takes dense tensors "
-                                "(call .to_dense())")
-        if x.is_conj() or x.is_neg():
-            raise ArgumentError(f"{name} is a conjugate or negated view; pass "
-                                f"{name}.resolve_conj().resolve_neg()")
-        return numpy_dtype(x.dtype, name), x.numel()
-
-    def producer(self, x: Any) -> Any:
-        torch = _torch()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(x.device))
-        return event
-
-    def wait_for(self, x: Any, producer: Any) -> None:
-        producer.synchronize()
-
-    def to_host(self, x: Any, out: np.ndarray) -> None:
-        _host_tensor(out, x.dtype).copy_(x.detach().reshape(-1))
-
-    def from_host(self, x: Any, src: np.ndarray) -> None:
-        torch = _torch()
-        with torch.no_grad():
-            x.copy_(_host_tensor(src, x.dtype).reshape(x.shape))
-
-    def record(self, x: Any) -> None:
-        _torch().cuda.current_stream(x.device).synchronize()
-
-
-def _host_tensor(host: np.ndarray, dtype: Any) -> Any:
-    """A torch CPU tensor of ``dtype`` over the memory of ``host`` (its numpy equivalent)."""
-    torch = _torch()
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(host)
-
-
 CUDA_KIND = TorchCUDAKind()
-register(CUDA_KIND)
 
 
 def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool = True,
@@ -201,7 +137,7 @@ def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool
             return views.of(t)
         return HostBuffer(_flat_host(t), name)
     known = t.dtype in core_dtypes
-    if t.is_cuda and known:
+    if t.is_cuda and known and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return CUDA_KIND.buffer(t, name, writes, reads)
     if known or not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
         return CopiedBuffer(t, name, reads=reads, writes=writes, as_bytes=not known)

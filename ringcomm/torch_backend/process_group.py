@@ -6,8 +6,9 @@
 
 Why it is thin: every collective already exists in ``Communicator``; a method here turns
 torch's arguments into buffers (``tensors``: through the buffer kinds of
-``ringcomm.core.tensors``, so a CPU tensor is used in place, a CUDA tensor staged by its
-kind, anything else copied once and written back), maps the ``ReduceOp``, starts the op and
+``ringcomm.core.tensors``, so a CPU tensor is used in place, a CUDA tensor taken as device
+memory (by a device engine as it is, staged by its kind for the others), anything else
+copied once and written back), maps the ``ReduceOp``, starts the op and
 wraps what comes back in a ``torch.distributed.Work`` (``work``). Ranks meet through the
 c10d store torch hands the backend (``registration``), so every init method torch has
 works, and each ``new_group`` gets a communicator of its own.
@@ -117,12 +118,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         blocking = not getattr(opts, "asyncOp", True)
         return CallBuffers(self._views if blocking and self.comm.idle else None)
 
-    def _work(self, name: str, parts: Sequence[CommWork], result: Any) -> dist.Work:
+    def _work(self, name: str, parts: Sequence[CommWork], result: Any,
+              call: CallBuffers | None = None) -> dist.Work:
         """The torch handle of ``parts``: a ``FinishedWork`` when all of them already ran (on
         this thread; their buffers wrote their results back as each op ended); else a
-        ``RingcommWork`` that completes when the last part does."""
+        ``RingcommWork`` that completes when the last part does. ``call``: the buffers made
+        for the parts, whose CUDA tensors' streams the handle orders (see ``work``)."""
+        device = call.device if call is not None else ()
         if not all(part.is_completed() for part in parts):
-            return RingcommWork(name, parts, result, self.comm.timeout)
+            return RingcommWork(name, parts, result, self.comm.timeout, device)
         error: BaseException | None = None
         source = -1
         for part in parts:
@@ -131,7 +135,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 error = torch_style(failed, self.comm.timeout)
             if part.source is not None:
                 source = part.source
-        return FinishedWork(name, result if error is None else None, error, source)
+        return FinishedWork(name, result if error is None else None, error, source, device)
 
     # torch's stub gives ProcessGroup's collectives the overloads of its Python API; c10d
     # calls a backend written in Python with (tensors..., opts) only. The overrides below
@@ -158,7 +162,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         bufs = [call.of(t, f"tensors[{i}]", reduce=True, write=True)
                 for i, t in enumerate(tensors)]
         parts = [self._start(opts, self.comm.allreduce, b, op) for b in bufs]
-        return self._work("allreduce", parts, tensors)
+        return self._work("allreduce", parts, tensors, call)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None
                             ) -> dist.Work:
@@ -172,13 +176,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
         parts = [self._start(opts, self.comm.allreduce,
                              call.joined(same_dtype, "tensors", reduce=True, write=True), op)
                  for same_dtype in groups.values()]
-        return self._work("allreduce_coalesced", parts, tensors)
+        return self._work("allreduce_coalesced", parts, tensors, call)
 
     def reduce(  # type: ignore[override]  # c10d's form, see above
             self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        buf = self._buffers(opts).of(one(tensors, "tensors"), "tensor", reduce=True, write=True)
+        call = self._buffers(opts)
+        buf = call.of(one(tensors, "tensors"), "tensor", reduce=True, write=True)
         part = self._start(opts, self.comm.reduce, buf, root=opts.rootRank, op=reduce_op(opts))
-        return self._work("reduce", [part], tensors)
+        return self._work("reduce", [part], tensors, call)
 
     def reduce_scatter(  # type: ignore[override]  # c10d's form, see above
             self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -190,13 +195,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         src = call.joined(inputs, "input_list", reduce=True)
         dst = call.of(out, "output", reduce=True, write=True, read=False)
         part = self._start(opts, self.comm.reduce_scatter, dst, src, reduce_op(opts))
-        return self._work("reduce_scatter", [part], output_tensors)
+        return self._work("reduce_scatter", [part], output_tensors, call)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                               opts: Any = None) -> dist.Work:
-        part = self._reduce_scatter_tensor(opts, self._buffers(opts), output, input,
-                                           reduce_op(opts))
-        return self._work("reduce_scatter_tensor", [part], [output])
+        call = self._buffers(opts)
+        part = self._reduce_scatter_tensor(opts, call, output, input, reduce_op(opts))
+        return self._work("reduce_scatter_tensor", [part], [output], call)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # see above
 
@@ -206,7 +211,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         call, op = self._buffers(opts), reduce_op(opts)
         parts = [self._reduce_scatter_tensor(opts, call, o, i, op)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return self._work("reduce_scatter_tensor_coalesced", parts, outputs)
+        return self._work("reduce_scatter_tensor_coalesced", parts, outputs, call)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
@@ -227,7 +232,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         bufs = [call.of(t, f"tensors[{i}]", write=not is_root, read=is_root)
                 for i, t in enumerate(tensors)]
         parts = [self._start(opts, self.comm.broadcast, b, root=root) for b in bufs]
-        return self._work("broadcast", parts, tensors)
+        return self._work("broadcast", parts, tensors, call)
 
     def allgather(  # type: ignore[override]  # c10d's form, see above
             self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
@@ -240,12 +245,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
             src = call.of(inp, f"input_list[{i}]")
             dst = call.joined(outputs, f"output_lists[{i}]", read=False, write=True)
             parts.append(self._start(opts, self.comm.allgather, dst, src))
-        return self._work("allgather", parts, output_lists)
+        return self._work("allgather", parts, output_lists, call)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> dist.Work:
-        part = self._all_gather_tensor(opts, self._buffers(opts), output, input)
-        return self._work("all_gather_into_tensor", [part], [output])
+        call = self._buffers(opts)
+        part = self._all_gather_tensor(opts, call, output, input)
+        return self._work("all_gather_into_tensor", [part], [output], call)
 
     _allgather_base = all_gather_single
 
@@ -255,7 +261,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         call = self._buffers(opts)
         parts = [self._all_gather_tensor(opts, call, o, i)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return self._work("all_gather_into_tensor_coalesced", parts, outputs)
+        return self._work("all_gather_into_tensor_coalesced", parts, outputs, call)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
@@ -284,7 +290,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         dst = call.joined([o for outputs in output_lists for o in outputs],
                           "output_tensor_lists", read=False, write=True)
         part = self.comm.allgather(dst, src, async_op=True)
-        return self._work("allgather_coalesced", [part], output_lists)
+        return self._work("allgather_coalesced", [part], output_lists, call)
 
     def gather(  # type: ignore[override]  # c10d's form, see above
             self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
@@ -300,7 +306,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             same(outputs, "gather_list", inp.numel(), inp.dtype)
             dst = call.joined(outputs, "gather_list", read=False, write=True)
         part = self._start(opts, self.comm.gather, dst, src, root=root)
-        return self._work("gather", [part], output_lists)
+        return self._work("gather", [part], output_lists, call)
 
     def scatter(  # type: ignore[override]  # c10d's form, see above
             self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -316,7 +322,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             src = call.joined(inputs, "scatter_list")
         dst = call.of(out, "output", write=True, read=False)
         part = self._start(opts, self.comm.scatter, dst, src, root=root)
-        return self._work("scatter", [part], output_tensors)
+        return self._work("scatter", [part], output_tensors, call)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
@@ -337,7 +343,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         part = self._start(opts, self.comm.alltoall, dst, src,
                            in_splits=[t.numel() * scale for t in input_tensors],
                            out_splits=[t.numel() * scale for t in output_tensors])
-        return self._work("all_to_all", [part], output_tensors)
+        return self._work("all_to_all", [part], output_tensors, call)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -350,7 +356,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         out_splits = self._rows(output, output_split_sizes, "output")
         part = self._start(opts, self.comm.alltoall, dst, src, in_splits=in_splits,
                            out_splits=out_splits)
-        return self._work("all_to_all_single", [part], [output])
+        return self._work("all_to_all_single", [part], [output], call)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # c10d's form, see above
 
@@ -403,18 +409,21 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     # -- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        buf = CallBuffers().of(one(tensors, "tensors"), "tensor")
-        return self._work("send", [self.comm.send(buf, dst, tag, async_op=True)], tensors)
+        call = CallBuffers()
+        buf = call.of(one(tensors, "tensors"), "tensor")
+        return self._work("send", [self.comm.send(buf, dst, tag, async_op=True)], tensors, call)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        buf = CallBuffers().of(one(tensors, "tensors"), "tensor", write=True, read=False)
+        call = CallBuffers()
+        buf = call.of(one(tensors, "tensors"), "tensor", write=True, read=False)
         part = self.comm.recv(buf, src, tag, async_op=True)
-        return self._work("recv", [part], tensors)
+        return self._work("recv", [part], tensors, call)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        buf = CallBuffers().of(one(tensors, "tensors"), "tensor", write=True, read=False)
+        call = CallBuffers()
+        buf = call.of(one(tensors, "tensors"), "tensor", write=True, read=False)
         part = self.comm.recv(buf, None, tag, async_op=True)
-        return self._work("recv from any source", [part], tensors)
+        return self._work("recv from any source", [part], tensors, call)
 
     # -- helpers
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> dist.Work:

@@ -2,8 +2,9 @@
 
 Every buffer goes through the buffer kinds of ``ringcomm.core.tensors``: a contiguous CPU
 tensor is used in place (as a view of its memory by address, for a call that runs on the
-caller's thread from start to end; as a view of the tensor otherwise), a CUDA tensor as a
-device buffer staged by its kind, anything else copied once; a list of tensors is one
+caller's thread from start to end; as a view of the tensor otherwise), a contiguous CUDA
+tensor as a device buffer (taken as it is by a device engine, staged through the host by
+the others), anything else copied once; a list of tensors is one
 buffer laid end to end (``Concatenated``), copied back into each after the op. Ops that only
 move data take any dtype, as its bytes; reductions take the dtypes the core reduces.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from ..core.arrays import Buffer, Concatenated
+from ..core.arrays import Buffer, Concatenated, DeviceBuffer
 from ..core.tensors import HostViews, tensor_buffer
 from ..errors import ArgumentError
 
@@ -101,18 +102,24 @@ class CallBuffers:
     """The buffers of one call. ``views``: the process group's host views by address, for a
     call whose ops run on the caller's thread from start to end before it returns (the
     caller holds its tensors meanwhile; a view by address keeps none alive, so an op that
-    may outlive the call takes views of the tensors instead)."""
+    may outlive the call takes views of the tensors instead). ``device``: the buffers of
+    CUDA tensors made so far, whose ``done`` events the call's ``Work`` orders the caller's
+    stream after."""
 
-    __slots__ = ("views",)
+    __slots__ = ("views", "device")
 
     def __init__(self, views: HostViews | None = None) -> None:
         self.views = views
+        self.device: list[DeviceBuffer] = []
 
     def of(self, t: Any, what: str, *, reduce: bool = False, write: bool = False,
            read: bool = True) -> Buffer:
         """``t`` as a buffer of its kind (checked; results written back if ``write``)."""
         check(t, what, reduce=reduce)
-        return tensor_buffer(t, what, CORE_DTYPES, reads=read, writes=write, views=self.views)
+        buf = tensor_buffer(t, what, CORE_DTYPES, reads=read, writes=write, views=self.views)
+        if isinstance(buf, DeviceBuffer):
+            self.device.append(buf)
+        return buf
 
     def joined(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False,
                read: bool = True, write: bool = False) -> Buffer:

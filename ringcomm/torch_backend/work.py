@@ -6,6 +6,13 @@ call, the commonest), which holds no event, lock or future until someone asks fo
 the last of its parts does. Python must never ``set_exception`` on a future that C++ (DDP's
 Reducer) reads, so both complete their futures with a ``(value, error)`` record and hand
 out ``then(_unwrap)`` of it.
+
+CUDA tensors follow torch's stream semantics (as its NCCL process group does): the op's
+last work on each tensor is an event (``DeviceBuffer.done``); ``wait()`` makes the caller's
+*current* stream wait for it without blocking the host, ``synchronize()`` blocks the host
+until it is done, and a future's value is ordered the same way before it is set, so the
+value is safe to use on the caller's stream (torch's CUDA-aware future then carries the
+order to whoever reads it).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.arrays import DeviceBuffer
 from ..errors import CommTimeout
 from ..runtime.work import Work as CommWork
 
@@ -53,12 +61,25 @@ def torch_style(err: BaseException, timeout: float) -> BaseException:
     return err
 
 
+def order_current_streams(device: Sequence[DeviceBuffer]) -> None:
+    """Make the calling thread's current torch stream of each buffer's device wait for the
+    op's last work on that buffer (its ``done`` event; the host does not block)."""
+    for buf in device:
+        done = buf.done
+        if done is not None:
+            runtime = buf.runtime
+            current = torch.cuda.current_stream(buf.device).cuda_stream
+            runtime.wait_event(runtime.external_stream(current), done)
+
+
 class _Handle(dist.Work):
-    """What both kinds of handle answer alike, from ``_result``, ``_error`` and ``_source``."""
+    """What both kinds of handle answer alike, from ``_result``, ``_error``, ``_source`` and
+    ``_device`` (the buffers of the op's CUDA tensors)."""
 
     _result: Any
     _error: BaseException | None
     _source: int
+    _device: Sequence[DeviceBuffer] = ()
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -74,7 +95,11 @@ class _Handle(dist.Work):
         return self._source
 
     def synchronize(self) -> None:
+        """Block the host until the op is done, on the device too."""
         self.wait()
+        for buf in self._device:
+            if buf.done is not None:
+                buf.runtime.event_synchronize(buf.done)
 
 
 class RingcommWork(_Handle):
@@ -88,9 +113,10 @@ class RingcommWork(_Handle):
     """
 
     def __init__(self, name: str, parts: Sequence[CommWork], result: Any,
-                 timeout: float = 0.0) -> None:
+                 timeout: float = 0.0, device: Sequence[DeviceBuffer] = ()) -> None:
         super().__init__()
         self._name = name
+        self._device = device
         self._timeout = timeout
         self._result = result
         self._error: BaseException | None = None
@@ -126,6 +152,9 @@ class RingcommWork(_Handle):
     def _complete(self) -> None:
         # done first: a callback on the future must find the Work completed
         self._done.set()
+        if self._device and self._error is None:
+            # the future records its events on this thread's current streams: order those
+            order_current_streams(self._device)
         self._src.set_result((self._result if self._error is None else None, self._error))
 
     # -- the torch.distributed.Work interface
@@ -138,6 +167,8 @@ class RingcommWork(_Handle):
                 op=self._name)
         if self._error is not None:
             raise self._error
+        if self._device:
+            order_current_streams(self._device)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -172,7 +203,7 @@ class FinishedWork(_Handle):
     _future: torch.futures.Future | None = None
 
     def __init__(self, name: str, result: Any, error: BaseException | None = None,
-                 source: int = -1) -> None:
+                 source: int = -1, device: Sequence[DeviceBuffer] = ()) -> None:
         dist.Work.__init__(self)
         self._name = name
         self._result = result
@@ -180,10 +211,14 @@ class FinishedWork(_Handle):
             self._error = error
         if source != -1:
             self._source = source
+        if device:
+            self._device = device
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._error is not None:
             raise self._error
+        if self._device:
+            order_current_streams(self._device)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -193,6 +228,7 @@ class FinishedWork(_Handle):
                     {t.device for t in _tensors(self._result) if not t.is_cpu}, key=str)
                 future: torch.futures.Future = torch.futures.Future(devices=devices or None)
                 if self._error is None:
+                    order_current_streams(self._device)  # what set_result records after
                     future.set_result(self._result)
                 else:
                     future.set_result((None, self._error))
