@@ -18,6 +18,7 @@ from mp_helpers import transport_pair
 from ringcomm import CommTimeout, PeerLostError, RemoteError
 from ringcomm.transport import InMemoryNetwork, Transport, local_link, mailbox, zmq_control
 from ringcomm.transport.header import Header, OpKind
+from ringcomm.transport.link import Wait
 from ringcomm.transport.local_link import SHM_MIN_BYTES, LocalLink
 from ringcomm.transport.socket_link import SocketLink
 
@@ -91,6 +92,52 @@ def test_messages_arrive_in_order_whole_and_into_place(pair):
         if h is not None:
             a.wait_sent(1, h, deadline, "allreduce #0")
     assert not b.ready(0)
+
+
+def arrived(receiver: Transport, peer: int = 0) -> None:
+    """Wait until a message from ``peer`` can be read without waiting."""
+    deadline = time.monotonic() + 10
+    while not receiver.links[peer].peek():
+        assert time.monotonic() < deadline, "the message never arrived"
+        time.sleep(0.001)
+
+
+@pytest.mark.timeout(30)
+def test_credits_are_a_stream_of_their_own_beside_collective_and_p2p_messages(pair):
+    """Credits (a device channel's) interleaved with collective and point-to-point messages:
+    each stream is read in its own order whichever is asked for first, and credits left
+    unread prove nothing at close."""
+    a, b = pair
+    p2p = Header(0, 4, 1, 0, 0, 0, 7, OpKind.P2P, 0)
+    a.send_credit(1, 1, "allreduce #0")
+    a.send(1, header(0, 8), np.arange(8, dtype=np.uint8), "allreduce #0")
+    a.send_credit(1, 2, "allreduce #0")
+    a.send(1, p2p, np.full(4, 9, np.uint8), "send #0")
+    a.send_credit(1, 5, "allreduce #0")
+    a.send(1, header(0, 8, 1), np.full(8, 3, np.uint8), "allreduce #0")
+    deadline = time.monotonic() + 10
+    # the collective's second message first: two credits and a p2p message are set aside
+    out = np.zeros(8, np.uint8)
+    b.recv_into(0, header(0, 8), out, deadline, "allreduce #0")
+    assert list(out) == list(range(8))
+    assert b.recv_credit(0, deadline, "allreduce #0") == 1
+    b.recv_into(0, header(0, 8, 1), out, deadline, "allreduce #0")
+    assert list(out) == [3] * 8
+    assert b.recv_credit(0, deadline, "allreduce #0") == 2
+    assert bytes(b.recv(0, p2p, deadline, "recv #0")) == bytes([9] * 4)
+    assert b.recv_credit(0, deadline, "allreduce #0") == 5
+    a.send_credit(1, 6, "allreduce #0")
+    arrived(b)
+    b.screen(0, Wait("allreduce #1", deadline, header(1, 8)))  # a board wait sets it aside
+    assert b.recv_credit(0, deadline, "allreduce #1") == 6
+    started = time.monotonic()
+    with pytest.raises(CommTimeout) as info:
+        b.recv_credit(0, time.monotonic() + 0.2, "allreduce #1")
+    assert time.monotonic() - started < 3 and info.value.peer == 0
+    assert info.value.op == "allreduce #1"
+    a.send_credit(1, 7, "allreduce #1")
+    arrived(b)
+    assert b.leftover() is None  # a credit left unread at close proves nothing
 
 
 @pytest.mark.timeout(30)

@@ -9,7 +9,9 @@ Collectives and point-to-point messages are two streams on one link: a message o
 other stream that arrives first is set aside, so a ``send`` issued before a collective
 does not break the collective on the receiver. Within a stream, the header of every
 message is compared with what the receiver expects (``header.check``): above the links, so
-every kind of link gets the same checks.
+every kind of link gets the same checks. Credits (a device channel's receiver saying which
+of the sender's slots are free again) are a third stream, set aside the same way and taken
+with ``recv_credit``; they belong to no op, so they prove nothing at close.
 
 The shared board of ranks on one host is a channel of its own (``board_channel``) beside the
 transport; while a rank waits there it asks the transport to ``screen`` its links.
@@ -31,6 +33,12 @@ from .board_channel import BoardChannel
 from .header import Header, OpKind, check
 from .link import ControlPlane, Link, SendHandle, Wait, remote_error
 
+# the streams of messages on one link, each in its own order: collective (0, every kind not
+# named here), point-to-point, credits
+_COLLECTIVE, _P2P, _CREDIT = 0, 1, 2
+_STREAM_OF: dict[int, int] = {OpKind.P2P: _P2P, OpKind.CREDIT: _CREDIT}
+_Stash = deque[tuple[Header, bytes]]
+
 
 class Transport:
     """Links from ``rank`` to every other rank of a group (``links[rank]`` is None), and the
@@ -42,9 +50,9 @@ class Transport:
         self.world_size = world_size
         self.links = list(links)
         self.control = control
-        # stash[peer][is_p2p]: messages of the other stream that arrived first
-        self._stash: list[tuple[deque[tuple[Header, bytes]], deque[tuple[Header, bytes]]]] = [
-            (deque(), deque()) for _ in range(world_size)]
+        # stash[peer][stream]: messages of another stream that arrived first
+        self._stash: list[tuple[_Stash, _Stash, _Stash]] = [
+            (deque(), deque(), deque()) for _ in range(world_size)]
         self._closed = False
         self._checks_delivery: bool | None = None
         # the shared board beside the links, where the set-up made one (closed with them)
@@ -124,7 +132,8 @@ class Transport:
         Returns the payload if it had been set aside earlier, else None (the payload is
         still to be read by the caller)."""
         op, link = wait.op, self._link(peer)
-        mine = self._stash[peer][int(expected.is_p2p)]
+        want = _P2P if expected.is_p2p else _COLLECTIVE
+        mine = self._stash[peer][want]
         if mine:
             header, payload = mine.popleft()
             check(expected, header, rank=self.rank, op=op)
@@ -133,14 +142,38 @@ class Transport:
             header = link.recv_header(wait)
             if header.kind == OpKind.ABORT:
                 raise remote_error(header, link.recv_payload(op), self.rank, op)
-            if header.is_p2p != expected.is_p2p:
-                other = self._stash[peer][int(header.is_p2p)]
-                other.append((header, bytes(link.recv_payload(op))))
+            stream = _STREAM_OF.get(header.kind, _COLLECTIVE)
+            if stream != want:
+                self._stash[peer][stream].append((header, bytes(link.recv_payload(op))))
                 continue
             if header != expected:
                 link.discard_payload(op)
                 check(expected, header, rank=self.rank, op=op)
             return None
+
+    # ---------------------------------------------------------------- credits
+    def send_credit(self, peer: int, count: int, op: str) -> None:
+        """Tell ``peer`` that this rank has used ``count`` of its messages in all (a device
+        channel's slots: see ``ringcomm.engines.cuda_ipc``)."""
+        self._link(peer).send(Header.credit(self.rank, count), None, op)
+
+    def recv_credit(self, peer: int, deadline: float, op: str) -> int:
+        """The count the next credit from ``peer`` carries, in the order they were sent.
+        Messages of the other streams that arrive first are set aside for their receives;
+        the wait ends as a receive's does (deadline, lost peer, abort)."""
+        mine = self._stash[peer][_CREDIT]
+        if mine:
+            return mine.popleft()[0].count
+        link, wait = self._link(peer), Wait(op, deadline)
+        while True:
+            header = link.recv_header(wait)
+            if header.kind == OpKind.ABORT:
+                raise remote_error(header, link.recv_payload(op), self.rank, op)
+            stream = _STREAM_OF.get(header.kind, _COLLECTIVE)
+            payload = bytes(link.recv_payload(op))
+            if stream == _CREDIT:
+                return header.count
+            self._stash[peer][stream].append((header, payload))
 
     # ---------------------------------------------------------------- screening
     def screen(self, peer: int, wait: Wait) -> None:
@@ -156,9 +189,9 @@ class Transport:
             header = link.recv_header(Wait(wait.op, wait.deadline))
             if header.kind == OpKind.ABORT:
                 raise remote_error(header, link.recv_payload(wait.op), self.rank, wait.op)
-            if header.is_p2p or header.seq > expected.seq:
-                self._stash[peer][int(header.is_p2p)].append(
-                    (header, bytes(link.recv_payload(wait.op))))
+            stream = _STREAM_OF.get(header.kind, _COLLECTIVE)
+            if stream != _COLLECTIVE or header.seq > expected.seq:
+                self._stash[peer][stream].append((header, bytes(link.recv_payload(wait.op))))
                 continue
             link.discard_payload(wait.op)
             check(expected._replace(sender=peer), header, rank=self.rank, op=wait.op)
@@ -207,7 +240,7 @@ class Transport:
                 header = link.recv_header(Wait("close", time.monotonic()))
             except Exception:  # noqa: BLE001 - a peer gone or failed: nothing to prove here
                 continue
-            if header.kind not in (OpKind.ABORT, OpKind.PROBE, OpKind.P2P):
+            if header.kind not in (OpKind.ABORT, OpKind.PROBE, OpKind.P2P, OpKind.CREDIT):
                 return header
         return None
 

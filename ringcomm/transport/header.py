@@ -48,6 +48,7 @@ class OpKind(IntEnum):
     ALLTOALL = 8
     BARRIER = 9
     P2P = 10  # send/recv: their own stream, numbered per pair of ranks
+    CREDIT = 11  # a device channel's receiver frees slots: a stream of its own (``count``)
     PROBE = 254  # a stalled receive asks which op the peer is in (control plane only)
     ABORT = 255  # a rank failed; the payload is its error message
 
@@ -117,6 +118,12 @@ class Header(NamedTuple):
     def control(cls, kind: int, seq: int, sender: int, nbytes: int = 0) -> Header:
         """The header of an abort or a probe (no op descriptor)."""
         return cls(seq, nbytes, 0, 0, sender, 0, -1, kind, 0)
+
+    @classmethod
+    def credit(cls, sender: int, count: int) -> Header:
+        """A credit: ``sender`` has used ``count`` messages in all of its peer's device
+        slots (cumulative, so a later credit says all an earlier one did)."""
+        return cls(0, 0, count, 0, sender, 0, -1, OpKind.CREDIT, 0)
 
     @property
     def is_p2p(self) -> bool:

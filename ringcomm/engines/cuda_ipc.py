@@ -1,0 +1,358 @@
+"""The CUDA IPC channel: ranks of one host move device messages through each other's memory.
+
+Why: between processes on one host (one GPU or several), a message need not leave the
+device. Each rank allocates persistent staging slots once, exports them, and every peer
+maps them once; a message is one device copy into the sender's slot and one copy (or a
+reduction, which reads the peer's memory directly) out of it on the receiver's stream.
+Only small notices travel on the links, so every message still carries the op's header
+(desyncs are caught as on the links) and every host wait runs against the op's deadline.
+
+Set-up (once per group, on every rank): one ``malloc`` holding, for each peer, ``slots``
+outgoing slots of ``slot_bytes`` (this rank writes them, that peer reads them); one
+interprocess ``ready`` event per outgoing slot and one ``done`` event per incoming slot.
+The memory and events are exported once and published through the exchange with this
+process's pid; each peer's are opened once. A peer in this same process (the threads of
+``run_group``) is not opened (CUDA forbids opening one's own handle): its pointers and
+events are found in this process's table of exports.
+
+A message from p to q, piece by piece (a message larger than a slot travels in slot-sized
+pieces, in order), with slot ``s`` = p's running count of pieces to q modulo ``slots``:
+
+1. p, before reusing ``s``, takes q's credits until q has used the piece that last held
+   ``s``, then makes its stream wait for ``done_q[s]`` (device side, no host block);
+2. p copies the piece into ``s`` on its stream, records ``ready_p[s]``, and only then
+   sends the notice (the op's header, a payload naming the slot and the bytes): a wait
+   uses the latest record at the time of the call, so the record must come first;
+3. q receives the notice (its header checked as on the links), makes its stream wait for
+   ``ready_p[s]``, copies or reduces straight from p's slot into its destination,
+   records ``done_q[s]``, and only then sends p a credit (a cumulative count).
+
+Close, in the safe order: every rank lets its own device work on the slots finish, closes
+what it opened and says so ("closed") through the exchange; then it waits, bounded, for
+the "closed" of every peer that maps its memory (a peer that is gone does not hold it) and
+frees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
+from ..core.dtypes import ReduceOp
+from ..errors import ArgumentError, DesyncError
+from ..transport.base import Transport
+from ..transport.header import Header
+from .context import OpContext
+from .device_channel import DeviceChannel, Exchange
+
+__all__ = ["IpcChannel"]
+
+log = logging.getLogger("ringcomm")
+
+# a notice's payload: the message's bytes, the piece's offset and bytes in it, the slot
+_NOTICE = struct.Struct("<QQQI4x")
+_NO_SLOT = 0xFFFFFFFF  # an empty message's notice: no slot, no credit
+_HANDLES_KEY = "cuda-ipc/handles"
+_CLOSED_KEY = "cuda-ipc/closed"
+_ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
+
+
+class _Exports:
+    """This process's exported memory and events by handle, for peers in this same process
+    (which may not open them): set before the handles are published, cleared at free."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[bytes, Any] = {}
+
+    def add(self, handle: bytes, thing: Any) -> None:
+        with self._lock:
+            self._table[handle] = thing
+
+    def get(self, handle: bytes) -> Any:
+        with self._lock:
+            return self._table[handle]
+
+    def drop(self, handles: list[bytes]) -> None:
+        with self._lock:
+            for handle in handles:
+                self._table.pop(handle, None)
+
+
+_EXPORTS = _Exports()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+class IpcChannel(DeviceChannel):
+    """Device messages between the ranks of one host through each other's exported slots
+    (see the module docstring). Made once per group on every rank; ``close`` gives
+    everything back."""
+
+    name = "cuda-ipc"
+
+    def __init__(self, runtime: DeviceRuntime, transport: Transport, exchange: Exchange,
+                 rank: int, world_size: int, *, slots: int = 4, slot_bytes: int = 4 << 20,
+                 timeout_s: float = 60.0, close_wait_s: float = 5.0) -> None:
+        if slots < 1:
+            raise ArgumentError(f"cuda-ipc slots must be at least 1 (got {slots})")
+        if slot_bytes < _ALIGN or slot_bytes % _ALIGN:
+            raise ArgumentError(f"cuda-ipc slot size must be a positive multiple of {_ALIGN} "
+                                f"bytes (got {slot_bytes})")
+        self.runtime = runtime
+        self.transport = transport
+        self.exchange = exchange
+        self.rank = rank
+        self.world_size = world_size
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.close_wait_s = close_wait_s
+        self._closed = False
+        peers = [q for q in range(world_size) if q != rank]
+        self._peers = peers
+        # pieces sent to / received from each peer, across ops, and the credits taken
+        self._sent = [0] * world_size
+        self._received = [0] * world_size
+        self._credited = [0] * world_size
+        # this rank's side: its memory, its ready events (per peer, per outgoing slot) and
+        # done events (per peer, per incoming slot)
+        self._memory: Allocation | None = None
+        self._ready: dict[int, list[Event]] = {}
+        self._done: dict[int, list[Event]] = {}
+        self._exported: list[bytes] = []
+        # the peers' side, as this rank sees it
+        self._their_slots: dict[int, int] = {}  # base of the peer's slots for this rank
+        self._their_ready: dict[int, list[Event]] = {}
+        self._their_done: dict[int, list[Event]] = {}
+        self._pids: dict[int, int] = {}
+        self._opened: list[int] = []  # pointers open_memory returned, closed at close
+        if peers:
+            try:
+                self._set_up(time.monotonic() + timeout_s)
+            except BaseException:
+                try:
+                    self._give_back()
+                except Exception as err:  # noqa: BLE001 - the set-up's error says more
+                    log.warning("rank %d could not give back a half-made cuda-ipc channel: "
+                                "%s", rank, err)
+                raise
+
+    # ---------------------------------------------------------------- set-up
+    def _position(self, owner: int, reader: int) -> int:
+        """Where ``reader``'s slots lie among ``owner``'s (owners skip themselves)."""
+        return reader if reader < owner else reader - 1
+
+    def _set_up(self, deadline: float) -> None:
+        runtime, slots = self.runtime, self.slots
+        memory = runtime.malloc(len(self._peers) * slots * self.slot_bytes)
+        self._memory = memory
+        record: dict[str, Any] = {"pid": os.getpid(), "ready": {}, "done": {}}
+        handle = runtime.export_memory(memory)
+        _EXPORTS.add(handle, memory.ptr)
+        self._exported.append(handle)
+        record["memory"] = handle.hex()
+        for peer in self._peers:
+            for table, name in ((self._ready, "ready"), (self._done, "done")):
+                events = table[peer] = [runtime.new_event(interprocess=True)
+                                        for _ in range(slots)]
+                handles = [runtime.export_event(event) for event in events]
+                for event_handle, event in zip(handles, events, strict=True):
+                    _EXPORTS.add(event_handle, event)
+                self._exported += handles
+                record[name][str(peer)] = [h.hex() for h in handles]
+        self.exchange.publish(_HANDLES_KEY, json.dumps(record).encode())
+        me = str(self.rank)
+        for peer in self._peers:
+            theirs = json.loads(self.exchange.read(_HANDLES_KEY, peer, deadline))
+            pid = self._pids[peer] = int(theirs["pid"])
+            local = pid == os.getpid()
+            memory_handle = bytes.fromhex(theirs["memory"])
+            if local:
+                base = _EXPORTS.get(memory_handle)
+            else:
+                base = runtime.open_memory(memory_handle)
+                self._opened.append(base)
+            self._their_slots[peer] = base + (self._position(peer, self.rank) * slots
+                                              * self.slot_bytes)
+            for table, name in ((self._their_ready, "ready"), (self._their_done, "done")):
+                handles = [bytes.fromhex(h) for h in theirs[name][me]]
+                table[peer] = [_EXPORTS.get(h) if local else runtime.open_event(h)
+                               for h in handles]
+
+    def _my_slot(self, peer: int, slot: int) -> int:
+        assert self._memory is not None
+        return self._memory.ptr + ((self._position(self.rank, peer) * self.slots + slot)
+                                   * self.slot_bytes)
+
+    # ---------------------------------------------------------------- messages
+    def _pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, bytes) of each piece of an ``nbytes`` message: one, empty, for none."""
+        step = self.slot_bytes
+        return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)] \
+            or [(0, 0)]
+
+    def send(self, peer: int, header: Header, src: int, nbytes: int, stream: Stream,
+             ctx: OpContext) -> None:
+        runtime, notice_header = self.runtime, header._replace(nbytes=_NOTICE.size)
+        for offset, size in self._pieces(nbytes):
+            slot = _NO_SLOT
+            if size:
+                number = self._sent[peer]
+                slot = number % self.slots
+                if number >= self.slots:  # the slot's last piece must have been used
+                    self._take_credits(peer, number - self.slots + 1, ctx)
+                    runtime.wait_event(stream, self._their_done[peer][slot])
+                runtime.copy(self._my_slot(peer, slot), src + offset, size, stream)
+                runtime.record(self._ready[peer][slot], stream)
+                self._sent[peer] = number + 1
+            notice = np.frombuffer(_NOTICE.pack(nbytes, offset, size, slot), np.uint8)
+            self.transport.send(peer, notice_header, notice, ctx.name)
+
+    def _take_credits(self, peer: int, needed: int, ctx: OpContext) -> None:
+        """Wait (on the host, through the transport) until ``peer`` has used ``needed``
+        pieces from this rank in all."""
+        while self._credited[peer] < needed:
+            self._credited[peer] = max(self._credited[peer], self.transport.recv_credit(
+                peer, ctx.deadline, ctx.name))
+
+    def recv(self, peer: int, header: Header, dst: int, nbytes: int, stream: Stream,
+             ctx: OpContext, *, reduce_with: int | None = None, op: ReduceOp | None = None,
+             divide_by: int = 1) -> None:
+        runtime, transport = self.runtime, self.transport
+        expected = header._replace(nbytes=_NOTICE.size)
+        dtype, itemsize = ctx.dtype, ctx.dtype.itemsize
+        if reduce_with is not None and op is None:
+            raise ValueError("a reducing receive needs its reduce op")
+        for offset, size in self._pieces(nbytes):
+            notice = bytes(transport.recv(peer, expected, ctx.deadline, ctx.name))
+            transport.release(peer)
+            number = self._received[peer]
+            slot = number % self.slots if size else _NO_SLOT
+            self._check_notice(peer, notice, (nbytes, offset, size, slot), ctx)
+            if not size:
+                continue
+            theirs = self._their_slots[peer] + slot * self.slot_bytes
+            runtime.wait_event(stream, self._their_ready[peer][slot])
+            if reduce_with is None:
+                runtime.copy(dst + offset, theirs, size, stream)
+            else:
+                assert op is not None
+                runtime.reduce(dst + offset, reduce_with + offset, theirs, size // itemsize,
+                               dtype, op, stream)
+            runtime.record(self._done[peer][slot], stream)
+            self._received[peer] = number + 1
+            transport.send_credit(peer, number + 1, ctx.name)
+        if reduce_with is not None and divide_by > 1 and nbytes:
+            assert op is not None
+            runtime.finish(dst, nbytes // itemsize, dtype, op, divide_by, stream)
+
+    def _check_notice(self, peer: int, notice: bytes, expected: tuple[int, int, int, int],
+                      ctx: OpContext) -> None:
+        got = _NOTICE.unpack(notice)
+        if got == expected:
+            return
+        if got[0] != expected[0]:
+            what = (f"rank {peer} sends a message of {got[0]} B, rank {self.rank} expects "
+                    f"{expected[0]} B")
+        else:
+            what = (f"rank {peer}'s notice names {got[2]} B at offset {got[1]} in slot "
+                    f"{got[3]}, rank {self.rank} expects {expected[2]} B at offset "
+                    f"{expected[1]} in slot {expected[3]} (a message was lost)")
+        raise DesyncError(f"ranks disagree about a device message: {what}", rank=self.rank,
+                          op=ctx.name, peer=peer)
+
+    # ---------------------------------------------------------------- the rest
+    def describe(self) -> str:
+        return f"cuda-ipc: {self.slots} slots x {_size(self.slot_bytes)} per peer"
+
+    def close(self) -> None:
+        """Importers close, then exporters free (see the module docstring)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._peers:
+            return
+        self._settle()
+        self._close_opened()
+        try:
+            self.exchange.publish(_CLOSED_KEY, b"1")
+        except Exception as err:  # noqa: BLE001 - the store may be gone with the group
+            log.warning("rank %d could not say its cuda-ipc mappings are closed: %s",
+                        self.rank, err)
+        self._await_importers(time.monotonic() + self.close_wait_s)
+        self._give_back()
+
+    def _settle(self) -> None:
+        """Let this rank's device work on the slots finish: its copies into its own slots
+        (ready events) and its reads of the peers' slots (done events)."""
+        for table in (self._ready, self._done):
+            for events in table.values():
+                for event in events:
+                    self.runtime.event_synchronize(event)
+
+    def _close_opened(self) -> None:
+        opened, self._opened = self._opened, []
+        for ptr in opened:
+            self.runtime.close_memory(ptr)
+
+    def _await_importers(self, deadline: float) -> None:
+        """Wait until every peer that maps this rank's slots has said "closed", or is gone,
+        or ``deadline`` has passed."""
+        for peer in self._peers:
+            pid = self._pids.get(peer)
+            if pid is None:
+                continue  # it never read this rank's handles
+            while True:
+                try:
+                    self.exchange.read(_CLOSED_KEY, peer,
+                                       min(deadline, time.monotonic() + 0.05))
+                    break
+                except TimeoutError:  # CommTimeout or the store's
+                    if not _alive(pid):
+                        break
+                    if time.monotonic() >= deadline:
+                        log.warning("rank %d frees its cuda-ipc slots although rank %d has "
+                                    "not said it closed them", self.rank, peer)
+                        break
+
+    def _give_back(self) -> None:
+        """Close what is still open and free this rank's memory (the last step of close, or
+        what a failed set-up made)."""
+        self._close_opened()
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self.runtime.free(memory)
+        _EXPORTS.drop(self._exported)
+        self._exported = []
+        self._ready, self._done = {}, {}
+        self._their_ready, self._their_done, self._their_slots = {}, {}, {}
