@@ -56,6 +56,11 @@ NEEDED_ON_GPU = (("cupy", "cupy-cuda13x (or cupy-cuda12x)", "the device runtime"
 OPTIONAL = (("expecttest", "expecttest", "torch's own test suite (tests/torch_suite)"),)
 
 
+# what ``versions`` reports beside the device's own description (``gpu.json``'s "device")
+LIBRARIES = ("ok", "available", "runtime", "torch", "torch_cuda", "torch_cuda_available",
+             "numpy", "python", "cupy", "nccl")
+
+
 @dataclass
 class Check:
     """One step's outcome as ``gpu.json`` records it."""
@@ -244,23 +249,34 @@ def _junit_counts(path: Path) -> tuple[int, int, int] | None:
     return total - failed - skipped, failed, skipped
 
 
+STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "bench")
+
+
 def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
-          python: str = sys.executable) -> dict[str, Any]:
-    """Run every step, write the JSON and the log, return what was written."""
+          python: str | None = None, steps: tuple[str, ...] = STEPS) -> dict[str, Any]:
+    """Run the steps asked for (every one by default; the others are recorded as skipped),
+    write the JSON and the log, return what was written."""
     started = time.monotonic()
-    run = Run(root, out, fake, budget, python)
+    # every step runs on the Python gpu_check.sh was given (PYTHON), this one by default
+    run = Run(root, out, fake, budget, python or os.environ.get("PYTHON") or sys.executable)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     run.say(f"ringcomm gpu_check{' --fake' if fake else ''}: {date}, results in {out}")
     figures: dict[str, Any] = {}
+    limits = {"versions": 90, "ipc": 90, "host-register": 60, "mps": 20}
     try:
-        run.wheels()
-        run.modules()
-        run.probe("versions", 90)
-        run.probe("ipc", 90)
-        run.probe("host-register", 60)
-        run.probe("mps", 20)
-        run.pytest_gpu()
-        _, figures = run.bench()
+        for step in STEPS:
+            if step not in steps:
+                run.record(Check(step, "skip", skipped=1, detail={"why": "not asked for"}))
+            elif step == "wheels":
+                run.wheels()
+            elif step == "modules":
+                run.modules()
+            elif step == "pytest-gpu":
+                run.pytest_gpu()
+            elif step == "bench":
+                _, figures = run.bench()
+            else:
+                run.probe(step, limits[step])
     finally:
         found = next((c.detail for c in run.checks if c.name == "versions"), {})
         result = {
@@ -273,8 +289,7 @@ def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
             "duration_s": round(time.monotonic() - started, 1),
             "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
                         "platform": platform.platform()},
-            "device": {k: found.get(k) for k in ("name", "device", "driver", "cuda",
-                                                 "capability", "memory") if k in found},
+            "device": {k: v for k, v in found.items() if k not in LIBRARIES},
             "versions": {k: v for k, v in found.items() if k not in ("ok",)},
             "checks": [vars(c) for c in run.checks],
             "passed": bool(run.checks) and all(c.status != "fail" for c in run.checks),
@@ -297,9 +312,16 @@ def main(argv: list[str] | None = None) -> int:
                    "(default bench/results)")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help=f"seconds for every step together (default {BUDGET_S:.0f})")
+    p.add_argument("--steps", default=",".join(STEPS),
+                   help=f"the steps to run, commas between (default all: {','.join(STEPS)}); "
+                   "the others are recorded as skipped")
     args = p.parse_args(argv)
+    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip())
+    if unknown := [s for s in steps if s not in STEPS]:
+        p.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     root = Path(__file__).resolve().parent.parent
-    result = check(root, args.out or root / "bench" / "results", args.fake, args.budget)
+    result = check(root, args.out or root / "bench" / "results", args.fake, args.budget,
+                   steps=steps)
     return 0 if result["passed"] else 1
 
 
