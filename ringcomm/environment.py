@@ -41,7 +41,8 @@ def report() -> str:
     lines = ["versions"]
     lines += [f"  {name}: {_version(dist)}" for name, dist in (
         ("ringcomm", "ringcomm"), ("torch", "torch"), ("numpy", "numpy"), ("pyzmq", "pyzmq"),
-        ("ml_dtypes", "ml_dtypes"), ("mpi4py", "mpi4py"), ("cupy", "cupy-cuda12x"))]
+        ("ml_dtypes", "ml_dtypes"), ("mpi4py", "mpi4py"), ("cupy (cuda12x)", "cupy-cuda12x"),
+        ("cupy (cuda13x)", "cupy-cuda13x"))]
     lines += [f"  python: {platform.python_version()} ({sys.executable})",
               "platform", f"  system: {platform.platform()}", f"  cores: {_cores()}"]
     path = cost.profile_path()
@@ -74,4 +75,41 @@ def report() -> str:
               f"  named pipes and ipc sockets under: {ipc_base()}",
               "  between hosts: ZeroMQ tcp (address: init(host=), RINGCOMM_IFADDR, "
               "RINGCOMM_SOCKET_IFNAME, else the route to the store)"]
+    lines += device_report()
     return "\n".join(lines)
+
+
+def device_report() -> list[str]:
+    """The device section: the device this process would propose, its runtime's versions,
+    and the device engines a group would get."""
+    from .core import config
+    from .errors import ArgumentError
+    from .plan.settings import device_mode
+
+    lines = ["device"]
+    try:
+        mode = device_mode()
+    except ArgumentError as err:
+        return [*lines, f"  device: unusable setting: {err}"]
+    asked = config.read("device").value
+    lines.append(f"  device: {mode}" + (f" (from {asked})" if asked != mode else ""))
+    if mode == "off":
+        lines.append("  device arrays (CuPy, CUDA tensors) are staged through host memory "
+                     "for the host engines")
+        return lines
+    from .core import device
+
+    name = "cupy" if mode == "cuda" else "fake"
+    try:
+        runtime = device.runtime(name)
+        about = runtime.describe()
+    except ArgumentError as err:
+        return [*lines, f"  runtime {name}: unavailable: {err}"]
+    lines.append(f"  runtime: {runtime.name} (memory {runtime.memory!r})")
+    lines += [f"    {key}: {value}" for key, value in about.items()]
+    engine = config.read("device_engine").value
+    lines.append("  device engines (RINGCOMM_DEVICE_ENGINE=" + engine + "): " + {
+        "auto": "cuda-ipc where every rank is on one host, else staged; staged always",
+        "cuda-ipc": "cuda-ipc (every rank must be on one host); staged always",
+        "staged": "staged only"}[engine])
+    return lines

@@ -31,6 +31,7 @@ from typing import Any
 from .._support import check_platform
 from .._version import __version__
 from ..core import config
+from ..engines.exchange import StoreExchange
 from ..errors import ArgumentError, CommError, StoreError
 from ..observe.clock import through_store
 from ..plan.settings import agree, propose
@@ -54,6 +55,7 @@ def init(
     host: str | None = None,
     trace: str | os.PathLike[str] | None = None,
     auth_token: str | None = None,
+    device: str | None = None,
 ) -> Communicator:
     """Join a group and return its communicator.
 
@@ -69,6 +71,10 @@ def init(
     ``auth_token`` (or ``RINGCOMM_AUTH_TOKEN``) is a shared secret: ringcomm's store and
     every tcp link between ranks admit only peers holding it, and encrypt (torch's store,
     under torchrun, is not covered); a rank or store with another token is an ``AuthError``.
+    ``device`` (or ``RINGCOMM_DEVICE``): ``"cuda"`` reduces CuPy arrays and CUDA tensors on
+    the GPU (over CUDA IPC on one host, through host staging across hosts), ``"fake"`` does
+    the same on the strict numpy runtime (tests), ``"off"`` stages device arrays through
+    the host; ``"auto"`` (the default) is cuda where CuPy sees a GPU. Must match.
     """
     check_platform()  # Linux only: say so before anything else
     rank = rank if rank is not None else env_int("RANK")
@@ -116,7 +122,8 @@ def init(
         scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
         try:  # this rank's own settings and address; a mistake here is told to every rank
             config.check_all()  # every setting this rank reads later, read now
-            proposal, failure = propose(segment_bytes=segment_bytes, transport=transport), None
+            proposal, failure = propose(segment_bytes=segment_bytes, transport=transport,
+                                        device=device), None
             host = host or _reachable_host(address)
             trace = trace if trace is not None else config.value("trace")
         except ArgumentError as err:
@@ -138,9 +145,15 @@ def init(
                             hosts=[topology.ranks[m].host for m in members], host=host,
                             mode=settings.transport, timeout=timeout, auth_token=auth_token)
 
-    comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
-                        on_close=list(reversed(closers)), connect=connect, store=scoped,
-                        faults_live=False)
+    try:
+        comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
+                            on_close=list(reversed(closers)), connect=connect, store=scoped,
+                            faults_live=False, exchange=StoreExchange(scoped, "device", rank))
+    except BaseException:  # the device set-up failed: nothing of the group stays open
+        chans.close()
+        for close in closers:
+            close()
+        raise
     try:
         comm.barrier()  # every rank is connected and done with the store's set-up keys
         measure_remote(comm)  # several hosts: the link between them, agreed

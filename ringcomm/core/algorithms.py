@@ -9,7 +9,9 @@ collectives (``ringcomm.plan.collectives``), which refuses a builder whose name 
 
 Each row says which engine runs it (``links``: messages between pairs of ranks; ``board``:
 the shared memory of one host's ranks) and whether the cost model prices it as an
-allreduce candidate. A row's wire code is its position: rows are only ever appended.
+allreduce candidate. The device engines (``cuda-ipc``, ``staged``) run the same messages
+on device memory, so every algorithm of the links is theirs too (``engines_of``). A row's
+wire code is its position: rows are only ever appended.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from types import MappingProxyType
 
 LINKS = "links"  # the link executor: messages over each pair's link
 BOARD = "board"  # the shared board: posts and takes in memory all local ranks map
+CUDA_IPC = "cuda-ipc"  # device memory of one host's ranks, mapped by each other
+STAGED = "staged"  # device memory through page-locked host memory and the links
+DEVICE_ENGINES: tuple[str, ...] = (CUDA_IPC, STAGED)  # in the selector's order of preference
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,9 @@ WIRE_CODES = MappingProxyType({name: code for code, name in enumerate(WIRE_NAMES
 ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allreduce)
 ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
 
+
+def engines_of(name: str) -> tuple[str, ...]:
+    """The engines that run algorithm ``name``: the board's on the board only; every other
+    over the links and on each device engine, which walk the same messages."""
+    row = ALGORITHMS[name]
+    return (BOARD,) if row.engine == BOARD else (LINKS, *DEVICE_ENGINES)

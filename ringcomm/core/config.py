@@ -153,6 +153,10 @@ def _debug(raw: str) -> str:
 
 
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
+DEVICE_MODES = ("auto", "cuda", "fake", "off")
+DEVICE_ENGINES = ("auto", "cuda-ipc", "staged")
+DEFAULT_IPC_SLOTS = 4
+DEFAULT_IPC_SLOT_BYTES = 4 << 20
 DEFAULT_SPIN_US = 50.0
 DEFAULT_INLINE_BYTES = 64 * 1024
 DEFAULT_TRACE_EVENTS = 200_000
@@ -220,6 +224,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checksum", Scope.MUST_MATCH, "RINGCOMM_CHECKSUM", None,
             "1 adds a checksum to every message and board post, so corruption on the way "
             "is a ChecksumError naming the link, op and message", False, _flag),
+    Setting("device", Scope.MUST_MATCH, "RINGCOMM_DEVICE", "device",
+            "device memory (CuPy arrays, CUDA tensors) reduced on the device: cuda (CuPy "
+            "and a GPU, else an error), fake (the strict numpy runtime, for tests), off "
+            "(device arrays are staged through the host); auto is cuda where CuPy sees a "
+            "GPU, else off. Ranks must end up with the same", "auto",
+            _choice(*DEVICE_MODES)),
+    Setting("device_engine", Scope.MUST_MATCH, "RINGCOMM_DEVICE_ENGINE", None,
+            "which device engine moves device memory: cuda-ipc (ranks of one host map each "
+            "other's device memory), staged (through page-locked host memory over the "
+            "links, across hosts too); auto takes cuda-ipc where every rank is on one host",
+            "auto", _choice(*DEVICE_ENGINES)),
+    Setting("ipc_slots", Scope.AGREED, "RINGCOMM_IPC_SLOTS", None,
+            "device staging slots per peer of the cuda-ipc engine (messages in flight)",
+            DEFAULT_IPC_SLOTS, _positive("slots")),
+    Setting("ipc_slot_bytes", Scope.AGREED, "RINGCOMM_IPC_SLOT_BYTES", None,
+            "bytes of one cuda-ipc staging slot (a larger message goes in pieces)",
+            DEFAULT_IPC_SLOT_BYTES, _positive("bytes")),
     Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
             "a shared secret: the store and every rank-to-rank tcp connection admit only "
             "peers that hold it (and encrypt); never published or logged", None, _text,

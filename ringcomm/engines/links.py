@@ -37,7 +37,7 @@ from ..transport.base import SendHandle, Transport
 from ..transport.header import Header
 from .base import Engine
 from .context import OpContext
-from .progress import OpProgress, over_links, waited_for
+from .progress import over_links, timed_out, waited_for
 
 __all__ = ["LinkEngine"]
 
@@ -202,9 +202,9 @@ def _run(
             if not isinstance(err, CommTimeout):
                 err.progress = progress
                 raise
-            raise _timed_out(err, progress, f"; the step was: {step.describe()} (step {index} "
-                             f"of {len(steps)} of {schedule.algorithm} {schedule.collective})",
-                             rank, ctx.name) from None
+            raise timed_out(err, progress, f"; the step was: {step.describe()} (step {index} "
+                            f"of {len(steps)} of {schedule.algorithm} {schedule.collective})",
+                            rank, ctx.name) from None
         if observe is not None:
             observe(index, step, started, time.perf_counter())
     try:
@@ -219,20 +219,10 @@ def _run(
         if not isinstance(err, CommTimeout):
             err.progress = progress
             raise
-        raise _timed_out(err, progress, f" (the last sends of {schedule.algorithm} "
-                         f"{schedule.collective})", rank, ctx.name) from None
+        raise timed_out(err, progress, f" (the last sends of {schedule.algorithm} "
+                        f"{schedule.collective})", rank, ctx.name) from None
     for buf in buffers.values():
         buf.after_op()
-
-
-def _timed_out(err: CommTimeout, progress: OpProgress | None, where: str, rank: int,
-               op: str) -> CommTimeout:
-    """A wait's timeout, saying where in the schedule it ran out of time and what to do,
-    with where the op stood (for the hang report)."""
-    timeout = CommTimeout(f"{err.detail}{where}. Check that every rank runs this op, or "
-                          "raise the timeout.", rank=rank, op=op, peer=err.peer)
-    timeout.progress = progress
-    return timeout
 
 
 def _step_order(steps: tuple[Step, ...], runs: dict[int, int],

@@ -102,12 +102,25 @@ def waited_for(err: CommError, step_peer: int) -> int | None:
     return step_peer if step_peer >= 0 else None
 
 
+def timed_out(err: CommTimeout, progress: OpProgress | None, where: str, rank: int,
+              op: str) -> CommTimeout:
+    """A wait's timeout, saying where in the schedule it ran out of time and what to do,
+    with where the op stood (for the hang report): what every engine that walks a
+    schedule raises when a wait of one of its steps runs out of time."""
+    timeout = CommTimeout(f"{err.detail}{where}. Check that every rank runs this op, or "
+                          "raise the timeout.", rank=rank, op=op, peer=err.peer)
+    timeout.progress = progress
+    return timeout
+
+
 @quietly
 def over_links(schedule: Schedule, index: int, peer: int | None, sent: Sequence[int],
-               received: Sequence[int], itemsize: int, *, receiving: bool) -> OpProgress:
+               received: Sequence[int], itemsize: int, *, receiving: bool,
+               engine: str = "links") -> OpProgress:
     """The link engine's place: at step ``index`` of ``schedule`` (``len(steps)``: waiting for
     the last sends), having started ``sent[p]`` sends to and ``received[p]`` receives from
-    each rank ``p``; ``receiving`` says whether the step that failed had started its
+    each rank ``p`` (on ``engine``: the links, or a device engine walking the same
+    messages); ``receiving`` says whether the step that failed had started its
     receive (counted in ``received`` but not done); a send step that failed is counted in
     ``sent`` but did not go. Each peer's messages go in schedule order, so the first
     ``sent[p]`` sends to ``p`` in the schedule are the ones that went, whatever order
@@ -134,7 +147,7 @@ def over_links(schedule: Schedule, index: int, peer: int | None, sent: Sequence[
             taken_bytes += s.dst.count * itemsize
     doing = step.describe() if step is not None else \
         "waiting for its last sends to leave this process"
-    return OpProgress("links", f"{schedule.algorithm} {schedule.collective}", index,
+    return OpProgress(engine, f"{schedule.algorithm} {schedule.collective}", index,
                       len(steps), _squeeze(doing), peer, messages, nbytes, taken, taken_bytes)
 
 

@@ -27,6 +27,7 @@ from ..transport.board_channel import BoardChannel
 from ..transport.link import Link
 from .base import Engine
 from .board import BoardEngine
+from .device import DeviceEngine, DeviceLane
 from .links import LinkEngine
 
 
@@ -49,7 +50,10 @@ class Wrapper:
 class Wiring:
     """A group's links, board channel and engines as made (``bare_*``), and as the installed
     wrappers stand in front of them. Engines are made over the wrapped links and board, so
-    whatever an engine sends goes through every wrapper."""
+    whatever an engine sends goes through every wrapper. The device lanes (a device channel
+    with its stream and scratch: ``DeviceLane``) are made once at set-up, since they own
+    device memory; the device engines over them are made here like the others, and their
+    channels reach the peers through the wrapped links."""
 
     transport: Transport
     bare_links: list[Link | None]
@@ -57,11 +61,14 @@ class Wiring:
     wrappers: list[Wrapper] = field(default_factory=list)
     board: BoardChannel | None = None
     engines: dict[str, Engine] = field(default_factory=dict)
+    lanes: dict[str, DeviceLane] = field(default_factory=dict)
 
     @classmethod
     def of(cls, transport: Transport, board: BoardChannel | None,
-           wrappers: Sequence[Wrapper] = ()) -> Wiring:
-        wiring = cls(transport, list(transport.links), board, list(wrappers))
+           wrappers: Sequence[Wrapper] = (),
+           lanes: dict[str, DeviceLane] | None = None) -> Wiring:
+        wiring = cls(transport, list(transport.links), board, list(wrappers),
+                     lanes=dict(lanes or {}))
         wiring._wire()
         return wiring
 
@@ -86,6 +93,8 @@ class Wiring:
         engines: dict[str, Engine] = {"links": LinkEngine(self.transport)}
         if board is not None:
             engines["board"] = BoardEngine(board)
+        for name, lane in self.lanes.items():
+            engines[name] = DeviceEngine(lane, self.transport.rank, self.transport.world_size)
         for wrapper in self.wrappers:
             engines = {name: wrapper.engine(engine) for name, engine in engines.items()}
         self.engines = engines

@@ -63,33 +63,57 @@ DEFAULT_PARAMS: dict[int, CostParams] = {
 }
 
 
+# The device engines when no profile says better (``ringcomm tune`` on a GPU writes their
+# own under "devices"). Not measured here (no GPU): derived from the machine's documented
+# figures. cuda-ipc: a message is a copy into a slot and a notice on the local link (about
+# 20 us with its event waits); a device-to-device copy moves about 1.5 TB/s (3.0 TB/s
+# counting bytes read and written on an H100), a reduction reads two bytes and writes one
+# per byte. staged: a message is a copy to host, a send, a copy to the device, each waited
+# for (about 60 us), and its bytes cross PCIe twice (about 25 GB/s each way) besides the
+# link's own copy.
+DEFAULT_DEVICE_PARAMS: dict[str, CostParams] = {
+    "cuda-ipc": CostParams(alpha=20e-6, beta=0.67e-12, gamma=1.0e-12),
+    "staged": CostParams(alpha=60e-6, beta=0.17e-9, gamma=1.0e-12),
+}
+
+
 @dataclass
 class Profile:
-    """Fitted parameters per world size, and the measured best segment size."""
+    """Fitted parameters per world size, the measured best segment size, and the device
+    engines' parameters where they were measured."""
 
     params: dict[int, CostParams] = field(default_factory=dict)
     segment_bytes: int | None = None
     source: str = "defaults"
     remote: CostParams | None = None  # links between hosts, where `ringcomm tune` measured them
+    devices: dict[str, CostParams] = field(default_factory=dict)  # by device engine
 
     def for_world(self, world_size: int) -> CostParams:
         params = self.params or DEFAULT_PARAMS
         nearest = min(params, key=lambda n: (abs(n - world_size), -n))
         return params[nearest]
 
+    def for_device(self, engine: str) -> CostParams:
+        """The parameters of device engine ``engine``: measured, else the defaults."""
+        return self.devices.get(engine) or DEFAULT_DEVICE_PARAMS[engine]
+
     def to_json(self) -> str:
-        return json.dumps({
+        raw = {
             "params": {str(n): asdict(p) for n, p in sorted(self.params.items())},
             "segment_bytes": self.segment_bytes,
             "remote": asdict(self.remote) if self.remote else None,
-        }, indent=2)
+        }
+        if self.devices:
+            raw["devices"] = {name: asdict(p) for name, p in sorted(self.devices.items())}
+        return json.dumps(raw, indent=2)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Profile:
         raw = json.loads(text)
         params = {int(n): CostParams(**p) for n, p in raw.get("params", {}).items()}
         remote = CostParams(**raw["remote"]) if raw.get("remote") else None
-        return cls(params, raw.get("segment_bytes"), source, remote)
+        devices = {name: CostParams(**p) for name, p in (raw.get("devices") or {}).items()}
+        return cls(params, raw.get("segment_bytes"), source, remote, devices)
 
 
 def profile_path() -> Path:

@@ -20,8 +20,12 @@ The rules, per collective:
 - barrier: the board where there is one; else dissemination;
 - the others: their one algorithm over links.
 
-A buffer in device memory is staged through host memory for the engines that move host
-memory (today all of them): its kind does that, and the choice says so.
+Device memory a group's device engines move (``device_memory``) goes to one of them:
+``cuda-ipc`` where the group has it (every rank on one host), else ``staged``, with the
+algorithm the links would run (never a board schedule); an allreduce's is the cost model's
+cheapest under that engine's constants (a tuned profile's, else the defaults), and the
+choice's reason says which. Any other device memory is staged through host memory for the
+host engines: its kind does that, and the choice says so.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Group:
     settings: Settings
     topology: Topology
     segment_bytes: int
+    device_engines: tuple[str, ...] = ()  # in order of preference: cuda-ipc, staged
+    device_memory: str | None = None  # the memory they move
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Selector:
     def __init__(self, group: Group) -> None:
         self.group = group
         self._priced: dict[tuple[int, int], str] = {}
+        self._priced_device: dict[tuple[int, int, str], str] = {}
         self._made: dict[tuple[str, int, int, str, str | None], Choice] = {}
         self._fixed: dict[str, Choice] = {}  # the collectives whose choice has no size
         self._one_shot = board_schedules.one_shot_bytes(group.world_size)
@@ -104,14 +111,50 @@ class Selector:
 
     def _make(self, collective: str, nbytes: int, itemsize: int, memory: str,
               forced: str | None) -> Choice:
+        group = self.group
+        if memory == group.device_memory and group.device_engines:
+            engine, algorithm, why = self._on_device(collective, nbytes, itemsize, forced)
+            return Choice(engine, algorithm, group.segment_bytes, why)
         engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
         if memory != HOST:
             why += f"; {memory} memory staged through the host"
-        return Choice(engine, algorithm, self.group.segment_bytes, why)
+        return Choice(engine, algorithm, group.segment_bytes, why)
+
+    def _on_device(self, collective: str, nbytes: int, itemsize: int,
+                   forced: str | None) -> tuple[str, str, str]:
+        """Device memory on the group's preferred device engine, with what the links would
+        run: the same schedules, never the board's."""
+        group = self.group
+        engine = group.device_engines[0]
+        if collective != "allreduce":
+            _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
+            return engine, algorithm, f"{engine} for device memory; {why}"
+        if forced is not None:
+            name = forced.lower() if isinstance(forced, str) else forced
+            if name in ON_BOARD:
+                raise ArgumentError(f"algorithm {forced!r} runs on the shared board of host "
+                                    f"memory; device memory goes over {engine}: choose one of "
+                                    f"{', '.join(ALLREDUCE)}")
+            _, algorithm, why = self._allreduce(nbytes, itemsize, forced)
+            return engine, algorithm, f"{engine} for device memory; {why}"
+        if group.settings.algorithm is not None:
+            return engine, group.settings.algorithm, \
+                f"{engine} for device memory; forced by RINGCOMM_ALGO"
+        key = (nbytes, itemsize, engine)
+        chosen = self._priced_device.get(key)
+        if chosen is None:
+            chosen = self._priced_device[key] = cost.choose(
+                "allreduce", group.world_size, nbytes, itemsize,
+                segment_bytes=group.segment_bytes, params=group.settings.device_cost(engine),
+                share=1.0, hosts=group.topology.hosts, remote=group.settings.remote)
+        source = "tuned" if engine in group.settings.device_params else "default"
+        return engine, chosen, (f"{engine} for device memory; the cost model's cheapest with "
+                                f"its {source} constants")
 
     def _rule(self, collective: str, nbytes: int, itemsize: int,
-              forced: str | None) -> tuple[str, str, str]:
-        board = self.group.board
+              forced: str | None, *, board: bool | None = None) -> tuple[str, str, str]:
+        if board is None:
+            board = self.group.board
         if collective == "allreduce":
             return self._allreduce(nbytes, itemsize, forced)
         if forced is not None:

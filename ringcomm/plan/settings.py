@@ -40,15 +40,27 @@ class Settings:
     remote: cost.CostParams | None = None  # links between hosts; None: the defaults
     faults: fault_spec.FaultSpec | None = None  # what ringcomm.faults injects
     checksum: bool = False  # every message and board post carries a checksum
+    device: str = "off"  # cuda, fake or off: the device runtime of the group (resolved)
+    device_engine: str = "auto"  # auto, cuda-ipc or staged
+    ipc_slots: int = config.DEFAULT_IPC_SLOTS
+    ipc_slot_bytes: int = config.DEFAULT_IPC_SLOT_BYTES
+    device_params: dict[str, cost.CostParams] = field(default_factory=dict)  # measured ones
+
+    def device_cost(self, engine: str) -> cost.CostParams:
+        """The cost model's parameters for device engine ``engine``: the profile's, where
+        ``ringcomm tune`` measured them on a GPU, else the defaults."""
+        return cost.Profile(devices=self.device_params).for_device(engine)
 
     def cost_params(self, world_size: int) -> cost.CostParams:
         return cost.Profile(self.params).for_world(world_size)
 
     @classmethod
-    def local(cls, *, segment_bytes: int | None = None, transport: str | None = None) -> Settings:
+    def local(cls, *, segment_bytes: int | None = None, transport: str | None = None,
+              device: str | None = None) -> Settings:
         """This process's own view (environment, profile, arguments), unchecked: what a
         rank proposes, and what a group inside one process uses as it is."""
-        return cls.from_proposal(propose(segment_bytes=segment_bytes, transport=transport))
+        return cls.from_proposal(propose(segment_bytes=segment_bytes, transport=transport,
+                                         device=device))
 
     @classmethod
     def from_proposal(cls, proposal: dict[str, Any]) -> Settings:
@@ -58,7 +70,12 @@ class Settings:
         faults = fault_spec.parse(match["faults"]) if match.get("faults") else None
         return cls(match["algorithm"], match["transport"], int(agreed["segment_bytes"]),
                    params, agreed["profile_source"], remote, faults,
-                   bool(match.get("checksum")))
+                   bool(match.get("checksum")), match.get("device") or "off",
+                   match.get("device_engine") or "auto",
+                   int(agreed.get("ipc_slots") or config.DEFAULT_IPC_SLOTS),
+                   int(agreed.get("ipc_slot_bytes") or config.DEFAULT_IPC_SLOT_BYTES),
+                   {name: cost.CostParams(**p)
+                    for name, p in (agreed.get("device_params") or {}).items()})
 
     def describe(self) -> dict[str, Any]:
         """The agreed values, for logs and ``ringcomm env``."""
@@ -68,10 +85,37 @@ class Settings:
             described["faults"] = str(self.faults)
         if self.checksum:
             described["checksum"] = True
+        if self.device != "off":
+            described["device"] = self.device
+            described["device_engine"] = self.device_engine
         return described
 
 
-def propose(*, segment_bytes: int | None = None, transport: str | None = None) -> dict[str, Any]:
+def device_mode(forced: str | None = None) -> str:
+    """The device runtime this rank proposes, resolved: ``forced`` (``init(device=)``), else
+    ``RINGCOMM_DEVICE``; ``auto`` becomes ``cuda`` where CuPy imports and sees a GPU, else
+    ``off``. An ``ArgumentError`` for a mode there is not."""
+    mode = forced if forced is not None else config.value("device")
+    if not isinstance(mode, str) or mode.strip().lower() not in config.DEVICE_MODES:
+        raise ArgumentError(f"device {mode!r} is unknown (from RINGCOMM_DEVICE or device=); "
+                            f"use {', '.join(config.DEVICE_MODES)}")
+    mode = mode.strip().lower()
+    if mode != "auto":
+        return mode
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:  # no CuPy here: auto means no device
+        return "off"
+    from ..core import device
+
+    try:
+        return "cuda" if device.runtime("cupy").available() else "off"
+    except ArgumentError:  # no CuPy here: auto means no device
+        return "off"
+
+
+def propose(*, segment_bytes: int | None = None, transport: str | None = None,
+            device: str | None = None) -> dict[str, Any]:
     """This rank's values of every must-match and agreed setting, checked for sense."""
     algorithm: str | None = config.value("algorithm")
     mode = config.transport_mode(transport)
@@ -85,10 +129,14 @@ def propose(*, segment_bytes: int | None = None, transport: str | None = None) -
     return {
         "match": {"version": VERSION, "wire": WIRE_VERSION, "algorithm": algorithm,
                   "transport": mode, "faults": str(faults) if faults else None,
-                  "checksum": checksum},
+                  "checksum": checksum, "device": device_mode(device),
+                  "device_engine": config.value("device_engine")},
         "agreed": {"segment_bytes": segment_bytes, "profile_source": profile.source,
                    "params": {str(n): vars(p) for n, p in profile.params.items()},
-                   "remote": vars(profile.remote) if profile.remote else None},
+                   "remote": vars(profile.remote) if profile.remote else None,
+                   "ipc_slots": config.value("ipc_slots"),
+                   "ipc_slot_bytes": config.value("ipc_slot_bytes"),
+                   "device_params": {name: vars(p) for name, p in profile.devices.items()}},
     }
 
 

@@ -36,10 +36,12 @@ import numpy as np
 
 from ..core import config
 from ..core import tensors as _tensors  # noqa: F401 - registers the kind of CUDA tensors
+from ..core.algorithms import DEVICE_ENGINES
 from ..core.arrays import HOST, HOST_ONLY, Buffer, Concatenated, HostBuffer, as_buffer
 from ..core.config import DEFAULT_INLINE_BYTES
 from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
+from ..engines.device_channel import Exchange
 from ..engines.wrapping import Wiring, Wrapper
 from ..errors import ArgumentError, CommAborted, DesyncError
 from ..faults import FaultWrapper, wrappers_for
@@ -52,6 +54,7 @@ from ..plan.topology import Topology
 from ..transport.base import Transport
 from ..transport.group import GroupTransport
 from ..transport.kinds import KINDS
+from . import devices
 from .hang_report import ReportStore
 from .ops import CollectiveCall, OpRunner
 from .p2p import P2POp
@@ -112,6 +115,7 @@ class Communicator:
         wrappers: Sequence[Wrapper] = (),
         store: ReportStore | None = None,
         faults_live: bool = True,
+        exchange: Exchange | None = None,
     ) -> None:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
@@ -132,10 +136,16 @@ class Communicator:
         self._closed = False
         self._close_lock = threading.Lock()
         self._write_timeline: weakref.finalize[..., Any] | None = None
+        # the device runtime the ranks agreed on, and its channels (made once: they own
+        # device memory); ``exchange`` swaps their handles (without one: staging only)
+        self.device = devices.device_runtime(settings)
+        lanes = {} if self.device is None else devices.open_lanes(
+            self.device, transport, exchange, self.topology, settings, self._segment_bytes,
+            self.timeout)
         # the agreed faults and checksum first (innermost), then the caller's wrappers
         self.wiring = Wiring.of(transport, transport.board, [
             *wrappers_for(settings.faults, settings.checksum, transport, live=faults_live),
-            *wrappers])
+            *wrappers], lanes)
         self.selector = self._selector()
         self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
                              self.timeout, inline_bytes(self.topology.spare_core(self.rank)),
@@ -150,8 +160,11 @@ class Communicator:
                 wrapper.start()
 
     def _selector(self) -> Selector:
+        lanes = self.wiring.lanes
         return Selector(Group(self.world_size, self.transport.board is not None,
-                              self.settings, self.topology, self._segment_bytes))
+                              self.settings, self.topology, self._segment_bytes,
+                              tuple(n for n in DEVICE_ENGINES if n in lanes),
+                              None if self.device is None else self.device.memory))
 
     def adopt(self, settings: Settings) -> None:
         """Run with ``settings`` from now on: every rank must adopt the same at the same
@@ -211,6 +224,10 @@ class Communicator:
         lines += [self.transport.describe(),
                  "engines: " + "; ".join(f"{name}: {engine.describe()}"
                                          for name, engine in self.engines.items())]
+        if self.device is not None:
+            about = ", ".join(f"{k} {v}" for k, v in self.device.describe().items())
+            lines.append(f"device: {self.settings.device} ({self.device.name} runtime: "
+                         f"{about})")
         if self.wiring.wrappers:
             lines.append("wrappers: " + ", ".join(w.name for w in self.wiring.wrappers))
         return "\n".join(lines)
@@ -535,6 +552,11 @@ class Communicator:
                 return
             self._closed = True
         self._ops.stop()
+        lanes_failed = None
+        try:  # before the links they use; IPC's close is collective
+            devices.close_lanes(self.wiring.lanes, strict=True)
+        except Exception as failed:  # noqa: BLE001 - raised once everything is closed
+            lanes_failed = failed
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()
@@ -558,6 +580,8 @@ class Communicator:
             if check:
                 raise err
             log.warning("%s", err)
+        if lanes_failed is not None and check:
+            raise lanes_failed
 
     def __enter__(self) -> Communicator:
         return self

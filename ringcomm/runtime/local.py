@@ -12,8 +12,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..engines.exchange import Table, TableExchange
 from ..errors import CommError
 from ..observe.steps import StepLog, TraceEvent
+from ..plan.settings import Settings
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
@@ -41,6 +43,7 @@ def run_group(
     return_errors: bool = False,
     hosts: Sequence[Sequence[int]] | None = None,
     board: bool = False,
+    device: str | None = None,
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
@@ -51,6 +54,10 @@ def run_group(
     default all ranks share one.
     ``board=True`` gives the group a shared board, as ranks of one host get (then small
     allreduces and barriers run on it).
+    ``device`` (``"fake"``, ``"cuda"``, ``"off"``, ``"auto"``; default ``RINGCOMM_DEVICE``)
+    gives the group a device runtime and its device engines, as ``ringcomm.init(device=)``
+    does; their set-up is collective, so the communicators are then made on the ranks'
+    threads.
     """
     net = InMemoryNetwork(world_size, board=board and hosts is None)
     topology = None if hosts is None else simulated_hosts(world_size, hosts)
@@ -59,16 +66,26 @@ def run_group(
             members.index(rank))
 
     wrappers = [StepLog(trace)] if trace is not None else []
-    comms = [
-        Communicator(net.transport(r), timeout=timeout, segment_bytes=segment_bytes,
-                     topology=topology, connect=connector(r), wrappers=wrappers)
-        for r in range(world_size)
-    ]
+    settings = Settings.local(segment_bytes=segment_bytes, device=device)
+    table = Table()
+
+    def make(r: int) -> Communicator:
+        return Communicator(net.transport(r), timeout=timeout, settings=settings,
+                            segment_bytes=segment_bytes, topology=topology,
+                            connect=connector(r), wrappers=wrappers,
+                            exchange=TableExchange(table, r))
+
+    on_device = settings.device != "off"
+    comms: list[Communicator | None] = [None if on_device else make(r)
+                                        for r in range(world_size)]
     results: list[Any] = [None] * world_size
 
     def rank_main(r: int) -> None:
         try:
-            results[r] = fn(comms[r])
+            comm = comms[r]
+            if comm is None:  # the device set-up is collective: every rank at once
+                comm = comms[r] = make(r)
+            results[r] = fn(comm)
         except BaseException as err:  # noqa: BLE001 - reported below
             results[r] = err
 
@@ -80,14 +97,28 @@ def run_group(
         t.join(timeout + 30.0)
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"a rank of the in-process group did not finish in {timeout + 30} s")
-    for r, comm in enumerate(comms):
-        try:
-            comm.close()
-        except CommError as err:  # a disagreement only close could see: the rank's error
-            if not isinstance(results[r], BaseException):
-                results[r] = err
+    if on_device:  # a device channel's close is collective too: every rank at once
+        closing = [threading.Thread(target=_close_into, args=(comm, results, r), daemon=True)
+                   for r, comm in enumerate(comms) if comm is not None]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join(timeout + 30.0)
+    else:
+        for r, comm in enumerate(comms):
+            assert comm is not None
+            _close_into(comm, results, r)
     if not return_errors:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
     return results
+
+
+def _close_into(comm: Communicator, results: list[Any], r: int) -> None:
+    """Close rank ``r``'s communicator; an error only close could see is the rank's result."""
+    try:
+        comm.close()
+    except (CommError, RuntimeError) as err:  # a disagreement only close could see, or
+        if not isinstance(results[r], BaseException):  # device memory it could not give
+            results[r] = err                            # back: the rank's error

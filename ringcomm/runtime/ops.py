@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..core.algorithms import BOARD
-from ..core.arrays import HOST_ONLY, Buffer, HostBuffer
+from ..core.arrays import HOST, HOST_ONLY, Buffer, HostBuffer
 from ..core.dtypes import ReduceOp, dtype_code, dtype_name, reduce_op
 from ..engines.context import OpContext
 from ..engines.wrapping import Wiring
@@ -399,7 +399,7 @@ class OpRunner:
         buffers, moves = call.buffers, engine.moves
         if call.memory not in moves:  # its kind stages each buffer that needs it, once
             buffers = {role: buf.staged_for(moves) for role, buf in buffers.items()}
-        if schedule.scratch:
+        if schedule.scratch and HOST in moves:  # a device engine keeps its own
             buffers["scratch"] = HostBuffer(self.scratch.get(dtype, schedule.scratch), "scratch")
         desc = OpDescriptor(int(call.spec.kind), seq, dtype_code(dtype),
                             algorithm_code(schedule.algorithm), reduce_code(call.reduce),

@@ -1,0 +1,212 @@
+"""The device engine: runs one rank's schedule on device memory, over one device channel.
+
+It walks a schedule's steps in order as the link engine does (``ringcomm.engines.links``):
+the same messages, numbered and headed the same way, so a rank that disagrees about an op
+gets a ``DesyncError`` and a timed-out op leaves the same hang report. What differs is where
+the bytes are: buffers are device memory (``ringcomm.core.arrays.DeviceBuffer``), every copy
+and reduction is queued on the engine's own stream, and how a message reaches its peer is
+the channel's (``DeviceChannel``: CUDA IPC on one host, host staging anywhere).
+
+Stream order, as torch's NCCL process group keeps it: before the first step the engine's
+stream waits on every buffer's ``producer`` (an event recorded on the caller's stream when
+the op was issued), so the op reads what the caller wrote; after the last step it records a
+done event and makes every buffer's ``caller_stream`` wait on it, so the caller's later work
+reads the result. The host never blocks on the device for that: a caller that reads the
+result on its own stream is ordered after the op.
+
+Scratch (a tree's partial sums) is device memory from ``runtime.malloc``, kept per engine
+and grown to the largest need; a buffer in host memory handed to a device op (a numpy array
+beside a device one) is copied to device scratch first and back afterwards if the op writes
+it. Both are given back at ``close``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..core.arrays import HOST, Buffer
+from ..core.device.runtime import Allocation
+from ..errors import CommError, CommTimeout
+from ..schedules.schedule import Kind, Schedule
+from .base import Engine
+from .context import OpContext
+from .device_channel import DeviceChannel
+from .progress import over_links, timed_out, waited_for
+
+__all__ = ["DeviceEngine", "DeviceLane"]
+
+
+class DeviceLane:
+    """What a device engine keeps between ops, made once per channel when the group is set
+    up (engines are made again whenever wrappers change): the channel, the stream every op
+    runs on, the done event, and device scratch by use (``"scratch"``, a lifted host
+    buffer's role), one allocation each, grown to the largest need. Ops run one at a time
+    on the one stream, so one allocation per use serves them all."""
+
+    def __init__(self, channel: DeviceChannel) -> None:
+        self.channel = channel
+        self.runtime = runtime = channel.runtime
+        self.stream = runtime.new_stream()
+        self.done = runtime.new_event()
+        self._held: dict[str, Allocation] = {}
+
+    def scratch(self, use: str, nbytes: int) -> int:
+        """A device pointer to at least ``nbytes`` bytes kept for ``use``."""
+        held = self._held.get(use)
+        if held is None or held.nbytes < nbytes:
+            if held is not None:
+                self.runtime.synchronize(self.stream)  # earlier ops may still use it
+                self.runtime.free(held)
+                del self._held[use]
+            held = self._held[use] = self.runtime.malloc(max(nbytes, 1))
+        return held.ptr
+
+    def close(self) -> None:
+        """Give the scratch back (once the stream is done with it), then the channel's
+        memory, mappings and registrations."""
+        try:
+            self.runtime.synchronize(self.stream)
+            for held in self._held.values():
+                self.runtime.free(held)
+            self._held.clear()
+        finally:
+            self.channel.close()
+
+
+class DeviceEngine(Engine):
+    """Schedules of messages between pairs of ranks on device memory, over ``channel``
+    (its name is the channel's: ``cuda-ipc``, ``staged``)."""
+
+    def __init__(self, lane: DeviceLane, rank: int, world_size: int) -> None:
+        self.lane = lane
+        self.channel = lane.channel
+        self.name = lane.channel.name
+        self.runtime = lane.runtime
+        self.moves = frozenset({lane.runtime.memory})
+        self.rank = rank
+        self.world_size = world_size
+
+    def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
+        """Execute ``schedule`` on ``buffers`` (device buffers of ``ctx.dtype`` by role; a
+        host one is lifted to device scratch), ordered on the engine's stream."""
+        if schedule.on_board:
+            raise ValueError(f"{schedule.algorithm} {schedule.collective} is a board schedule: "
+                             "the board engine runs it")
+        lane = self.lane
+        runtime, stream, channel = self.runtime, lane.stream, self.channel
+        rank, world = self.rank, self.world_size
+        itemsize = ctx.dtype.itemsize
+        desc = ctx.desc
+        pointers: dict[str, int] = {}
+        device: list[Any] = []  # the caller's device buffers: their producers and streams
+        lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
+        written = {step.dst.buf for step in schedule.steps if step.dst is not None}
+        for role, buf in buffers.items():
+            if buf.memory == HOST:
+                ptr = lane.scratch(f"host:{role}", buf.nbytes)
+                buf.before_op()
+                if buf.count:
+                    runtime.from_host(ptr, buf.region(0, buf.count), stream)
+                pointers[role] = ptr
+                lifted.append((role, buf, ptr))
+            elif buf.memory in self.moves:
+                producer = buf.producer  # type: ignore[attr-defined]
+                if producer is not None:
+                    runtime.wait_event(stream, producer)
+                pointers[role] = buf.pointer  # type: ignore[attr-defined]
+                device.append(buf)
+            else:
+                raise ValueError(f"{buf.name} lives in {buf.memory} memory; the {self.name} "
+                                 f"engine moves {runtime.memory} memory only")
+        if schedule.scratch and "scratch" not in pointers:
+            pointers["scratch"] = lane.scratch("scratch", schedule.scratch * itemsize)
+        sent = [0] * world
+        received = [0] * world
+        steps = schedule.steps
+        observe = ctx.observe
+        reduce = ctx.reduce
+        for index, step in enumerate(steps):
+            started = time.perf_counter() if observe is not None else 0.0
+            kind, peer, src, dst = step.kind, step.peer, step.src, step.dst
+            try:
+                if kind is Kind.SEND:
+                    assert src is not None
+                    nbytes = src.count * itemsize
+                    header = desc.outgoing(peer, rank, sent[peer], nbytes)
+                    sent[peer] += 1
+                    channel.send(peer, header, pointers[src.buf] + src.offset * itemsize,
+                                 nbytes, stream, ctx)
+                elif kind is Kind.RECV:
+                    assert dst is not None
+                    nbytes = dst.count * itemsize
+                    header = desc.incoming(peer, received[peer], nbytes)
+                    received[peer] += 1
+                    channel.recv(peer, header, pointers[dst.buf] + dst.offset * itemsize,
+                                 nbytes, stream, ctx)
+                elif kind is Kind.RECV_REDUCE or kind is Kind.RECV_REDUCE_SEND:
+                    assert src is not None and dst is not None and reduce is not None
+                    nbytes = dst.count * itemsize
+                    header = desc.incoming(peer, received[peer], nbytes)
+                    received[peer] += 1
+                    into = pointers[dst.buf] + dst.offset * itemsize
+                    channel.recv(peer, header, into, nbytes, stream, ctx,
+                                 reduce_with=pointers[src.buf] + src.offset * itemsize,
+                                 op=reduce, divide_by=world if step.final else 1)
+                    if kind is Kind.RECV_REDUCE_SEND:
+                        to = step.to
+                        header = desc.outgoing(to, rank, sent[to], nbytes)
+                        sent[to] += 1
+                        channel.send(to, header, into, nbytes, stream, ctx)
+                else:
+                    assert kind is Kind.COPY and src is not None and dst is not None
+                    if dst.count:
+                        runtime.copy(pointers[dst.buf] + dst.offset * itemsize,
+                                     pointers[src.buf] + src.offset * itemsize,
+                                     dst.count * itemsize, stream)
+            except CommError as err:  # where the op stood goes with the error (hang report)
+                sending = kind is Kind.SEND
+                progress = over_links(schedule, index, waited_for(err, -1 if sending else peer),
+                                      sent, received, itemsize, receiving=not sending,
+                                      engine=self.name)
+                if not isinstance(err, CommTimeout):
+                    err.progress = progress
+                    raise
+                raise timed_out(err, progress, f"; the step was: {step.describe()} (step "
+                                f"{index} of {len(steps)} of {schedule.algorithm} "
+                                f"{schedule.collective})", rank, ctx.name) from None
+            if observe is not None:
+                observe(index, step, started, time.perf_counter())
+        try:
+            channel.finish(stream, ctx)
+        except CommError as err:
+            progress = over_links(schedule, len(steps), waited_for(err, -1), sent, received,
+                                  itemsize, receiving=False, engine=self.name)
+            if not isinstance(err, CommTimeout):
+                err.progress = progress
+                raise
+            raise timed_out(err, progress, f" (the last sends of {schedule.algorithm} "
+                            f"{schedule.collective})", rank, ctx.name) from None
+        done = lane.done
+        runtime.record(done, stream)
+        for buf in device:
+            runtime.wait_event(buf.caller_stream, done)
+        if lifted:  # host memory: the host reads it, so the host waits for it
+            for role, buf, ptr in lifted:
+                if role in written and buf.count:
+                    runtime.to_host(_contiguous(buf.region(0, buf.count)), ptr, stream)
+            runtime.synchronize(stream)
+            for _, buf, _ in lifted:
+                buf.after_op()
+
+    def describe(self) -> str:
+        return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"
+
+
+def _contiguous(view: np.ndarray) -> np.ndarray:
+    """A region of a host buffer is a 1-D slice of contiguous memory, so itself."""
+    assert view.flags.c_contiguous, "a host buffer's region is contiguous"
+    return view

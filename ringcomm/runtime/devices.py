@@ -1,0 +1,105 @@
+"""A group's device side, made once when the group is set up: the device runtime its
+settings name, and the device lanes (channel, stream, scratch) its device engines run on.
+
+Why here and not in the wiring: a device channel owns device memory and, for CUDA IPC,
+exchanges handles with every peer, so it is made once per group, collectively, and closed
+once (after the worker stops); the engines over it are made again whenever wrappers change
+(``ringcomm.engines.wrapping.Wiring``). Every rank decides which channels to make from what
+the ranks agreed (settings, every rank's host), so every rank makes the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..core import device as devices
+from ..core.algorithms import CUDA_IPC, STAGED
+from ..core.device.runtime import DeviceRuntime
+from ..engines.cuda_ipc import IpcChannel
+from ..engines.device import DeviceLane
+from ..engines.device_channel import Exchange
+from ..engines.staged import StagedChannel
+from ..errors import ArgumentError
+from ..plan.settings import Settings
+from ..plan.topology import Topology
+from ..transport.base import Transport
+
+log = logging.getLogger("ringcomm")
+
+_RUNTIME_OF_MODE = {"cuda": "cupy", "fake": "fake"}
+
+
+def device_runtime(settings: Settings) -> DeviceRuntime | None:
+    """The runtime the agreed ``settings.device`` names (None for ``off``); an
+    ``ArgumentError`` where it cannot be had here (``cuda`` without CuPy or a GPU)."""
+    name = _RUNTIME_OF_MODE.get(settings.device)
+    if name is None:
+        return None
+    runtime = devices.runtime(name)
+    if not runtime.available():
+        raise ArgumentError(f"device={settings.device!r} (RINGCOMM_DEVICE or init(device=)) "
+                            f"but the {runtime.name} runtime sees no device here; use "
+                            "device='off' to stage device arrays through the host")
+    return runtime
+
+
+def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
+    """Whether the cuda-ipc channel can serve this group, and why (or why not): every rank
+    on one host, and the device engine setting allows it."""
+    if settings.device_engine == STAGED:
+        return False, "RINGCOMM_DEVICE_ENGINE=staged"
+    if len(topology.hosts) > 1:
+        if settings.device_engine == CUDA_IPC:
+            raise ArgumentError("RINGCOMM_DEVICE_ENGINE=cuda-ipc, but the ranks span "
+                                f"{len(topology.hosts)} hosts and CUDA IPC maps memory of one "
+                                "host only; use auto or staged")
+        return False, f"the ranks span {len(topology.hosts)} hosts"
+    return True, "every rank is on one host"
+
+
+def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,
+               topology: Topology, settings: Settings, segment_bytes: int,
+               timeout: float) -> dict[str, DeviceLane]:
+    """The group's device lanes, by engine name: ``staged`` always, ``cuda-ipc`` where it
+    serves (``ipc_serves``) and an ``exchange`` is at hand. Collective: every rank calls it
+    at set-up, which waits at most ``timeout`` seconds for the peers' handles. What was made
+    is closed again if a later part fails."""
+    lanes: dict[str, DeviceLane] = {}
+    try:
+        serves, why = ipc_serves(topology, settings)
+        if serves and exchange is not None:
+            channel = IpcChannel(runtime, transport, exchange, transport.rank,
+                                 transport.world_size, slots=settings.ipc_slots,
+                                 slot_bytes=settings.ipc_slot_bytes, timeout_s=timeout)
+            lanes[CUDA_IPC] = DeviceLane(channel)
+        elif serves:
+            log.debug("rank %d: no cuda-ipc engine: no way to exchange handles",
+                      transport.rank)
+        else:
+            log.debug("rank %d: no cuda-ipc engine: %s", transport.rank, why)
+        lanes[STAGED] = DeviceLane(StagedChannel(runtime, transport, segment_bytes))
+    except BaseException:
+        close_lanes(lanes)
+        raise
+    return lanes
+
+
+def close_lanes(lanes: dict[str, DeviceLane], *, strict: bool = False) -> None:
+    """Close every lane (each synchronizes its stream, frees its scratch, then closes its
+    channel in the safe order): after the worker has stopped, before the links close, since
+    closing IPC mappings is collective and says so to the peers. Every lane is closed even
+    if one fails; with ``strict`` the first failure is raised afterwards (a close that
+    leaks is a bug to see), else it is logged (an abort must not raise)."""
+    first: BaseException | None = None
+    for name, lane in list(lanes.items()):
+        started = time.monotonic()
+        try:
+            lane.close()
+        except Exception as err:  # noqa: BLE001 - every lane gets closed; see ``strict``
+            log.warning("closing the %s device lane failed: %s", name, err)
+            first = first or err
+        log.debug("closed the %s lane in %.1f ms", name, (time.monotonic() - started) * 1e3)
+    lanes.clear()
+    if strict and first is not None:
+        raise first
