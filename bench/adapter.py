@@ -90,9 +90,17 @@ def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes:
 
 def device_choice(comm: Any, collective: str, world_size: int, nbytes: int,
                   itemsize: int) -> tuple[str | None, float | None]:
-    """What a communicator made for device memory runs for an allreduce of ``nbytes`` and
-    the cost model's time for it; (None, None) for the other collectives, whose algorithm
-    cannot be forced and is not priced on a device engine."""
-    if collective != "allreduce" or nbytes == 0:
+    """What a communicator made for device memory runs for a call on ``nbytes`` of its
+    device memory (``engine:algorithm``), and, for allreduce, the cost model's time for it
+    with that engine's constants (tuned on a GPU, else the defaults), as the selector prices
+    it: one rank per GPU's share of nothing, the host's cores left out (``share=1``)."""
+    if nbytes == 0 or comm.device is None:
         return None, None
-    return comm.allreduce_algorithm(nbytes, itemsize), None
+    choice = comm.selector.choose(collective, nbytes, itemsize, memory=comm.device.memory)
+    chosen = f"{choice.engine}:{choice.algorithm}"
+    if collective != "allreduce" or choice.algorithm not in ALLREDUCE:
+        return chosen, None
+    return chosen, cost.predict("allreduce", choice.algorithm, world_size, nbytes, itemsize,
+                                segment_bytes=choice.segment_bytes,
+                                params=comm.settings.device_cost(choice.engine), share=1.0,
+                                hosts=comm.topology.hosts)
