@@ -153,3 +153,5 @@ def test_the_device_sweep_over_two_ranks_checks_every_result(tmp_path):
         (c, d, b) for c in ("allreduce", "allgather") for d in ("float32", "bfloat16")
         for b in (device.IPC, device.STAGED)}
     assert all(r["wrong"] == 0 and r["runtime"] == "fake" for r in rows)
+    engine = {device.IPC: "cuda-ipc:", device.STAGED: "staged:"}
+    assert all(r["chosen"].startswith(engine[r["backend"]]) for r in rows), rows
