@@ -13,7 +13,7 @@ import threading
 from ...errors import ArgumentError
 from .runtime import DeviceRuntime
 
-RUNTIME_NAMES = ("fake",)
+RUNTIME_NAMES = ("fake", "cupy")
 _runtimes: dict[str, DeviceRuntime] = {}
 _lock = threading.Lock()
 
@@ -33,6 +33,13 @@ def _make(name: str) -> DeviceRuntime:
         from .fake import FakeRuntime
 
         return FakeRuntime()
+    if name == "cupy":
+        from .cupy_runtime import CupyRuntime, cupy_problem
+
+        problem = cupy_problem()
+        if problem:
+            raise ArgumentError(f"the cupy device runtime cannot be used: {problem}")
+        return CupyRuntime()
     raise ArgumentError(
         f"unknown device runtime {name!r}; use one of: {', '.join(RUNTIME_NAMES)}")
 
@@ -40,4 +47,6 @@ def _make(name: str) -> DeviceRuntime:
 def available_runtimes() -> list[str]:
     """The runtimes that can be used in this process ("fake" always; "cupy" where CuPy
     imports and sees a GPU)."""
-    return ["fake"]
+    from .cupy_runtime import cupy_problem
+
+    return ["fake"] + ([] if cupy_problem() else ["cupy"])

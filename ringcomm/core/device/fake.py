@@ -251,7 +251,8 @@ class FakeRuntime(DeviceRuntime):
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._timeout = _timeout_s()
+        #: seconds a stream or the host waits before the fake reports a device hang
+        self.hang_timeout = _timeout_s()
         raw = os.environ.get("RINGCOMM_FAKE_DEVICES", "1")
         try:
             self._devices = int(raw)
@@ -331,7 +332,7 @@ class FakeRuntime(DeviceRuntime):
     def synchronize(self, stream: Stream) -> None:
         self._drain_deferred()
         s = self._own(stream)
-        self._advance(s, s.queued, True, time.monotonic() + self._timeout)
+        self._advance(s, s.queued, True, time.monotonic() + self.hang_timeout)
 
     def _own(self, stream: Stream) -> FakeStream:
         if not isinstance(stream, FakeStream) or self._streams.get(stream.handle) is not stream:
@@ -367,7 +368,7 @@ class FakeRuntime(DeviceRuntime):
                     if left <= 0:
                         raise FakeDeviceFault(
                             f"device hang: stream {s.handle:#x} did not get past item "
-                            f"{s.done + 1} within {self._timeout:g} s")
+                            f"{s.done + 1} within {self.hang_timeout:g} s")
                     s.cond.wait(min(left, 0.05))
                 outer = s.runner
                 s.runner = me
@@ -444,7 +445,7 @@ class FakeRuntime(DeviceRuntime):
         ev = self._event(event)
         generation = int(ev.state[0])
         if generation:
-            self._reach(ev, generation, True, time.monotonic() + self._timeout, "the host")
+            self._reach(ev, generation, True, time.monotonic() + self.hang_timeout, "the host")
 
     def event_done(self, event: Event) -> bool:
         """Whether the latest record is done. Where it is not, this starts the work that
@@ -454,7 +455,7 @@ class FakeRuntime(DeviceRuntime):
         generation = int(ev.state[0])
         if not generation or self._reached(ev, generation):
             return True
-        self._reach(ev, generation, False, time.monotonic() + self._timeout, "the host")
+        self._reach(ev, generation, False, time.monotonic() + self.hang_timeout, "the host")
         return False
 
     def _reached(self, ev: FakeEvent, generation: int) -> bool:
@@ -482,7 +483,7 @@ class FakeRuntime(DeviceRuntime):
                 return False
             if time.monotonic() > deadline:
                 raise FakeDeviceFault(
-                    f"device hang: {who} waited {self._timeout:g} s for {ev.name} (record "
+                    f"device hang: {who} waited {self.hang_timeout:g} s for {ev.name} (record "
                     f"#{generation} in process {ev.owner}), which never completed; the "
                     "recording process is gone or stuck, or the waits form a cycle")
             time.sleep(_POLL_S)
@@ -624,7 +625,7 @@ class FakeRuntime(DeviceRuntime):
 
     def _settle(self, region: _Region) -> None:
         """Run the queued items that touch ``region`` (cudaFree waits for the device too)."""
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self.hang_timeout
         with self._lock:
             streams = list(self._streams.values())
         for s in streams:
