@@ -205,7 +205,7 @@ class DeviceBuffer(Buffer):
         runtime.record(self.producer, stream)
         self.done: Event | None = None
         # made here, on the caller's thread, whose current device is the array's
-        self._staging = staging_stream(runtime, layout.device)
+        self._staging = staging_stream(runtime, layout.device, stream)
 
     @property
     def memory(self) -> str:  # type: ignore[override]  # the runtime's, not the class's
@@ -244,16 +244,18 @@ class DeviceBuffer(Buffer):
         return f"<DeviceBuffer {self.name}: {self.count} x {self.dtype} in {self.memory}>"
 
 
-_STAGING: dict[tuple[int, int], Stream] = {}  # (id of the runtime, device) -> its stream
+# (id of the runtime, device, handle of the caller's stream) -> the staging stream
+_STAGING: dict[tuple[int, int, int], Stream] = {}
 _STAGING_LOCK = threading.Lock()
 
 
-def staging_stream(runtime: DeviceRuntime, device: int) -> Stream:
-    """The stream that staging copies of ``device``'s arrays run on: one per runtime and
-    device, made on first use by the calling thread (whose current device must be
-    ``device``), apart from every caller's stream so that staging waits only for what
-    the producer event covers."""
-    key = (id(runtime), device)
+def staging_stream(runtime: DeviceRuntime, device: int, caller: Stream) -> Stream:
+    """The stream that staging copies of arrays on ``device`` whose work is queued on
+    ``caller`` run on: made on first use by the calling thread (whose current device must be
+    ``device``). Apart from the caller's stream, so that staging waits only for what the
+    producer event covers; one per caller's stream, so that callers on different streams
+    (threads, or ranks in one process) do not wait for each other's copies."""
+    key = (id(runtime), device, caller.handle)
     stream = _STAGING.get(key)
     if stream is None:
         with _STAGING_LOCK:
@@ -266,24 +268,28 @@ def staging_stream(runtime: DeviceRuntime, device: int) -> Stream:
 class _InFlight:
     """Objects that queued device work still uses (a host mirror being copied to the
     device, the device array it is copied into), each kept referenced until its event is
-    done, so neither is freed or reused under the copy. Checked without blocking whenever
-    one is added; past ``LIMIT`` entries the oldest is waited for, which bounds the memory
-    held by a program that never waits on its results."""
+    surely done. Nothing polls the events (a poll is a question to the device on every
+    op); instead, past ``LIMIT`` entries or ``LIMIT_BYTES`` of host mirrors held, the oldest
+    is waited for and let go, which by then has long finished on a real device."""
 
     LIMIT = 64
+    LIMIT_BYTES = 64 << 20
 
     def __init__(self) -> None:
-        self._held: deque[tuple[DeviceRuntime, Event, tuple[Any, ...]]] = deque()
+        self._held: deque[tuple[DeviceRuntime, Event, int, tuple[Any, ...]]] = deque()
+        self._bytes = 0
         self._lock = threading.Lock()
 
-    def hold(self, runtime: DeviceRuntime, event: Event, *objects: Any) -> None:
+    def hold(self, runtime: DeviceRuntime, event: Event, nbytes: int, *objects: Any) -> None:
         with self._lock:
-            held = self._held
-            held.append((runtime, event, objects))
-            while held and held[0][0].event_done(held[0][1]):
-                held.popleft()
-            oldest = held.popleft() if len(held) > self.LIMIT else None
-        if oldest is not None:
+            self._held.append((runtime, event, nbytes, objects))
+            self._bytes += nbytes
+        while True:
+            with self._lock:
+                if len(self._held) <= self.LIMIT and self._bytes <= self.LIMIT_BYTES:
+                    return
+                oldest = self._held.popleft()
+                self._bytes -= oldest[2]
             oldest[0].event_synchronize(oldest[1])
 
     def __len__(self) -> int:
@@ -293,10 +299,11 @@ class _InFlight:
 IN_FLIGHT = _InFlight()
 
 
-def keep_until_done(runtime: DeviceRuntime, event: Event, *objects: Any) -> None:
-    """Keep ``objects`` referenced until the latest record of ``event`` (made on a stream of
-    ``runtime``) is done: what queued device work reads or writes must outlive it."""
-    IN_FLIGHT.hold(runtime, event, *objects)
+def keep_until_done(runtime: DeviceRuntime, event: Event, nbytes: int, *objects: Any) -> None:
+    """Keep ``objects`` (``nbytes`` of host memory among them) referenced until the latest
+    record of ``event`` (made on a stream of ``runtime``) is done: what queued device work
+    reads or writes must outlive it."""
+    IN_FLIGHT.hold(runtime, event, nbytes, *objects)
 
 
 class StagedBuffer(HostBuffer):
@@ -335,7 +342,7 @@ class StagedBuffer(HostBuffer):
         runtime.record(done, stream)
         runtime.wait_event(device.caller_stream, done)
         device.done = done
-        keep_until_done(runtime, done, self._host, device.array)
+        keep_until_done(runtime, done, device.nbytes, self._host, device.array)
 
 
 # --------------------------------------------------------------------------- kinds

@@ -28,6 +28,7 @@ runtime is made only for an array that needs it.
 from __future__ import annotations
 
 import abc
+import importlib
 import math
 import sys
 from typing import Any
@@ -45,18 +46,29 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 def _runtime(name: str) -> DeviceRuntime:
     """The process-wide runtime ``name`` (an ``ArgumentError`` where it cannot be had)."""
-    return _device_package.runtime(name)  # type: ignore[no-any-return]
+    return _device_package.runtime(name)
+
+
+def _cupy() -> Any:
+    """CuPy, once its runtime is in use (so it imports)."""
+    return importlib.import_module("cupy")
+
+
+_INTERFACE_RUNTIME: list[DeviceRuntime] = []  # chosen once per process
 
 
 def _interface_runtime() -> DeviceRuntime:
     """The runtime that reads memory named only by a pointer (the CUDA array interface):
     CuPy's where a GPU can be used, else the fake one, whose pointers are the only device
-    pointers a machine without a GPU has."""
-    try:
-        cupy = _runtime("cupy")
-    except ArgumentError:
-        return _runtime("fake")
-    return cupy if cupy.available() else _runtime("fake")
+    pointers a machine without a GPU has. Chosen once per process."""
+    if not _INTERFACE_RUNTIME:
+        try:
+            cupy = _runtime("cupy")
+            chosen = cupy if cupy.available() else _runtime("fake")
+        except ArgumentError:
+            chosen = _runtime("fake")
+        _INTERFACE_RUNTIME.append(chosen)
+    return _INTERFACE_RUNTIME[0]
 
 
 def _known_dtype(dtype: np.dtype, name: str) -> np.dtype:
@@ -246,7 +258,8 @@ class CudaInterfaceKind(RuntimeKind):
 
     @staticmethod
     def _interface(x: Any) -> dict[str, Any]:
-        return x.__cuda_array_interface__  # type: ignore[no-any-return]
+        interface: dict[str, Any] = x.__cuda_array_interface__
+        return interface
 
     def runtime_of(self, x: Any) -> DeviceRuntime:
         return _interface_runtime()
@@ -254,10 +267,8 @@ class CudaInterfaceKind(RuntimeKind):
     def device_of(self, x: Any, runtime: DeviceRuntime) -> int | None:
         if runtime.name != "cupy":
             return None
-        import cupy  # the runtime is CuPy's: it is importable
-
         ptr = self._interface(x)["data"][0]
-        return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device) if ptr else None
+        return int(_cupy().cuda.runtime.pointerGetAttributes(ptr).device) if ptr else None
 
     def describe(self, x: Any, name: str, writable: bool) -> tuple[np.dtype, int]:
         cai = self._interface(x)
@@ -268,6 +279,11 @@ class CudaInterfaceKind(RuntimeKind):
         except (KeyError, TypeError, ValueError) as err:
             raise ArgumentError(f"{name}'s __cuda_array_interface__ cannot be read ({err!r}); "
                                 "it needs shape, typestr and data (version 3)") from None
+        if dtype.kind == "V":
+            raise ArgumentError(
+                f"{name}'s __cuda_array_interface__ says {cai['typestr']!r}, raw bytes: the "
+                "interface has no name for bfloat16 or other such types; pass the array "
+                "through DLPack (it names bfloat16), as a CuPy array or as a torch tensor")
         if cai.get("mask") is not None:
             raise ArgumentError(f"{name} is a masked array; ringcomm takes unmasked ones")
         if not _c_contiguous(shape, cai.get("strides"), dtype.itemsize):
@@ -315,9 +331,7 @@ class DLPackKind(RuntimeKind):
         if not runtime.available():
             raise ArgumentError(f"{name} is CUDA memory (DLPack) but no GPU can be used here")
         _on_current_device(runtime, int(device), name, self.set_device_hint)
-        import cupy  # the runtime is CuPy's and can be used
-
-        return self._cupy_kind.buffer(cupy.from_dlpack(x), name, writable, reads)
+        return self._cupy_kind.buffer(_cupy().from_dlpack(x), name, writable, reads)
 
     # the CuPy array made in ``buffer`` is what is described
     def runtime_of(self, x: Any) -> DeviceRuntime:
