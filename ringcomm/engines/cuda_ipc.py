@@ -41,13 +41,15 @@ import os
 import struct
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
 from ..core.dtypes import ReduceOp
-from ..errors import ArgumentError, DesyncError
+from ..errors import ArgumentError, CommTimeout, DesyncError
 from ..transport.base import Transport
 from ..transport.header import Header
 from .context import OpContext
@@ -63,6 +65,19 @@ _NO_SLOT = 0xFFFFFFFF  # an empty message's notice: no slot, no credit
 _HANDLES_KEY = "cuda-ipc/handles"
 _CLOSED_KEY = "cuda-ipc/closed"
 _ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
+_BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A piece sent before its slot was free: its notice's header and numbers, and the
+    spare block (with the event that frees it) holding its bytes (None if empty)."""
+
+    notice: Header
+    nbytes: int
+    offset: int
+    size: int
+    block: tuple[Allocation, Event] | None
 
 
 class _Exports:
@@ -105,6 +120,12 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def _brief(ctx: OpContext) -> float:
+    """The deadline of one short host wait while pieces wait for slots (the op's own
+    deadline if that comes first): between such waits the channel gives out free slots."""
+    return min(ctx.deadline, time.monotonic() + _BRIEF_S)
 
 
 def _size(nbytes: int) -> str:
@@ -155,6 +176,10 @@ class IpcChannel(DeviceChannel):
         self._their_ready: dict[int, list[Event]] = {}
         self._their_done: dict[int, list[Event]] = {}
         self._pids: dict[int, int] = {}
+        # pieces sent before their slot was free, per peer, and spare blocks holding them
+        self._waiting: dict[int, deque[_Waiting]] = {peer: deque() for peer in peers}
+        self._spare: list[tuple[Allocation, Event]] = []
+        self._blocks: list[Allocation] = []
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
         if peers:
             try:
@@ -223,27 +248,106 @@ class IpcChannel(DeviceChannel):
 
     def send(self, peer: int, header: Header, src: int, nbytes: int, stream: Stream,
              ctx: OpContext) -> None:
-        runtime, notice_header = self.runtime, header._replace(nbytes=_NOTICE.size)
+        """Each piece goes into its slot now if the slot is free; otherwise it is copied to
+        a spare block (so ``src`` may change once this returns) and waits there for its
+        slot, which a later call or ``finish`` gives it: a send never blocks, so ranks that
+        all send before they receive (a ring) cannot hold each other up."""
+        self._progress(stream, ctx)
+        notice_header = header._replace(nbytes=_NOTICE.size)
+        waiting = self._waiting[peer]
         for offset, size in self._pieces(nbytes):
-            slot = _NO_SLOT
+            if not waiting and (not size or self._slot_free(peer, ctx)):
+                self._post(peer, notice_header, nbytes, offset, size, src + offset, stream,
+                           ctx)
+                continue
+            block = None
             if size:
-                number = self._sent[peer]
-                slot = number % self.slots
-                if number >= self.slots:  # the slot's last piece must have been used
-                    self._take_credits(peer, number - self.slots + 1, ctx)
-                    runtime.wait_event(stream, self._their_done[peer][slot])
-                runtime.copy(self._my_slot(peer, slot), src + offset, size, stream)
-                runtime.record(self._ready[peer][slot], stream)
-                self._sent[peer] = number + 1
-            notice = np.frombuffer(_NOTICE.pack(nbytes, offset, size, slot), np.uint8)
-            self.transport.send(peer, notice_header, notice, ctx.name)
+                block = self._spare_block()
+                self.runtime.copy(block[0].ptr, src + offset, size, stream)
+            waiting.append(_Waiting(notice_header, nbytes, offset, size, block))
 
-    def _take_credits(self, peer: int, needed: int, ctx: OpContext) -> None:
-        """Wait (on the host, through the transport) until ``peer`` has used ``needed``
-        pieces from this rank in all."""
+    def _post(self, peer: int, notice_header: Header, nbytes: int, offset: int, size: int,
+              src: int, stream: Stream, ctx: OpContext) -> None:
+        """Copy a piece into its slot (free: its credit is in hand), record ``ready``, then
+        send its notice."""
+        runtime, slot = self.runtime, _NO_SLOT
+        if size:
+            number = self._sent[peer]
+            slot = number % self.slots
+            if number >= self.slots:  # the slot's last piece has been read: wait for that
+                runtime.wait_event(stream, self._their_done[peer][slot])
+            runtime.copy(self._my_slot(peer, slot), src, size, stream)
+            runtime.record(self._ready[peer][slot], stream)
+            self._sent[peer] = number + 1
+        notice = np.frombuffer(_NOTICE.pack(nbytes, offset, size, slot), np.uint8)
+        self.transport.send(peer, notice_header, notice, ctx.name)
+
+    def _slot_free(self, peer: int, ctx: OpContext, until: float | None = None) -> bool:
+        """Whether the next piece to ``peer`` has a free slot: ``peer`` has read the piece
+        that used it last (its credits, taken as they come; with ``until``, waited for on
+        the host through the transport until then: ``CommTimeout`` past it)."""
+        needed = self._sent[peer] - self.slots + 1
+        transport = self.transport
         while self._credited[peer] < needed:
-            self._credited[peer] = max(self._credited[peer], self.transport.recv_credit(
-                peer, ctx.deadline, ctx.name))
+            credit = transport.poll_credit(peer, ctx.name) if until is None \
+                else transport.recv_credit(peer, until, ctx.name)
+            if credit is None:
+                return False
+            self._credited[peer] = max(self._credited[peer], credit)
+        return True
+
+    def _spare_block(self) -> tuple[Allocation, Event]:
+        """A slot-sized block of device memory that no queued work still reads."""
+        spare = self._spare
+        for index, (_, event) in enumerate(spare):
+            if self.runtime.event_done(event):
+                return spare.pop(index)
+        block = self.runtime.malloc(self.slot_bytes)
+        self._blocks.append(block)
+        return block, self.runtime.new_event()
+
+    def _flush(self, peer: int, stream: Stream, ctx: OpContext,
+               until: float | None = None) -> None:
+        """Give waiting pieces to ``peer`` their slots, in order, while slots are free
+        (with ``until``: waiting for them until then)."""
+        waiting = self._waiting[peer]
+        while waiting:
+            piece = waiting[0]
+            if piece.size and not self._slot_free(peer, ctx, until):
+                return
+            waiting.popleft()
+            src = 0
+            if piece.block is not None:
+                src = piece.block[0].ptr
+            self._post(peer, piece.notice, piece.nbytes, piece.offset, piece.size, src,
+                       stream, ctx)
+            if piece.block is not None:
+                block, event = piece.block
+                self.runtime.record(event, stream)  # the block is free once this is done
+                self._spare.append((block, event))
+
+    def _progress(self, stream: Stream, ctx: OpContext) -> None:
+        """Give waiting pieces the slots their peers have freed (never blocks)."""
+        for peer, waiting in self._waiting.items():
+            if waiting:
+                self._flush(peer, stream, ctx)
+
+    def _any_waiting(self) -> bool:
+        return any(self._waiting.values())
+
+    def finish(self, stream: Stream, ctx: OpContext) -> None:
+        """Every waiting piece gets its slot before the op returns: a loop over the peers
+        that takes their credits as they come, until the op's deadline."""
+        while self._any_waiting():
+            self._progress(stream, ctx)
+            for peer, waiting in self._waiting.items():
+                if waiting:
+                    try:
+                        self._flush(peer, stream, ctx, _brief(ctx))
+                    except CommTimeout:
+                        if time.monotonic() >= ctx.deadline:
+                            raise
+                    break
 
     def recv(self, peer: int, header: Header, dst: int, nbytes: int, stream: Stream,
              ctx: OpContext, *, reduce_with: int | None = None, op: ReduceOp | None = None,
@@ -253,9 +357,9 @@ class IpcChannel(DeviceChannel):
         dtype, itemsize = ctx.dtype, ctx.dtype.itemsize
         if reduce_with is not None and op is None:
             raise ValueError("a reducing receive needs its reduce op")
+        self._progress(stream, ctx)
         for offset, size in self._pieces(nbytes):
-            notice = bytes(transport.recv(peer, expected, ctx.deadline, ctx.name))
-            transport.release(peer)
+            notice = self._notice(peer, expected, stream, ctx)
             number = self._received[peer]
             slot = number % self.slots if size else _NO_SLOT
             self._check_notice(peer, notice, (nbytes, offset, size, slot), ctx)
@@ -275,6 +379,25 @@ class IpcChannel(DeviceChannel):
         if reduce_with is not None and divide_by > 1 and nbytes:
             assert op is not None
             runtime.finish(dst, nbytes // itemsize, dtype, op, divide_by, stream)
+
+    def _notice(self, peer: int, expected: Header, stream: Stream, ctx: OpContext) -> bytes:
+        """The next notice from ``peer`` (its header checked); while this rank has pieces
+        waiting for slots, it keeps giving them slots as credits come meanwhile (the peer
+        may be waiting for them before it sends)."""
+        transport = self.transport
+        while self._any_waiting():
+            try:
+                got = transport.recv(peer, expected, _brief(ctx), ctx.name)
+                break
+            except CommTimeout:
+                if time.monotonic() >= ctx.deadline:
+                    raise
+            self._progress(stream, ctx)
+        else:
+            got = transport.recv(peer, expected, ctx.deadline, ctx.name)
+        notice = bytes(got)
+        transport.release(peer)
+        return notice
 
     def _check_notice(self, peer: int, notice: bytes, expected: tuple[int, int, int, int],
                       ctx: OpContext) -> None:
@@ -302,7 +425,12 @@ class IpcChannel(DeviceChannel):
         self._closed = True
         if not self._peers:
             return
-        self._settle()
+        if not self._settle(time.monotonic() + self.close_wait_s):
+            log.warning("rank %d's device work on its cuda-ipc slots did not finish within "
+                        "%g s (a peer lost in the middle of an op?): its mappings and slots "
+                        "are left for the process's exit to give back", self.rank,
+                        self.close_wait_s)
+            return
         self._close_opened()
         try:
             self.exchange.publish(_CLOSED_KEY, b"1")
@@ -312,13 +440,21 @@ class IpcChannel(DeviceChannel):
         self._await_importers(time.monotonic() + self.close_wait_s)
         self._give_back()
 
-    def _settle(self) -> None:
+    def _settle(self, deadline: float) -> bool:
         """Let this rank's device work on the slots finish: its copies into its own slots
-        (ready events) and its reads of the peers' slots (done events)."""
-        for table in (self._ready, self._done):
-            for events in table.values():
-                for event in events:
-                    self.runtime.event_synchronize(event)
+        (ready events), its reads of the peers' slots (done events) and of its spare
+        blocks. False if it has not by ``deadline`` (work that waits for a lost peer's
+        event may never finish)."""
+        events = [event for table in (self._ready, self._done)
+                  for row in table.values() for event in row]
+        events += [event for _, event in self._spare]
+        while True:
+            events = [event for event in events if not self.runtime.event_done(event)]
+            if not events:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def _close_opened(self) -> None:
         opened, self._opened = self._opened, []
@@ -352,6 +488,9 @@ class IpcChannel(DeviceChannel):
         memory, self._memory = self._memory, None
         if memory is not None:
             self.runtime.free(memory)
+        blocks, self._blocks, self._spare = self._blocks, [], []
+        for block in blocks:
+            self.runtime.free(block)
         _EXPORTS.drop(self._exported)
         self._exported = []
         self._ready, self._done = {}, {}

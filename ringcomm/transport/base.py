@@ -161,19 +161,37 @@ class Transport:
         """The count the next credit from ``peer`` carries, in the order they were sent.
         Messages of the other streams that arrive first are set aside for their receives;
         the wait ends as a receive's does (deadline, lost peer, abort)."""
+        credit = None
+        while credit is None:
+            credit = self._next_credit(peer, Wait(op, deadline))
+        return credit
+
+    def poll_credit(self, peer: int, op: str) -> int | None:
+        """Like ``recv_credit``, but None at once where no credit has arrived yet."""
+        link = self._link(peer)
+        while True:
+            if not self._stash[peer][_CREDIT] and not link.peek():
+                return None
+            credit = self._next_credit(peer, Wait(op, time.monotonic() + 1.0))
+            if credit is not None:
+                return credit
+
+    def _next_credit(self, peer: int, wait: Wait) -> int | None:
+        """A stashed credit, or read one message from ``peer``: its count if it is a
+        credit, None once another stream's message has been set aside."""
         mine = self._stash[peer][_CREDIT]
         if mine:
             return mine.popleft()[0].count
-        link, wait = self._link(peer), Wait(op, deadline)
-        while True:
-            header = link.recv_header(wait)
-            if header.kind == OpKind.ABORT:
-                raise remote_error(header, link.recv_payload(op), self.rank, op)
-            stream = _STREAM_OF.get(header.kind, _COLLECTIVE)
-            payload = bytes(link.recv_payload(op))
-            if stream == _CREDIT:
-                return header.count
-            self._stash[peer][stream].append((header, payload))
+        link, op = self._link(peer), wait.op
+        header = link.recv_header(wait)
+        if header.kind == OpKind.ABORT:
+            raise remote_error(header, link.recv_payload(op), self.rank, op)
+        stream = _STREAM_OF.get(header.kind, _COLLECTIVE)
+        payload = bytes(link.recv_payload(op))
+        if stream == _CREDIT:
+            return header.count
+        self._stash[peer][stream].append((header, payload))
+        return None
 
     # ---------------------------------------------------------------- screening
     def screen(self, peer: int, wait: Wait) -> None:
