@@ -21,11 +21,13 @@ The rules, per collective:
 - the others: their one algorithm over links.
 
 Device memory a group's device engines move (``device_memory``) goes to one of them:
-``cuda-ipc`` where the group has it (every rank on one host), else ``staged``, with the
-algorithm the links would run (never a board schedule); an allreduce's is the cost model's
-cheapest under that engine's constants (a tuned profile's, else the defaults), and the
-choice's reason says which. Any other device memory is staged through host memory for the
-host engines: its kind does that, and the choice says so.
+``cuda-ipc`` where the group has it (every rank on one host) and its slots carry the call's
+schedules without two ranks waiting on each other's credits (``credits``), else
+``staged``, with the algorithm the links would run (never a board schedule); an
+allreduce's is the cost model's cheapest under that engine's constants (a tuned
+profile's, else the defaults), and the choice's reason says which. Any other device
+memory is staged through host memory for the host engines: its kind does that, and the
+choice says so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..core.algorithms import ALGORITHMS, BOARD, LINKS
+from ..core.algorithms import ALGORITHMS, BOARD, CUDA_IPC, LINKS, STAGED
 from ..core.arrays import HOST
 from ..errors import ArgumentError
 from ..schedules import ALLREDUCE, ON_BOARD
@@ -41,6 +43,7 @@ from ..schedules import board as board_schedules
 from ..transport.board import SLOT_BYTES
 from . import cost
 from .collectives import COLLECTIVES
+from .credits import runs_within_credits
 from .settings import Settings
 from .topology import Topology
 
@@ -123,12 +126,30 @@ class Selector:
     def _on_device(self, collective: str, nbytes: int, itemsize: int,
                    forced: str | None) -> tuple[str, str, str]:
         """Device memory on the group's preferred device engine, with what the links would
-        run: the same schedules, never the board's."""
+        run (the same schedules, never the board's); cuda-ipc only where its slots carry the
+        schedules (``credits``), else staged."""
         group = self.group
         engine = group.device_engines[0]
+        algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced)
+        if engine == CUDA_IPC and STAGED in group.device_engines and \
+                not self._fits_slots(collective, algorithm, nbytes, itemsize):
+            if forced is None and group.settings.algorithm is None and \
+                    collective == "allreduce":  # priced again with staging's constants
+                algorithm, why = self._device_algorithm(STAGED, collective, nbytes, itemsize,
+                                                        None)
+            settings = group.settings
+            return STAGED, algorithm, (
+                f"{STAGED} for device memory: {algorithm} would leave ranks waiting on each "
+                f"other's credits in {CUDA_IPC}'s {settings.ipc_slots} slots of "
+                f"{_size(settings.ipc_slot_bytes)}; {why}")
+        return engine, algorithm, f"{engine} for device memory; {why}"
+
+    def _device_algorithm(self, engine: str, collective: str, nbytes: int, itemsize: int,
+                          forced: str | None) -> tuple[str, str]:
+        group = self.group
         if collective != "allreduce":
             _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
-            return engine, algorithm, f"{engine} for device memory; {why}"
+            return algorithm, why
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
             if name in ON_BOARD:
@@ -136,10 +157,9 @@ class Selector:
                                     f"memory; device memory goes over {engine}: choose one of "
                                     f"{', '.join(ALLREDUCE)}")
             _, algorithm, why = self._allreduce(nbytes, itemsize, forced)
-            return engine, algorithm, f"{engine} for device memory; {why}"
+            return algorithm, why
         if group.settings.algorithm is not None:
-            return engine, group.settings.algorithm, \
-                f"{engine} for device memory; forced by RINGCOMM_ALGO"
+            return group.settings.algorithm, "forced by RINGCOMM_ALGO"
         key = (nbytes, itemsize, engine)
         chosen = self._priced_device.get(key)
         if chosen is None:
@@ -148,8 +168,23 @@ class Selector:
                 segment_bytes=group.segment_bytes, params=group.settings.device_cost(engine),
                 share=1.0, hosts=group.topology.hosts, remote=group.settings.remote)
         source = "tuned" if engine in group.settings.device_params else "default"
-        return engine, chosen, (f"{engine} for device memory; the cost model's cheapest with "
-                                f"its {source} constants")
+        return chosen, f"the cost model's cheapest with its {source} constants"
+
+    def _fits_slots(self, collective: str, algorithm: str, nbytes: int, itemsize: int) -> bool:
+        """Whether every rank's schedule of the call runs within cuda-ipc's credits. An
+        all-to-all is checked as if each block were its whole input (its splits may be
+        uneven), rooted collectives at root 0 (the others are relabelled copies)."""
+        group = self.group
+        world = group.world_size
+        spec = COLLECTIVES[collective]
+        count = nbytes // max(1, itemsize)
+        block = count if collective == "alltoall" else spec.block(count, world)
+        segment = max(1, group.segment_bytes // max(1, itemsize))
+        schedules = [spec.schedule(r, world, block, segment, algorithm=algorithm,
+                                   hosts=group.topology.hosts) for r in range(world)]
+        settings = group.settings
+        return runs_within_credits(schedules, itemsize, settings.ipc_slots,
+                                   settings.ipc_slot_bytes)
 
     def _rule(self, collective: str, nbytes: int, itemsize: int,
               forced: str | None, *, board: bool | None = None) -> tuple[str, str, str]:

@@ -1,0 +1,125 @@
+"""Device collectives checked against the table of collectives' references: one function
+that runs a list of calls on a communicator's device engines with fake-runtime arrays and
+returns what each rank got, used by the in-process tests (``run_group(device="fake")``)
+and by the jobs of real processes (``job_device_matrix``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ringcomm.core.device.fake import FakeDeviceArray
+from ringcomm.plan.collectives import COLLECTIVES
+from what_runs import CALLS, contribution
+
+# (collective, block, dtype, op, root, algorithm)
+Case = tuple[str, int, str, str, int, str | None]
+DTYPES = {"float32": np.float32, "int64": np.int64, "bfloat16": ml_dtypes.bfloat16,
+          "float16": np.float16, "float64": np.float64}
+
+
+def host_inputs(spec_name: str, rank: int, world: int, block: int, dtype: str,
+                root: int) -> dict[str, np.ndarray]:
+    """Every buffer ``rank`` holds for one call, in host memory: the source role holds the
+    rank's contribution, the others 99s."""
+    spec = COLLECTIVES[spec_name]
+    made = {}
+    for role, size in spec.sizes(block, world, rank=rank, root=root).items():
+        values = contribution(rank, size, "int64") if role == spec.source \
+            else np.full(size, 99, np.int64)
+        made[role] = values.astype(DTYPES[dtype])
+    return made
+
+
+def run_cases(comm: Any, cases: list[Case]) -> list[np.ndarray | None]:
+    """Each case on ``comm`` with fake device arrays; the result role's values (None where
+    the rank has none), and the engines the choices named (``comm.choose``)."""
+    results: list[np.ndarray | None] = []
+    for name, block, dtype, op, root, algorithm in cases:
+        spec = COLLECTIVES[name]
+        host = host_inputs(name, comm.rank, comm.world_size, block, dtype, root)
+        arrays = {role: FakeDeviceArray.from_host(values) for role, values in host.items()}
+        kw = {"algorithm": algorithm} if algorithm else {}
+        CALLS[name](comm, arrays, op, root, **kw)
+        out = arrays.get(spec.result)
+        results.append(None if out is None else out.to_host())
+        runtime = next(iter(arrays.values())).runtime if arrays else None
+        if runtime is not None:  # what the caller queued on them is done before they go
+            runtime.synchronize(runtime.current_stream())
+        for array in arrays.values():
+            array.close()
+    return results
+
+
+def check(cases: list[Case], world: int, results: list[list[np.ndarray | None]]) -> None:
+    """Every rank's result of every case against the table's reference (exact, but for
+    ``avg`` of floats, which divides in the dtype)."""
+    for i, (name, block, dtype, op, root, algorithm) in enumerate(cases):
+        spec = COLLECTIVES[name]
+        inputs = [host_inputs(name, r, world, block, dtype, root).get(spec.source)
+                  for r in range(world)]
+        for rank, want in enumerate(spec.reference(inputs, op, root)):
+            got = results[rank][i]
+            where = (name, block, dtype, op, root, algorithm, rank)
+            assert (got is None) == (want is None), where
+            if want is None:
+                continue
+            assert got.dtype == want.dtype, where
+            if op == "avg":
+                tol = 2e-2 if dtype in ("bfloat16", "float16") else 1e-6
+                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                           rtol=tol, atol=tol, err_msg=str(where))
+            else:
+                assert got.tobytes() == want.tobytes(), (where, got, want)
+
+
+def cases_for(world: int, dtypes: list[str], *, blocks: tuple[int, ...] = (0, 5, 37),
+              algorithms: tuple[str, ...] = ("ring", "tree", "dbtree", "hd", "rd"),
+              hier: bool = False) -> list[Case]:
+    """Every collective (its sizes, ops and roots), and allreduce by each algorithm."""
+    cases: list[Case] = []
+    for dtype in dtypes:
+        floats = dtype != "int64"
+        for name, spec in COLLECTIVES.items():
+            if name == "barrier":
+                cases.append((name, 0, dtype, "sum", 0, None))
+                continue
+            ops = ["sum", "max", *(["avg"] if floats and name == "allreduce" else [])] \
+                if spec.reduces else ["sum"]
+            roots = sorted({0, world - 1}) if spec.rooted else [0]
+            for block in blocks:
+                for op in ops:
+                    for root in roots:
+                        cases.append((name, block, dtype, op, root, None))
+        for algorithm in (*algorithms, *(["hier"] if hier else [])):
+            for op in ("sum", "max", *(["avg"] if floats else [])):
+                cases.append(("allreduce", 37, dtype, op, 0, algorithm))
+    return cases
+
+
+def job_device_matrix(rank: int, world: int, store: str, transport: str, engine: str,
+                      dtypes: list[str], slot_bytes: int = 256, **_: Any) -> dict[str, Any]:
+    """A rank of real processes (``mp_helpers.Cluster``): init with the fake device and
+    ``engine`` forced, run the matrix, return the results and the choices' engines."""
+    import ringcomm
+    from ringcomm.core import device
+
+    os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
+    os.environ["RINGCOMM_IPC_SLOT_BYTES"] = str(slot_bytes)
+    runtime = device.runtime("fake")
+    before = runtime.live_allocations()
+    cases = cases_for(world, dtypes)
+    comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                         transport=transport, device="fake", segment_bytes=64)
+    try:
+        engines = sorted(name for name in comm.engines if name in ("cuda-ipc", "staged"))
+        chosen = comm.selector.choose("allreduce", 4096, 4, memory=runtime.memory).engine
+        results = run_cases(comm, cases)
+    finally:
+        comm.close()
+    return {"results": results, "engines": engines, "chosen": chosen,
+            "live": runtime.live_allocations() - before, "cases": cases}
