@@ -188,6 +188,8 @@ class Runner:
     device: str = "cpu"  # where its buffers live ("runtime": the --device runtime's arrays)
     sync: Callable[[Any], object] = _nothing  # given the handle: waits for what calls left
     needs_device: tuple[str, ...] = ()  # the --device values it runs under (empty: any)
+    # its own part in a measurement, where a call is not the collective (the copy)
+    own_turns: Callable[[Any, Case, Any], Turns] | None = None
     always: bool = False  # joined by every rank whatever is asked for
     process_group: bool = False  # a torch process group: rows say what torch calls it
     launcher: str | None = None
@@ -204,6 +206,8 @@ class Runner:
         """Its part in measuring ``case`` on this rank, on ``bufs`` (a peer has its own)."""
         if self.peer:
             return PeerTurns(handle, case)
+        if self.own_turns is not None:
+            return self.own_turns(handle, case, bufs)
         return LocalTurns(self.calls(handle, case.collective, bufs, case.op, algorithm),
                           lambda: self.sync(handle), bufs)
 
@@ -402,27 +406,49 @@ def _device_sync(handle: DeviceHandle) -> None:
     rt.synchronize(rt.current_stream())
 
 
+def _no_calls(handle: Any, collective: str, bufs: Any, op: str | None,
+              algorithm: str | None) -> Call:
+    raise TypeError("the copy's calls are its turns' (CopyTurns)")
+
+
 def _join_copy(where: RankContext) -> DeviceHandle:
     return DeviceHandle(None, device.runtime_of(where.device), where.rank)
 
 
-def _copy_calls(handle: DeviceHandle, collective: str, bufs: Any, op: str | None,
-                algorithm: str | None) -> Call:
+class CopyTurns(LocalTurns):
     """A device-to-device copy of the larger buffer's bytes into memory of its own, queued on
-    the current stream, on rank 0 (one copy at a time: the GPU's own bandwidth); the other
-    ranks' calls do nothing, and a repetition's time is the slowest rank's."""
-    if handle.rank != 0:
-        return lambda: None
-    rt = handle.runtime
-    src = max((bufs.inp, bufs.out), key=lambda a: a.nbytes)
-    dst = device.device_zeros(rt, src.size, src.dtype)
-    src_ptr, dst_ptr, nbytes = device.pointer(src), device.pointer(dst), src.nbytes
+    the current stream, on rank 0 only (one copy at a time: the GPU's own bandwidth); the
+    other ranks' calls do nothing, and a repetition's time is the slowest rank's. Its check
+    is the copy's own: the elements of the copy that differ from the source."""
 
-    def copy() -> None:
-        rt.copy(dst_ptr, src_ptr, nbytes, rt.current_stream())
-        _ = dst  # the copy's memory lives as long as the call
+    def __init__(self, handle: DeviceHandle, case: Case, bufs: Any) -> None:
+        rt = self.rt = handle.runtime
+        self.src = max((bufs.inp, bufs.out), key=lambda a: a.nbytes)
+        self.dst = device.device_zeros(rt, self.src.size, self.src.dtype)
+        src, dst, nbytes = device.pointer(self.src), device.pointer(self.dst), self.src.nbytes
 
-    return copy
+        def copy() -> None:
+            rt.copy(dst, src, nbytes, rt.current_stream())
+
+        super().__init__(copy if handle.rank == 0 else _nothing_at_all,
+                         lambda: _device_sync(handle), bufs)
+
+    def check(self) -> int:
+        import torch
+
+        self.bufs.reset()
+        self.run()
+        self.sync()
+        if self.run is _nothing_at_all:
+            return 0
+        itemsize = self.src.dtype.itemsize
+        src, dst = (self.bufs._host(a).view(-1).view(torch.uint8) for a in
+                    (self.src, self.dst))
+        return int((src != dst).view(-1, itemsize).any(dim=1).sum())
+
+
+def _nothing_at_all() -> None:
+    """A call that does nothing (the copy on ranks other than 0)."""
 
 
 def _torch_cuda_unavailable(world: int) -> str | None:
@@ -494,7 +520,7 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
     Runner(device.STAGED, owner="ringcomm", join=_join_device_engine("staged"),
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake")),
-    Runner(device.COPY, owner="device", join=_join_copy, calls=_copy_calls,
+    Runner(device.COPY, owner="device", join=_join_copy, calls=_no_calls, own_turns=CopyTurns,
            device=device.RUNTIME_ARRAYS, sync=_device_sync, needs_device=("cuda", "fake")),
     Runner(device.GLOO_CUDA, owner="gloo", join=_join_gloo_cuda, calls=_torch_calls,
            device="cuda", sync=_cuda_sync, process_group=True, needs_device=("cuda",),

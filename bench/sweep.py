@@ -292,8 +292,9 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         ours = RUNNERS[b.library].owner == "ringcomm"  # the torch path makes the same choice
         handle = handles[b.library]
         if isinstance(handle, DeviceHandle):  # the device engine's own choice and price
-            chosen, predicted = adapter.device_choice(handle.comm, collective, world, size,
-                                                      itemsize)
+            if handle.comm is not None:  # (the copy has neither)
+                chosen, predicted = adapter.device_choice(handle.comm, collective, world,
+                                                          size, itemsize)
         elif ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)

@@ -141,6 +141,7 @@ def test_the_device_sweep_over_two_ranks_checks_every_result(tmp_path):
         [sys.executable, "-m", "ringcomm_bench", "--device", "fake", "-n", "2",
          "--collectives", "allreduce", "allgather", "-b", "8", "-e", "4K", "-f", "512",
          "--reps", "2", "--iters", "1", "--warmup", "0", "--dtype", "float32", "bfloat16",
+         "--backends", device.IPC, device.STAGED, device.COPY,
          "--json", str(out), "--timeout", "120"],
         capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -151,7 +152,16 @@ def test_the_device_sweep_over_two_ranks_checks_every_result(tmp_path):
     rows = result["rows"]
     assert {(r["collective"], r["dtype"], r["backend"]) for r in rows} == {
         (c, d, b) for c in ("allreduce", "allgather") for d in ("float32", "bfloat16")
-        for b in (device.IPC, device.STAGED)}
+        for b in (device.IPC, device.STAGED, device.COPY)}
     assert all(r["wrong"] == 0 and r["runtime"] == "fake" for r in rows)
+    engines = [r for r in rows if r["backend"] != device.COPY]
     engine = {device.IPC: "cuda-ipc:", device.STAGED: "staged:"}
-    assert all(r["chosen"].startswith(engine[r["backend"]]) for r in rows), rows
+    assert all(r["chosen"].startswith(engine[r["backend"]]) for r in engines), rows
+    # the copy is the ceiling (bytes read plus written), and the IPC rows carry the bound
+    copies = [r for r in rows if r["backend"] == device.COPY]
+    assert all(r["copy_rw_GBps"] > 0 and r["chosen"] is None for r in copies)
+    for r in rows:
+        if r["backend"] in (device.IPC, device.STAGED) and r["collective"] == "allreduce":
+            copy = next(c for c in copies if (c["bytes"], c["dtype"], c["collective"]) ==
+                        (r["bytes"], r["dtype"], "allreduce"))
+            assert r["one_gpu_bound_GBps"] == pytest.approx(copy["copy_rw_GBps"] / 5)
