@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak bench bench-quick lint setup clean
+.PHONY: demo test test-slow soak bench bench-quick gpu-check lint setup clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,14 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/ringcomm bench --quick
+
+# The one command for a GPU machine (docs/gpu.md): probes, the tests marked gpu and a short
+# device benchmark into bench/results/gpu.json and gpu_check.log, in under 8 minutes. It
+# installs nothing (brought wheels go to a private folder), so it needs no venv: it uses
+# this one where there is one, else python3. FAKE=1: the same against the fake runtime.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bench/gpu_check.sh $(if $(FAKE),--fake)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -86,3 +86,21 @@ def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes:
     schedules = schedules_for(collective, n, count, itemsize, max(1, segment_bytes // itemsize))
     params = cost.load_profile().for_world(n)
     return cost.simulate(schedules, itemsize, params).time(params, cost.cores_per_rank(n))
+
+
+def device_choice(comm: Any, collective: str, world_size: int, nbytes: int,
+                  itemsize: int) -> tuple[str | None, float | None]:
+    """What a communicator made for device memory runs for a call on ``nbytes`` of its
+    device memory (``engine:algorithm``), and, for allreduce, the cost model's time for it
+    with that engine's constants (tuned on a GPU, else the defaults), as the selector prices
+    it: one rank per GPU's share of nothing, the host's cores left out (``share=1``)."""
+    if nbytes == 0 or comm.device is None:
+        return None, None
+    choice = comm.selector.choose(collective, nbytes, itemsize, memory=comm.device.memory)
+    chosen = f"{choice.engine}:{choice.algorithm}"
+    if collective != "allreduce" or choice.algorithm not in ALLREDUCE:
+        return chosen, None
+    return chosen, cost.predict("allreduce", choice.algorithm, world_size, nbytes, itemsize,
+                                segment_bytes=choice.segment_bytes,
+                                params=comm.settings.device_cost(choice.engine), share=1.0,
+                                hosts=comm.topology.hosts)

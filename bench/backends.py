@@ -11,6 +11,13 @@ can run here and which calls it sits out, and whose library it belongs to.
     gloo            ``torch.distributed`` on the default group, Gloo; also the benchmark's
                     control channel (barriers, gathering times and error counts)
     nccl            ``torch.distributed`` on an NCCL group, one GPU per rank
+    ringcomm+cuda-ipc, ringcomm+staged  (``--device cuda|fake``) ringcomm's ``Communicator``
+                    on device arrays (CuPy's, or the fake runtime's), its device engine
+                    forced (``RINGCOMM_DEVICE_ENGINE``)
+    copy            (``--device``) a device-to-device copy of the same bytes on rank 0: the
+                    ceiling, and the one-GPU bound (``device.one_gpu_bound``)
+    gloo+cuda       (``--device cuda``) Gloo through torch on the same bytes as CUDA tensors
+    ringcomm/torch+cuda  (``--device cuda``) ringcomm's process group on CUDA tensors
     mpi             MPI's collectives, in ranks of their own started by ``mpiexec``, which
                     take their turn when rank 0 gives it to them (``mpi_peer``)
 
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from . import adapter, mpi_peer
+from . import adapter, device, mpi_peer
 from .buffers import Buffers
 from .common import timed
 
@@ -51,6 +58,7 @@ class RankContext:
     ports: tuple[int, int]  # Gloo's store, the Communicator's store
     timeout: float
     report: Callable[[str, Any], None]
+    device: str = "cpu"  # ``--device``: "cuda" or "fake" for the device backends
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class LocalTurns:
     """A backend in the sweep's own processes: one call, the buffers it works on, and what
     waits for the device (nothing on the CPU)."""
 
-    def __init__(self, run: Call, sync: Call, bufs: Buffers) -> None:
+    def __init__(self, run: Call, sync: Call, bufs: Any) -> None:
         self.run, self.sync, self.bufs = run, sync, bufs
 
     def check(self) -> int:
@@ -137,8 +145,8 @@ class PeerTurns:
         return float(self._turn(max, "time", iters))
 
 
-def _nothing() -> None:
-    return None
+def _nothing(handle: Any) -> None:
+    """Nothing to wait for: the calls were done when they returned."""
 
 
 def _leave_nothing(handle: Any) -> None:
@@ -177,8 +185,11 @@ class Runner:
     calls: Calls
     leave: Callable[[Any], None] = _leave_nothing
     ready: Callable[[Any, RankContext], None] = _ready
-    device: str = "cpu"  # where its buffers live
-    sync: Call = _nothing  # waits for what its calls left running
+    device: str = "cpu"  # where its buffers live ("runtime": the --device runtime's arrays)
+    sync: Callable[[Any], object] = _nothing  # given the handle: waits for what calls left
+    needs_device: tuple[str, ...] = ()  # the --device values it runs under (empty: any)
+    # its own part in a measurement, where a call is not the collective (the copy)
+    own_turns: Callable[[Any, Case, Any], Turns] | None = None
     always: bool = False  # joined by every rank whatever is asked for
     process_group: bool = False  # a torch process group: rows say what torch calls it
     launcher: str | None = None
@@ -195,8 +206,10 @@ class Runner:
         """Its part in measuring ``case`` on this rank, on ``bufs`` (a peer has its own)."""
         if self.peer:
             return PeerTurns(handle, case)
+        if self.own_turns is not None:
+            return self.own_turns(handle, case, bufs)
         return LocalTurns(self.calls(handle, case.collective, bufs, case.op, algorithm),
-                          self.sync, bufs)
+                          lambda: self.sync(handle), bufs)
 
 
 # --------------------------------------------------------------------------- ringcomm
@@ -295,7 +308,7 @@ def _join_nccl_group(where: RankContext) -> Any:
     return dist.new_group(backend="nccl")
 
 
-def _cuda_sync() -> None:
+def _cuda_sync(handle: Any) -> None:
     import torch
 
     torch.cuda.synchronize()
@@ -339,6 +352,127 @@ def _torch_calls(group: Any, collective: str, bufs: Buffers, op: str | None,
     }[collective]
 
 
+# --------------------------------------------------------------------------- device memory
+
+
+@dataclass(frozen=True)
+class DeviceHandle:
+    """A device backend's handle: what its calls run on (a communicator made for device
+    memory, or None for the copy), the runtime whose stream is waited for, and the rank."""
+
+    comm: Any
+    runtime: Any
+    rank: int
+
+
+def _join_device_engine(engine: str) -> Callable[[RankContext], DeviceHandle]:
+    """Joining ringcomm for device memory with ``engine`` forced: ``RINGCOMM_DEVICE_ENGINE``
+    is set while the communicator is made (the setting is read, and agreed, at init)."""
+
+    def join(where: RankContext) -> DeviceHandle:
+        import os
+
+        import ringcomm
+
+        saved = os.environ.get("RINGCOMM_DEVICE_ENGINE")
+        os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
+        try:
+            comm = ringcomm.init(rank=where.rank, world_size=where.world,
+                                 store=f"{where.address}:{where.ports[1]}",
+                                 timeout=where.timeout, device=where.device)
+        finally:
+            if saved is None:
+                del os.environ["RINGCOMM_DEVICE_ENGINE"]
+            else:
+                os.environ["RINGCOMM_DEVICE_ENGINE"] = saved
+        return DeviceHandle(comm, device.runtime_of(where.device), where.rank)
+
+    return join
+
+
+def _close_device_engine(handle: DeviceHandle) -> None:
+    handle.comm.close()
+
+
+def _device_calls(handle: DeviceHandle, collective: str, bufs: Any, op: str | None,
+                  algorithm: str | None) -> Call:
+    return _communicator_calls(handle.comm, collective, bufs, op, algorithm)
+
+
+def _device_sync(handle: DeviceHandle) -> None:
+    """Wait for the work the calls left on the caller's current stream (the engine makes it
+    wait on every op's done event)."""
+    rt = handle.runtime
+    rt.synchronize(rt.current_stream())
+
+
+def _no_calls(handle: Any, collective: str, bufs: Any, op: str | None,
+              algorithm: str | None) -> Call:
+    raise TypeError("the copy's calls are its turns' (CopyTurns)")
+
+
+def _join_copy(where: RankContext) -> DeviceHandle:
+    return DeviceHandle(None, device.runtime_of(where.device), where.rank)
+
+
+class CopyTurns(LocalTurns):
+    """A device-to-device copy of the larger buffer's bytes into memory of its own, queued on
+    the current stream, on rank 0 only (one copy at a time: the GPU's own bandwidth); the
+    other ranks' calls do nothing, and a repetition's time is the slowest rank's. Its check
+    is the copy's own: the elements of the copy that differ from the source."""
+
+    def __init__(self, handle: DeviceHandle, case: Case, bufs: Any) -> None:
+        rt = self.rt = handle.runtime
+        self.src = max((bufs.inp, bufs.out), key=lambda a: a.nbytes)
+        self.dst = device.device_zeros(rt, self.src.size, self.src.dtype)
+        src, dst, nbytes = device.pointer(self.src), device.pointer(self.dst), self.src.nbytes
+
+        def copy() -> None:
+            rt.copy(dst, src, nbytes, rt.current_stream())
+
+        super().__init__(copy if handle.rank == 0 else _nothing_at_all,
+                         lambda: _device_sync(handle), bufs)
+
+    def check(self) -> int:
+        import torch
+
+        self.bufs.reset()
+        self.run()
+        self.sync()
+        if self.run is _nothing_at_all:
+            return 0
+        itemsize = self.src.dtype.itemsize
+        src, dst = (self.bufs._host(a).view(-1).view(torch.uint8) for a in
+                    (self.src, self.dst))
+        return int((src != dst).view(-1, itemsize).any(dim=1).sum())
+
+
+def _nothing_at_all() -> None:
+    """A call that does nothing (the copy on ranks other than 0)."""
+
+
+def _torch_cuda_unavailable(world: int) -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "this torch has no CUDA device"
+
+
+def _join_gloo_cuda(where: RankContext) -> Any:
+    """The default Gloo group, given CUDA tensors (Gloo stages them through the host)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(where.rank % torch.cuda.device_count())
+    return dist.group.WORLD
+
+
+def _join_ringcomm_group_cuda(where: RankContext) -> Any:
+    import torch
+
+    torch.cuda.set_device(where.rank % torch.cuda.device_count())
+    return _join_ringcomm_group(where)
+
+
 # --------------------------------------------------------------------------- MPI
 
 
@@ -380,6 +514,20 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
     Runner("nccl", owner="nccl", join=_join_nccl_group, calls=_torch_calls, device="cuda",
            sync=_cuda_sync, process_group=True, on_simulated_hosts=False,
            unavailable=_nccl_unavailable),
+    Runner(device.IPC, owner="ringcomm", join=_join_device_engine("cuda-ipc"),
+           leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
+           sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False),
+    Runner(device.STAGED, owner="ringcomm", join=_join_device_engine("staged"),
+           leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
+           sync=_device_sync, needs_device=("cuda", "fake")),
+    Runner(device.COPY, owner="device", join=_join_copy, calls=_no_calls, own_turns=CopyTurns,
+           device=device.RUNTIME_ARRAYS, sync=_device_sync, needs_device=("cuda", "fake")),
+    Runner(device.GLOO_CUDA, owner="gloo", join=_join_gloo_cuda, calls=_torch_calls,
+           device="cuda", sync=_cuda_sync, process_group=True, needs_device=("cuda",),
+           unavailable=_torch_cuda_unavailable, unsupported=_gloo_unsupported),
+    Runner(device.TORCH_CUDA, owner="ringcomm", join=_join_ringcomm_group_cuda,
+           calls=_torch_calls, device="cuda", sync=_cuda_sync, process_group=True,
+           needs_device=("cuda",), unavailable=_torch_cuda_unavailable),
     Runner("mpi", owner="mpi", join=_start_mpi, ready=_connect_mpi, leave=_stop_mpi,
            calls=mpi_peer.calls, launcher="mpiexec", unavailable=_mpi_unavailable,
            unsupported=mpi_peer.unsupported),

@@ -5,6 +5,7 @@
     ringcomm bench --backends ringcomm ringcomm/torch gloo --peers mpi   # MPI as a peer
     ringcomm bench --quick                             # under a minute
     ringcomm bench ddp                                 # DDP training step (bench/ddp_step.py)
+    ringcomm bench --device cuda --collectives allreduce   # device memory (bench/device.py)
 
 Why one run and interleaved: on a small, shared machine the speed of everything drifts by
 tens of percent from one minute to the next, so backends are only compared when measured
@@ -67,8 +68,18 @@ from typing import Any
 from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
-from . import adapter, multihost
-from .backends import CHECKSUMMED, RUNNERS, TORCH, Case, RankContext, Runner, Turns, joining
+from . import adapter, device, multihost
+from .backends import (
+    CHECKSUMMED,
+    RUNNERS,
+    TORCH,
+    Case,
+    DeviceHandle,
+    RankContext,
+    Runner,
+    Turns,
+    joining,
+)
 from .buffers import Buffers, Reference
 from .common import (
     RankFailed,
@@ -172,6 +183,7 @@ class Settings:
     rate: str | None = None  # each simulated host's link shaped to this (tc's words)
     shared_cpus: bool = False  # simulated hosts share every core instead of splitting them
     peers: list[str] = field(default_factory=list)  # "mpi": MPI's ranks take turns too
+    device: str | None = None  # "cuda" | "fake": the device backends' memory (``device``)
 
     def layout(self) -> multihost.Layout | None:
         if self.hosts is None:
@@ -225,10 +237,16 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     backends = _backends_for(collective, dtype_name, reduce_op, s)
     case = Case(collective, dtype_name, reduce_op, count)
     ref = Reference(collective, world, count, dtype, reduce_op)
-    buffers = {"cpu": Buffers(collective, rank, world, count, dtype, ref)}
-    for device in dict.fromkeys(RUNNERS[b.library].device for b in backends):
-        if device not in buffers:
-            buffers[device] = Buffers(collective, rank, world, count, dtype, ref, device)
+    buffers: dict[str, Buffers] = {"cpu": Buffers(collective, rank, world, count, dtype, ref)}
+    for where in dict.fromkeys(RUNNERS[b.library].device for b in backends):
+        if where in buffers:
+            continue
+        if where == device.RUNTIME_ARRAYS:
+            assert s.device is not None
+            buffers[where] = device.RuntimeBuffers(collective, rank, world, count, dtype, ref,
+                                                   s.device)
+        else:
+            buffers[where] = Buffers(collective, rank, world, count, dtype, ref, where)
     parts: list[Turns] = []
     group_backend = {}  # what torch itself says each torch-run backend ran on
     for b in backends:
@@ -272,7 +290,12 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         chosen = None
         predicted = None
         ours = RUNNERS[b.library].owner == "ringcomm"  # the torch path makes the same choice
-        if ours and len(comm.hosts) > 1:  # the model for this layout
+        handle = handles[b.library]
+        if isinstance(handle, DeviceHandle):  # the device engine's own choice and price
+            if handle.comm is not None:  # (the copy has neither)
+                chosen, predicted = adapter.device_choice(handle.comm, collective, world,
+                                                          size, itemsize)
+        elif ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)
         elif ours:
@@ -293,7 +316,15 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
             "rep_times_us": [t * 1e6 for t in reps],
             "iters": iters[i], "reps": s.reps, "warmup": s.warmup,
             "process_group": group_backend.get(b.name),
+            "device": s.device or "cpu", "runtime": device.RUNTIMES.get(s.device or ""),
         })
+        if b.library == device.COPY:  # the ceiling: bytes read plus bytes written
+            rows[-1]["copy_rw_GBps"] = 2 * size / median / 1e9
+    copy = next((r for r in rows if "copy_rw_GBps" in r), None)
+    if copy is not None and collective == "allreduce":
+        for r in rows:
+            if r["library"] in (device.IPC, device.STAGED):
+                r["one_gpu_bound_GBps"] = device.one_gpu_bound(copy["copy_rw_GBps"], world)
     return rows
 
 
@@ -319,7 +350,10 @@ def rank_main(rank: int, world: int, report: Any, s: Settings) -> None:
     import torch
 
     torch.set_num_threads(1)
-    where = RankContext(rank, world, s.address, s.ports, s.timeout, report)
+    where = RankContext(rank, world, s.address, s.ports, s.timeout, report,
+                        s.device or "cpu")
+    if s.device is not None and rank == 0:
+        report("device", device.runtime_of(s.device).describe())
     with contextlib.ExitStack() as joined:
         handles: dict[str, Any] = {}
         runners = joining([*(b.library for b in s.backends), *s.peers])
@@ -377,7 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"reductions for allreduce and reduce_scatter ({', '.join(OPS)})")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES),
                    help=f"which collectives ({', '.join(COLLECTIVES)}; default all)")
-    p.add_argument("--backends", nargs="+", default=["ringcomm:all", TORCH, "gloo", "nccl"],
+    p.add_argument("--device", choices=sorted(device.RUNTIMES), default=None,
+                   help="sweep device memory: cuda (CuPy arrays on a GPU) or fake (the strict "
+                   "fake runtime's arrays on the CPU: checks the plumbing, its times mean "
+                   "nothing); backends default to ringcomm+cuda-ipc ringcomm+staged, and on "
+                   "cuda also copy gloo+cuda ringcomm/torch+cuda")
+    p.add_argument("--backends", nargs="+", default=None,
                    help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
                    f"ALGO one of {', '.join(adapter.allreduce_algorithms(board=True))}; "
                    "board and twoshot on one host only), ringcomm:all, "
@@ -386,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "authenticate and encrypt; RINGCOMM_TRANSPORT=tcp to measure them), "
                    f"{CHECKSUMMED} (the Communicator with RINGCOMM_CHECKSUM=1), gloo, "
                    f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
-                   "rank)")
+                   "rank); with --device: ringcomm+cuda-ipc, ringcomm+staged (an engine "
+                   "forced), copy, gloo+cuda, ringcomm/torch+cuda")
     p.add_argument("--peers", nargs="+", default=[], metavar="PEER",
                    choices=[name for name, runner in RUNNERS.items() if runner.peer],
                    help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install "
@@ -439,8 +479,10 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
             raise ValueError(f"unknown op {o!r}; choose from {', '.join(OPS)}")
         if o == "avg" and any(not d.startswith(("float", "bfloat")) for d in dtypes):
             raise ValueError("--op avg needs floating-point dtypes only")
+    where = getattr(args, "device", None)
+    named = args.backends or (DEVICE_BACKENDS[where] if where else HOST_BACKENDS)
     s = Settings(
-        sizes=sizes, collectives=collectives, backends=parse_backends(args.backends),
+        sizes=sizes, collectives=collectives, backends=parse_backends(named), device=where,
         dtypes=dtypes, ops=ops, iters=pick(args.iters, 5, 3), warmup=pick(args.warmup, 2, 1),
         reps=pick(args.reps, 5, 3), timeout=args.timeout,
         peers=list(dict.fromkeys(getattr(args, "peers", None) or [])))
@@ -448,6 +490,11 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
         raise ValueError("--iters and --reps must be at least 1 and --warmup not negative")
     hosts, rate = getattr(args, "hosts", None), getattr(args, "rate", None)
     shared = bool(getattr(args, "shared_cpus", False))
+    for b in s.backends:
+        needs = RUNNERS[b.library].needs_device
+        if needs and where not in needs:
+            raise ValueError(f"backend {b.name} runs on device memory: give --device "
+                             f"{' or --device '.join(needs)}")
     if hosts is None:
         if rate is not None or shared:
             raise ValueError("--rate and --shared-cpus shape simulated hosts: give --hosts too")
@@ -456,10 +503,18 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
         raise ValueError("--hosts HxR sets the world size (H x R ranks): leave out -n")
     if s.peers:
         raise ValueError("--peers runs on this host only: leave out --hosts")
+    if where is not None:
+        raise ValueError("--device runs on this host only: leave out --hosts")
     layout = multihost.Layout(*multihost.parse_layout(hosts))
     s.hosts, s.shared_cpus = str(layout), shared
     s.rate = None if rate is None else multihost.parse_rate(rate)
     return s, [layout.world]
+
+
+HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl"]
+DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED],
+                   "cuda": [device.IPC, device.STAGED, device.COPY, device.GLOO_CUDA,
+                            device.TORCH_CUDA]}
 
 
 def _left_out(runner: Runner, on_hosts: bool, world: int) -> str | None:
@@ -549,6 +604,9 @@ def _follow_reports(events: Any, rows: list[dict], facts: dict | None, progress:
         elif kind == "layout":
             if facts is not None:
                 facts.update(payload)
+        elif kind == "device":
+            if facts is not None:
+                facts["device"] = payload
         elif kind == "peer":
             if facts is not None:
                 facts.setdefault("peers", {}).update(payload)
@@ -605,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                           highlight=False)
         return 1
     peers_meta = facts.pop("peers", None)
+    device_meta = facts.pop("device", None)
     hosts_meta = None
     if s.hosts is not None:
         hosts_meta = {"layout": s.hosts, "rate": s.rate,
@@ -620,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     report.print_tables(rows, out)
     targets = report.target_summary(rows)
     report.print_targets(targets, out)
+    device_targets = device.device_summary(rows) if s.device else []
+    device.print_summary(device_targets, device.RUNTIMES.get(s.device or "", ""), out)
     hosts_summary = multihost.summary(rows) if s.hosts is not None else None
     if hosts_summary:
         multihost.print_summary(hosts_summary, out)
@@ -640,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
             "notes": notes,
             "targets": targets,
             **({"peers": peers_meta} if peers_meta else {}),
+            **({"runtime": device.RUNTIMES[s.device], "device": device_meta,
+                "device_targets": device_targets} if s.device else {}),
             **({"hosts": hosts_meta, "hosts_summary": hosts_summary} if hosts_meta else {}),
         })
         out.print(f"wrote {args.json}")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: probes, the tests marked gpu and a short device benchmark,
+# written to bench/results/gpu.json and bench/results/gpu_check.log (docs/gpu.md).
+#
+#   bench/gpu_check.sh            on a GPU machine (CuPy and a device)
+#   bench/gpu_check.sh --fake     on a CPU machine, against the strict fake runtime
+#                                 (writes gpu_fake.json and gpu_check_fake.log)
+#   PYTHON=python3 bench/gpu_check.sh --out DIR
+#
+# Installs nothing globally: the wheels brought in .whl/ go into a private folder that is
+# put first on PYTHONPATH for this run only and removed at exit; the modules still missing
+# are named with the wheel to bring. Each step has its own time limit inside an overall
+# budget under eight minutes; a failing step is recorded and the rest still run
+# (bench/gpu_check.py says what each step does).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+SITE="$(mktemp -d "${TMPDIR:-/tmp}/ringcomm-gpu-site.XXXXXX")" || exit 1
+trap 'rm -rf "$SITE"' EXIT
+# ringcomm_bench is bench/ under its installed name (pyproject's package-dir), for a tree
+# that is not installed
+ln -s "$ROOT/bench" "$SITE/ringcomm_bench"
+export RINGCOMM_GPU_SITE="$SITE"
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+"$PYTHON" -m ringcomm_bench.gpu_check "$@"
