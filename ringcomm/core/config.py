@@ -241,6 +241,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ipc_slot_bytes", Scope.AGREED, "RINGCOMM_IPC_SLOT_BYTES", None,
             "bytes of one cuda-ipc staging slot (a larger message goes in pieces)",
             DEFAULT_IPC_SLOT_BYTES, _positive("bytes")),
+    Setting("fake_devices", Scope.LOCAL, "RINGCOMM_FAKE_DEVICES", None,
+            "how many devices the fake runtime (RINGCOMM_DEVICE=fake) shows this process",
+            1, _positive("devices")),
+    Setting("fake_device_timeout", Scope.LOCAL, "RINGCOMM_FAKE_DEVICE_TIMEOUT", None,
+            "seconds a fake-runtime stream waits before the fake reports a device hang (a "
+            "GPU would wait forever)", 60.0, _number(0.01, 1e6, "seconds")),
     Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
             "a shared secret: the store and every rank-to-rank tcp connection admit only "
             "peers that hold it (and encrypt); never published or logged", None, _text,

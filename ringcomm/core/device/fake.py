@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..dtypes import ReduceOp, finish_reduction, reduce_into
 from .runtime import Allocation, DeviceRuntime, Event, Stream
 
@@ -72,14 +73,7 @@ class FakeDeviceFault(RuntimeError):
 def _timeout_s() -> float:
     """How long a stream may wait before the fake calls it a hang (a GPU would wait
     forever): ``RINGCOMM_FAKE_DEVICE_TIMEOUT`` seconds, 60 by default."""
-    raw = os.environ.get("RINGCOMM_FAKE_DEVICE_TIMEOUT", "60")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise FakeDeviceFault(
-            f"RINGCOMM_FAKE_DEVICE_TIMEOUT={raw!r} is not a number of seconds; unset it or "
-            "give one such as 60") from None
-    return value if value > 0 else 60.0
+    return float(config.value("fake_device_timeout"))
 
 
 def _start_time(pid: int) -> int | None:
@@ -253,15 +247,7 @@ class FakeRuntime(DeviceRuntime):
         self.pid = os.getpid()
         #: seconds a stream or the host waits before the fake reports a device hang
         self.hang_timeout = _timeout_s()
-        raw = os.environ.get("RINGCOMM_FAKE_DEVICES", "1")
-        try:
-            self._devices = int(raw)
-            if self._devices < 1:
-                raise ValueError
-        except ValueError:
-            raise FakeDeviceFault(
-                f"RINGCOMM_FAKE_DEVICES={raw!r}: give the number of fake devices, 1 or more"
-            ) from None
+        self._devices = int(config.value("fake_devices"))
         self._lock = threading.Lock()  # the tables below; never held while waiting
         self._next_address = ADDRESS_BASE + (self.pid % 32) * _WINDOW
         self._next_id = 1
