@@ -452,14 +452,21 @@ class TorchCPUKind(HostKind):
 # numpy arrays (``_numpy_first``).
 _NUMPY = NumpyKind()
 _KINDS: list[ArrayKind] = [TorchCPUKind(), _NUMPY]
+_FALLBACKS: list[ArrayKind] = []  # the protocol kinds, at the end of _KINDS too
 _numpy_first = True
 
 
-def register(kind: ArrayKind) -> None:
-    """Accept ``kind``'s arrays from now on, in every communicator."""
+def register(kind: ArrayKind, *, fallback: bool = False) -> None:
+    """Accept ``kind``'s arrays from now on, in every communicator. A ``fallback`` kind (one
+    that recognises a protocol many types speak, such as ``__dlpack__``) is asked after every
+    other, so the arrays of a kind of their own (numpy, torch) never pay for its checks."""
     global _numpy_first
-    _KINDS.insert(0, kind)
-    _numpy_first = _numpy_first and not kind.owns(np.empty(0))
+    if fallback:
+        _KINDS.append(kind)
+        _FALLBACKS.append(kind)
+    else:
+        _KINDS.insert(0, kind)
+        _numpy_first = _numpy_first and not kind.owns(np.empty(0))
 
 
 def kinds() -> tuple[ArrayKind, ...]:
@@ -486,7 +493,8 @@ def as_buffer(x: Any, *, name: str = "x", writable: bool = True, reads: bool = T
     for kind in _KINDS:
         if kind.owns(x):
             return kind.buffer(x, name, writable, reads)
-    accepted = " or ".join(kind.noun for kind in reversed(_KINDS))
+    own = [kind for kind in reversed(_KINDS) if kind not in _FALLBACKS]  # oldest first
+    accepted = " or ".join(kind.noun for kind in own + _FALLBACKS)
     raise ArgumentError(f"{name} must be {accepted}, got {type(x).__name__}")
 
 

@@ -347,7 +347,12 @@ class DLPackKind(RuntimeKind):
         return self._cupy_kind.pointer(x)
 
 
-# oldest first: ``register`` puts each in front, so the protocols are asked last
-KINDS = (DLPackKind(), CudaInterfaceKind(), CupyKind(), TorchCUDAKind(), FakeArrayKind())
+# The kinds of their own go in front (oldest first: ``register`` puts each there); the two
+# protocols are fallbacks, asked after the host kinds, so that a numpy array or a torch CPU
+# tensor (which speak DLPack too) costs nothing more to take.
+KINDS = (CupyKind(), TorchCUDAKind(), FakeArrayKind())
+PROTOCOL_KINDS = (CudaInterfaceKind(), DLPackKind())
 for _kind in KINDS:
     register(_kind)
+for _kind in PROTOCOL_KINDS:
+    register(_kind, fallback=True)
