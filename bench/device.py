@@ -56,13 +56,9 @@ def pointer(array: Any) -> int:
 
 def device_zeros(rt: Any, count: int, dtype: np.dtype) -> Any:
     """``count`` zeros of ``dtype`` as the runtime's own array (CuPy's, or the fake's)."""
-    if rt.name == "cupy":
-        import cupy
+    from ringcomm.core.device import zeros
 
-        return cupy.zeros(count, dtype=dtype)
-    from ringcomm.core.device.fake import FakeDeviceArray
-
-    return FakeDeviceArray.from_host(np.zeros(count, dtype=dtype), runtime=rt)
+    return zeros(rt, count, dtype)
 
 
 def _count(array: Any) -> int:

@@ -15,6 +15,9 @@ runs) and must leave its findings in files. The steps:
     host-register  a /dev/shm mapping page-locked (``gpu_probe host-register``)
     mps            whether MPS runs (``gpu_probe mps``)
     pytest-gpu     the tests marked ``gpu`` (counts from their JUnit report)
+    tune           ``ringcomm tune --device --quick``: the device engines' cost constants
+                   fitted on this device (``gpu_profile.json``, a profile ringcomm reads
+                   through ``RINGCOMM_PROFILE``)
     bench          ``ringcomm bench --device``: the short device sweep (rows with #wrong 0
                    pass)
 
@@ -87,6 +90,7 @@ class Run:
         self.json_path = out / f"gpu{suffix}.json"
         self.log_path = out / f"gpu_check{suffix}.log"
         self.bench_path = out / f"gpu_bench{suffix}.json"
+        self.profile_path = out / f"gpu_profile{suffix}.json"
         out.mkdir(parents=True, exist_ok=True)
         self.log = self.log_path.open("w")
 
@@ -200,6 +204,29 @@ class Run:
                                  detail={"exit_code": code, "runtime": env[
                                      "RINGCOMM_TEST_RUNTIME"]}))
 
+    def tune(self) -> Check:
+        """The device engines' constants, fitted here: the figures the cost model would
+        price cuda-ipc and staged with on this machine."""
+        with contextlib.suppress(FileNotFoundError):
+            self.profile_path.unlink()  # an old file must not pass for this run's
+        argv = [self.python, "-m", "ringcomm.cli", "tune", "--device", self.device, "-n", "2",
+                "--quick", "-o", str(self.profile_path)]
+        code, output, seconds = self.command("tune", argv, 120)
+        try:
+            devices = json.loads(self.profile_path.read_text())["devices"]
+        except (OSError, ValueError, KeyError):
+            return self.record(Check("tune", "fail", failed=1, seconds=seconds, detail={
+                "why": "no profile with device constants written", "exit_code": code}))
+        fitted = {engine: {"alpha_us": round(p["alpha"] * 1e6, 2),
+                           "beta_GBps": round(1 / p["beta"] / 1e9, 2),
+                           "gamma_GBps": round(1 / p["gamma"] / 1e9, 2)}
+                  for engine, p in devices.items()}
+        ok = code == 0 and set(fitted) == {"cuda-ipc", "staged"}
+        return self.record(Check("tune", "pass" if ok else "fail", passed=len(fitted),
+                                 failed=0 if ok else 1, seconds=seconds, detail={
+                                     "exit_code": code, "constants": fitted,
+                                     "profile": str(self.profile_path.relative_to(self.out))}))
+
     def bench(self) -> tuple[Check, dict[str, Any]]:
         if self.fake:  # the plumbing: small sizes, few repetitions (numpy on the CPU)
             sizes = ["-n", "2", "-b", "8", "-e", "64K", "-f", "32", "--reps", "3",
@@ -249,7 +276,8 @@ def _junit_counts(path: Path) -> tuple[int, int, int] | None:
     return total - failed - skipped, failed, skipped
 
 
-STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "bench")
+STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "tune",
+         "bench")
 
 
 def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
@@ -273,6 +301,8 @@ def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
                 run.modules()
             elif step == "pytest-gpu":
                 run.pytest_gpu()
+            elif step == "tune":
+                run.tune()
             elif step == "bench":
                 _, figures = run.bench()
             else:

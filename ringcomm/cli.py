@@ -149,6 +149,7 @@ def _tune(args: argparse.Namespace) -> None:
     from . import tune
 
     argv = ["-n", *map(str, args.world_sizes)] + (["--quick"] if args.quick else [])
+    argv += ["--device", args.device] if args.device else []
     tune.main(argv + (["-o", args.output] if args.output else []))
 
 
@@ -242,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     tune.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     tune.add_argument("-o", "--output", default=None, help="profile file (default: "
                       "$RINGCOMM_PROFILE or ~/.cache/ringcomm/profile.json)")
+    tune.add_argument("--device", choices=["cuda", "fake"], default=None,
+                      help="tune the device engines (cuda-ipc, staged) on this device "
+                      "instead, keeping the host constants the profile file holds")
     tune.set_defaults(run=_tune)
 
     trace = sub.add_parser("trace", help="merge the timelines of RINGCOMM_TRACE, or plot one",

@@ -13,6 +13,13 @@ gamma)`` and the terms come from replaying the schedules, so it is linear in ``p
 is known which bound is active. The fit alternates: pick the active bound of every sample
 under the current ``p``, solve a weighted least-squares problem for ``p`` (weights
 ``1 / measured``: relative errors), repeat.
+
+With ``--device cuda`` (or ``fake``) it tunes the device engines instead: for each
+(cuda-ipc, staged) it launches ranks with that engine forced, times every allreduce
+algorithm on device arrays (the host waits for the device after each batch), times a
+device reduction for ``gamma``, and fits one set of constants per engine over every world
+size measured (device ranks have the device to themselves, so no cores are shared). They
+go under ``"devices"`` in the profile, beside whatever host constants it already holds.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ from .schedules import ALLREDUCE
 TUNE_SIZES = (8, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (8, 65536, 1 << 20, 4 << 20)
 SEGMENTS = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
+DEVICE_SIZES = (8, 65536, 1 << 20, 16 << 20, 64 << 20)
+QUICK_DEVICE_SIZES = (8, 65536, 1 << 20)
+DEVICE_ENGINES = ("cuda-ipc", "staged")
 _FLOOR = cost.CostParams(alpha=1e-6, beta=1e-12, gamma=1e-12)
+_DEVICE_FLOOR = cost.CostParams(alpha=1e-7, beta=1e-15, gamma=1e-15)
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class Sample:
 
 
 def fit(samples: list[Sample], gamma: float, start: cost.CostParams | None = None,
-        rounds: int = 8) -> cost.CostParams:
+        rounds: int = 8, floor: cost.CostParams = _FLOOR) -> cost.CostParams:
     """``alpha`` and ``beta`` that minimise the relative error of the predictions, with
     ``gamma`` measured apart (see module doc)."""
     p = start or cost.CostParams(gamma=gamma)
@@ -60,8 +71,8 @@ def fit(samples: list[Sample], gamma: float, start: cost.CostParams | None = Non
             rows.append([row[0] / s.seconds, row[1] / s.seconds])
             target.append(1.0 - gamma * row[2] / s.seconds)
         solution, *_ = np.linalg.lstsq(np.array(rows), np.array(target), rcond=None)
-        p = cost.CostParams(alpha=max(float(solution[0]), _FLOOR.alpha),
-                            beta=max(float(solution[1]), _FLOOR.beta), gamma=gamma)
+        p = cost.CostParams(alpha=max(float(solution[0]), floor.alpha),
+                            beta=max(float(solution[1]), floor.beta), gamma=gamma)
     return p
 
 
@@ -80,6 +91,42 @@ def measure_gamma(nbytes: int = 64 << 20, segment_bytes: int = cost.DEFAULT_SEGM
             np.add(a[lo:lo + step], b[lo:lo + step], out=a[lo:lo + step])
         times.append(time.perf_counter() - start)
     return statistics.median(times) / nbytes
+
+
+def measure_device_gamma(rt, nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Seconds per byte of an in-place float32 sum on the device, on a stream of its own,
+    the host waiting for each (the device reduction a device engine runs)."""
+    from .core.device import zeros
+    from .core.dtypes import reduce_op
+
+    count = max(1, nbytes // 4)
+    a, b = zeros(rt, count, np.float32), zeros(rt, count, np.float32)
+    pa, pb = _device_pointer(a), _device_pointer(b)
+    op = reduce_op("sum", np.dtype(np.float32))
+    stream = rt.new_stream()
+    rt.synchronize(rt.current_stream())  # the zeros are there
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        rt.reduce(pa, pa, pb, count, np.dtype(np.float32), op, stream)
+        rt.synchronize(stream)
+        times.append(time.perf_counter() - start)
+    _release(a, b)
+    return statistics.median(times[1:]) / (count * 4)
+
+
+def _device_pointer(array) -> int:
+    """The device pointer of a CuPy array or a ``FakeDeviceArray``."""
+    data = getattr(array, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(array.ptr)
+
+
+def _release(*arrays) -> None:
+    """Give a fake runtime's arrays back now (CuPy's go with their last reference)."""
+    for array in arrays:
+        close = getattr(array, "close", None)
+        if close is not None:
+            close()
 
 
 def relative_errors(samples: list[Sample], p: cost.CostParams) -> list[float]:
@@ -156,6 +203,99 @@ def measure(world: int, sizes: tuple[int, ...], reps: int,
                 p.kill()
 
 
+def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str,
+                      sizes: tuple[int, ...], reps: int, results) -> None:
+    import os
+
+    os.environ["RINGCOMM_DEVICE_ENGINE"] = engine  # must match: every rank forces it
+    import ringcomm
+
+    from .core.device import zeros
+
+    comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120,
+                         segment_bytes=cost.DEFAULT_SEGMENT_BYTES, device=device)
+    try:
+        rt = comm.device
+        if rt is None or engine not in comm.engines:
+            raise RuntimeError(f"no {engine} engine in this group (device {device!r}): "
+                               f"{sorted(comm.engines)}")
+        timings: dict[tuple[str, int], list[float]] = {}
+        for nbytes in sizes:
+            x = zeros(rt, max(1, nbytes // 4), np.float32)
+            iters = 20 if nbytes <= 65536 else 3
+            for name in ALLREDUCE:
+                comm.allreduce(x, algorithm=name)  # warm-up
+            rt.synchronize(rt.current_stream())
+            for _ in range(reps):
+                for name in ALLREDUCE:
+                    comm.barrier()
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        comm.allreduce(x, algorithm=name)
+                    rt.synchronize(rt.current_stream())  # the device has done them all
+                    mine = np.array([(time.perf_counter() - start) / iters])
+                    comm.allreduce(mine, "max")
+                    timings.setdefault((name, nbytes), []).append(float(mine[0]))
+            _release(x)
+        if rank == 0:
+            results.put({key: statistics.median(v) for key, v in timings.items()})
+    finally:
+        comm.close()
+
+
+def measure_device(device: str, engine: str, world: int, sizes: tuple[int, ...],
+                   reps: int) -> dict[tuple[str, int], float]:
+    """Median seconds per (algorithm, size) of allreduces of device arrays over ``engine``,
+    on ``world`` ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA does not survive fork
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_device_rank_main,
+                         args=(r, world, port, device, engine, sizes, reps, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def tune_device(device: str, worlds: list[int], *, quick: bool = False, log=print,
+                profile: cost.Profile | None = None) -> cost.Profile:
+    """Measure and fit the device engines' constants into ``profile`` (or a new one)."""
+    from .core.device import runtime
+    from .runtime.devices import runtime_name
+
+    profile = profile or cost.Profile()
+    profile.source = "ringcomm tune"
+    sizes = QUICK_DEVICE_SIZES if quick else DEVICE_SIZES
+    reps = 3 if quick else 5
+    gamma = measure_device_gamma(runtime(runtime_name(device) or device))
+    log(f"device reduction: {1 / gamma / 1e9:.2f} GB/s")
+    for engine in DEVICE_ENGINES:
+        samples = []
+        for world in worlds:
+            log(f"measuring {engine} on {world} ranks ...")
+            for (name, nbytes), seconds in measure_device(device, engine, world, sizes,
+                                                          reps).items():
+                terms = cost.allreduce_cost(name, world, nbytes // 4, 4,
+                                            cost.DEFAULT_SEGMENT_BYTES // 4)
+                samples.append(Sample(terms, 1.0, seconds))
+        params = fit(samples, gamma, floor=_DEVICE_FLOOR)
+        profile.devices[engine] = params
+        errors = relative_errors(samples, params)
+        log(f"  {engine}: alpha {params.alpha * 1e6:.1f} us  beta "
+            f"{1 / params.beta / 1e9:.2f} GB/s  median |error| "
+            f"{statistics.median(abs(e) for e in errors):.0%}")
+    return profile
+
+
 def tune(worlds: list[int], *, quick: bool = False, log=print) -> cost.Profile:
     """Measure, fit, and return the profile (not yet written)."""
     sizes = QUICK_SIZES if quick else TUNE_SIZES
@@ -197,10 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("-o", "--output", help=f"profile file (default {cost.profile_path()})")
+    parser.add_argument("--device", choices=["cuda", "fake"], default=None,
+                        help="tune the device engines (cuda-ipc, staged) on this device "
+                        "instead, keeping the host constants the profile file holds")
     args = parser.parse_args(argv)
-    profile = tune(args.world_sizes, quick=args.quick)
     path = args.output or cost.profile_path()
     from pathlib import Path
+
+    if args.device:
+        held = (cost.Profile.from_json(Path(path).read_text(), str(path))
+                if Path(path).exists() else None)
+        profile = tune_device(args.device, args.world_sizes, quick=args.quick, profile=held)
+    else:
+        profile = tune(args.world_sizes, quick=args.quick)
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(profile.to_json())

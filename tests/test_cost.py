@@ -179,6 +179,28 @@ def test_tune_measures_and_writes_a_profile_the_communicator_reads(tmp_path):
     assert "median |error|" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tune_on_a_device_adds_the_device_engines_and_keeps_the_host_constants(tmp_path):
+    """``ringcomm tune --device fake``: both device engines fitted into the profile file,
+    whose host constants stay as they were; a group reading it prices device memory with
+    them ("tuned")."""
+    out = tmp_path / "tuned.json"
+    host = cost.Profile(params={2: cost.CostParams(alpha=7e-6, beta=1e-10, gamma=1e-10)},
+                        segment_bytes=1 << 20)
+    out.write_text(host.to_json())
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "tune", "--device", "fake",
+                           "-n", "2", "--quick", "-o", str(out)], capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    profile = cost.Profile.from_json(out.read_text(), str(out))
+    assert profile.params == host.params and profile.segment_bytes == 1 << 20
+    assert set(profile.devices) == {"cuda-ipc", "staged"}
+    for params in profile.devices.values():
+        assert 0 < params.alpha < 0.1 and 0 < params.beta < 1e-6 and params.gamma > 0
+    assert proc.stdout.count("median |error|") == 2 and "device reduction" in proc.stdout
+
+
 TWO_BY_TWO = ((0, 1), (2, 3))
 GIGABIT = cost.CostParams(alpha=100e-6, beta=8e-9, gamma=0.09e-9)  # 1 Gbit/s between hosts
 

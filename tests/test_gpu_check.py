@@ -45,7 +45,7 @@ def test_a_reduced_fake_run_writes_every_field_and_says_it_is_fake(tmp_path):
         assert checks[name]["status"] == "pass" and checks[name]["passed"] >= 1, checks[name]
         assert checks[name]["failed"] == 0 and f"=== {name}:" in log
     assert checks["ipc"]["detail"]["exporter_live_allocations"] == 0
-    for name in ("wheels", "host-register", "pytest-gpu", "bench"):
+    for name in ("wheels", "host-register", "pytest-gpu", "tune", "bench"):
         assert checks[name]["status"] == "skip" and checks[name]["detail"]["why"] == "not asked for"
     assert result["passed"] is True
     assert not list(tmp_path.glob("*.xml"))  # the tests' report went to a folder of its own
@@ -82,6 +82,9 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     assert rows and all(r["wrong"] == 0 for r in rows)
     assert {r["backend"] for r in rows} == {device.IPC, device.STAGED}
     assert result["figures"]["runtime"] == "fake" and result["passed"] is True
+    constants = checks["tune"]["detail"]["constants"]
+    assert set(constants) == {"cuda-ipc", "staged"}
+    assert all(c["alpha_us"] > 0 and c["beta_GBps"] > 0 for c in constants.values())
     assert result["duration_s"] < 8 * 60
 
 

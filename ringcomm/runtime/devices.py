@@ -30,10 +30,16 @@ log = logging.getLogger("ringcomm")
 _RUNTIME_OF_MODE = {"cuda": "cupy", "fake": "fake"}
 
 
+def runtime_name(mode: str) -> str | None:
+    """The device runtime a device mode runs on ("cuda" -> "cupy", "fake" -> "fake"; None
+    for "off")."""
+    return _RUNTIME_OF_MODE.get(mode)
+
+
 def device_runtime(settings: Settings) -> DeviceRuntime | None:
     """The runtime the agreed ``settings.device`` names (None for ``off``); an
     ``ArgumentError`` where it cannot be had here (``cuda`` without CuPy or a GPU)."""
-    name = _RUNTIME_OF_MODE.get(settings.device)
+    name = runtime_name(settings.device)
     if name is None:
         return None
     runtime = devices.runtime(name)

@@ -9,6 +9,9 @@ never imports CuPy.
 from __future__ import annotations
 
 import threading
+from typing import Any
+
+import numpy as np
 
 from ...errors import ArgumentError
 from .runtime import DeviceRuntime
@@ -50,3 +53,17 @@ def available_runtimes() -> list[str]:
     from .cupy_runtime import cupy_problem
 
     return ["fake"] + ([] if cupy_problem() else ["cupy"])
+
+
+def zeros(rt: DeviceRuntime, count: int, dtype: Any) -> Any:
+    """``count`` zeros of ``dtype`` as ``rt``'s own array (a CuPy array, or a
+    ``FakeDeviceArray``), queued on the calling thread's current stream: what the tuner and
+    the benchmark hand a communicator."""
+    if rt.name == "cupy":
+        import cupy
+
+        return cupy.zeros(count, dtype=dtype)
+    from .fake import FakeDeviceArray, FakeRuntime
+
+    assert isinstance(rt, FakeRuntime)
+    return FakeDeviceArray.from_host(np.zeros(count, dtype=dtype), runtime=rt)

@@ -350,8 +350,8 @@ class DLPackKind(RuntimeKind):
 # The kinds of their own go in front (oldest first: ``register`` puts each there); the two
 # protocols are fallbacks, asked after the host kinds, so that a numpy array or a torch CPU
 # tensor (which speak DLPack too) costs nothing more to take.
-KINDS = (CupyKind(), TorchCUDAKind(), FakeArrayKind())
-PROTOCOL_KINDS = (CudaInterfaceKind(), DLPackKind())
+KINDS: tuple[RuntimeKind, ...] = (CupyKind(), TorchCUDAKind(), FakeArrayKind())
+PROTOCOL_KINDS: tuple[RuntimeKind, ...] = (CudaInterfaceKind(), DLPackKind())
 for _kind in KINDS:
     register(_kind)
 for _kind in PROTOCOL_KINDS:
