@@ -191,7 +191,7 @@ class Run:
             argv = [self.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                     f"--junitxml={report}", "tests"]
             env = {"RINGCOMM_TEST_RUNTIME": "fake" if self.fake else "cupy"}
-            code, output, seconds = self.command("pytest-gpu", argv, 210, env)
+            code, output, seconds = self.command("pytest-gpu", argv, 270, env)
             counts = _junit_counts(report)
         if counts is None:
             return self.record(Check("pytest-gpu", "fail", failed=1, seconds=seconds,
@@ -211,7 +211,7 @@ class Run:
             self.profile_path.unlink()  # an old file must not pass for this run's
         argv = [self.python, "-m", "ringcomm.cli", "tune", "--device", self.device, "-n", "2",
                 "--quick", "-o", str(self.profile_path)]
-        code, output, seconds = self.command("tune", argv, 120)
+        code, output, seconds = self.command("tune", argv, 60)
         try:
             devices = json.loads(self.profile_path.read_text())["devices"]
         except (OSError, ValueError, KeyError):

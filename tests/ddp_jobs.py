@@ -74,10 +74,13 @@ def model(branch: bool = False, norm: nn.Module | None = None) -> Net:
 
 
 def batches(steps: int, total: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` full batches of ``total`` samples."""
+    """``steps`` full batches of ``total`` samples, the same on every rank and device (drawn
+    on the CPU, then moved to the default device: ``job_on_cuda`` makes that CUDA)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(total, 6, generator=g, dtype=torch.float64),
-             torch.randn(total, 3, generator=g, dtype=torch.float64)) for _ in range(steps)]
+    device = torch.get_default_device()
+    return [(torch.randn(total, 6, generator=g, dtype=torch.float64, device="cpu").to(device),
+             torch.randn(total, 3, generator=g, dtype=torch.float64, device="cpu").to(device))
+            for _ in range(steps)]
 
 
 def shard(sizes: list[int], rank: int) -> slice:
@@ -132,6 +135,20 @@ def train_and_compare(rank: int, world: int, wrapped: nn.Module, ref: nn.Module,
 
 
 # --------------------------------------------------------------------------- jobs: core
+
+
+def job_on_cuda(rank: int, inner: str, **kwargs: Any) -> Any:
+    """The job named ``inner`` with CUDA as torch's default device: the models (ours and
+    the one-process reference), their gradients, buckets and batches live on the GPU that
+    the ranks share, and ringcomm reduces them there."""
+    torch.set_default_device("cuda")
+    try:
+        assert torch.empty(1).is_cuda
+        result = globals()[inner](rank=rank, **kwargs)
+        torch.cuda.synchronize()
+        return result
+    finally:
+        torch.set_default_device(None)
 
 
 def job_equivalence(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:

@@ -1,7 +1,8 @@
 """Device collectives checked against the table of collectives' references: one function
-that runs a list of calls on a communicator's device engines with fake-runtime arrays and
-returns what each rank got, used by the in-process tests (``run_group(device="fake")``)
-and by the jobs of real processes (``job_device_matrix``).
+that runs a list of calls on a communicator's device engines with its runtime's own arrays
+(the fake runtime's ``FakeDeviceArray``, or CuPy arrays on a GPU) and returns what each rank
+got, used by the in-process tests (``run_group(device="fake")``) and by the jobs of real
+processes (``job_device_matrix``, on either runtime).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ringcomm.plan.collectives import COLLECTIVES
 # (collective, block, dtype, op, root, algorithm)
 Case = tuple[str, int, str, str, int, str | None]
 DTYPES = {"float32": np.float32, "int64": np.int64, "bfloat16": ml_dtypes.bfloat16,
-          "float16": np.float16, "float64": np.float64}
+          "float16": np.float16, "float64": np.float64, "int32": np.int32, "uint8": np.uint8}
 
 
 def host_inputs(spec_name: str, rank: int, world: int, block: int, dtype: str,
@@ -35,23 +36,45 @@ def host_inputs(spec_name: str, rank: int, world: int, block: int, dtype: str,
     return made
 
 
+def to_device(runtime: Any, values: np.ndarray) -> Any:
+    """``values`` as ``runtime``'s own array: a CuPy array, or a ``FakeDeviceArray``."""
+    if runtime.name == "cupy":
+        import cupy
+
+        return cupy.asarray(values)
+    return FakeDeviceArray.from_host(values, runtime=runtime)
+
+
+def to_host(array: Any) -> np.ndarray:
+    """A device array's values, waited for on the caller's current stream."""
+    return array.to_host() if isinstance(array, FakeDeviceArray) else array.get()
+
+
+def release(array: Any) -> None:
+    """Give a fake array's memory back now (a CuPy array's goes with its last reference)."""
+    if isinstance(array, FakeDeviceArray):
+        array.close()
+
+
 def run_cases(comm: Any, cases: list[Case]) -> list[np.ndarray | None]:
-    """Each case on ``comm`` with fake device arrays; the result role's values (None where
-    the rank has none), and the engines the choices named (``comm.choose``)."""
+    """Each case on ``comm`` with arrays of its device runtime; the result role's values
+    (None where the rank has none)."""
+    from ringcomm.core import device
+
+    runtime = comm.device or device.runtime("fake")
     results: list[np.ndarray | None] = []
     for name, block, dtype, op, root, algorithm in cases:
         spec = COLLECTIVES[name]
         host = host_inputs(name, comm.rank, comm.world_size, block, dtype, root)
-        arrays = {role: FakeDeviceArray.from_host(values) for role, values in host.items()}
+        arrays = {role: to_device(runtime, values) for role, values in host.items()}
         kw = {"algorithm": algorithm} if algorithm else {}
         CALLS[name](comm, arrays, op, root, **kw)
         out = arrays.get(spec.result)
-        results.append(None if out is None else out.to_host())
-        runtime = next(iter(arrays.values())).runtime if arrays else None
-        if runtime is not None:  # what the caller queued on them is done before they go
-            runtime.synchronize(runtime.current_stream())
+        results.append(None if out is None else to_host(out))
+        # what the caller queued on them is done before they go
+        runtime.synchronize(runtime.current_stream())
         for array in arrays.values():
-            array.close()
+            release(array)
     return results
 
 
@@ -83,7 +106,7 @@ def cases_for(world: int, dtypes: list[str], *, blocks: tuple[int, ...] = (0, 5,
     """Every collective (its sizes, ops and roots), and allreduce by each algorithm."""
     cases: list[Case] = []
     for dtype in dtypes:
-        floats = dtype != "int64"
+        floats = np.dtype(DTYPES[dtype]).kind not in "iub"
         for name, spec in COLLECTIVES.items():
             if name == "barrier":
                 cases.append((name, 0, dtype, "sum", 0, None))
@@ -101,20 +124,28 @@ def cases_for(world: int, dtypes: list[str], *, blocks: tuple[int, ...] = (0, 5,
     return cases
 
 
+RUNTIME_OF_DEVICE = {"fake": "fake", "cuda": "cupy"}
+
+
 def job_device_matrix(rank: int, world: int, store: str, transport: str, engine: str,
-                      dtypes: list[str], slot_bytes: int = 256, **_: Any) -> dict[str, Any]:
-    """A rank of real processes (``mp_helpers.Cluster``): init with the fake device and
-    ``engine`` forced, run the matrix, return the results and the choices' engines."""
+                      dtypes: list[str], slot_bytes: int = 256, device_name: str = "fake",
+                      blocks: tuple[int, ...] = (0, 5, 37), segment_bytes: int = 64,
+                      **_: Any) -> dict[str, Any]:
+    """A rank of real processes (``mp_helpers.Cluster``): init with ``device_name`` ("fake",
+    or "cuda": CuPy arrays on the GPU every rank shares) and ``engine`` forced, run the
+    matrix, return the results, the choices' engines and the device memory left after
+    ``close()``."""
     import ringcomm
     from ringcomm.core import device
 
     os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
     os.environ["RINGCOMM_IPC_SLOT_BYTES"] = str(slot_bytes)
-    runtime = device.runtime("fake")
+    runtime = device.runtime(RUNTIME_OF_DEVICE[device_name])
     before = runtime.live_allocations()
-    cases = cases_for(world, dtypes)
+    cases = cases_for(world, dtypes, blocks=blocks)
     comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
-                         transport=transport, device="fake", segment_bytes=64)
+                         transport=transport, device=device_name,
+                         segment_bytes=segment_bytes)
     try:
         engines = sorted(name for name in comm.engines if name in ("cuda-ipc", "staged"))
         chosen = comm.selector.choose("allreduce", 4096, 4, memory=runtime.memory).engine

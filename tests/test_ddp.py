@@ -9,6 +9,7 @@ The jobs are in ``tests/ddp_jobs.py``; two rank processes serve the whole module
 from __future__ import annotations
 
 import pytest
+import torch
 from ddp_jobs import DdpRanks
 
 BACKENDS = ["ringcomm", "gloo"]
@@ -43,6 +44,20 @@ def test_gradients_and_weights_equal_one_process_on_the_full_batch(ranks, backen
     assert modes["several buckets"]["rebuilds"] == [1]  # after the first step only
     assert modes["static_graph"]["rebuilds"] == [1]
     assert modes["registration order"]["rebuilds"] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU and a CUDA build of torch (the ranks share GPU 0)")
+@pytest.mark.timeout(180)
+def test_on_cuda_gradients_and_weights_equal_one_process(ranks):
+    """Every mode of the test above with the model, its gradients and the batches on the
+    GPU both ranks share: ``ddp/`` over ringcomm equals one process on the whole batch."""
+    res = ranks.run("job_on_cuda", 2, timeout=170, inner="job_equivalence",
+                    backend="ringcomm")
+    assert res[0] == res[1] and set(res[0]) == {"default", "several buckets",
+                                                "gradient_as_bucket_view", "static_graph",
+                                                "registration order"}
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from device_cases import Case, cases_for, check, run_cases
+from device_cases import Case, cases_for, check, run_cases, to_device, to_host
 
 from ringcomm import ArgumentError, DesyncError
 from ringcomm.core import device
@@ -356,7 +356,7 @@ def test_staging_through_links_that_hold_its_memory(cluster, transport, count, s
 
 
 def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine: str,
-                      **_: object) -> dict[str, object]:
+                      device_name: str = "fake", **_: object) -> dict[str, object]:
     """Rank 2 is killed at its third message of the second allreduce; the others report
     the type of their error and how long it took."""
     import ringcomm
@@ -364,16 +364,16 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
     os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
     os.environ["RINGCOMM_FAULTS"] = "kill:rank=2,call=2,msg=3"
     comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=5.0,
-                         transport=transport, device="fake", segment_bytes=1024)
-    x = FakeDeviceArray.from_host(np.ones(4096, np.float32))
+                         transport=transport, device=device_name, segment_bytes=1024)
+    x = to_device(comm.device, np.ones(4096, np.float32))
     comm.allreduce(x)
     # done on every rank before one dies: the fake runs work only when it is waited for,
     # and work that waits for a dead rank's would stay queued on this thread's stream
-    assert x.to_host().tolist() == [3.0] * 4096
+    assert to_host(x).tolist() == [3.0] * 4096
     started = time.monotonic()
     try:
         comm.allreduce(x)
-        x.to_host()
+        to_host(x)
     except CommError as err:
         return {"type": type(err).__name__, "elapsed": time.monotonic() - started,
                 "msg": str(err)}
@@ -384,8 +384,46 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_killed_rank_gives_typed_errors_on_the_others_in_time(cluster, engine):
+    _killed_rank_case(cluster, engine, "fake")
+
+
+def _killed_rank_case(cluster, engine: str, device_name: str) -> None:
     res = cluster.run(3, "test_device_engine.job_killed_mid_op", engine=engine, dies=(2,),
-                      timeout=60)
+                      timeout=60, device_name=device_name)
     for r in res[:2]:
         assert r["type"] in ("PeerLostError", "RemoteError", "CommTimeout"), r
         assert r["elapsed"] < 5.0 + 2.0, r
+
+
+# --------------------------------------------------------------------------- on the test runtime
+# The same matrix and the same kill on the runtime the ``gpu`` tests run on: CuPy arrays on
+# a GPU that 1-4 rank processes share (bench/gpu_check.sh), or the fake runtime where
+# RINGCOMM_TEST_RUNTIME=fake. On CuPy every dtype the device reduces is checked; on the fake
+# runtime float32 only (the default suite has the rest), so gpu_check --fake stays short.
+GPU_DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_collective_and_dtype_on_the_test_runtime(cluster, gpu_device, engine, world):
+    """Every collective (its ops, roots, sizes) and allreduce by each algorithm, on device
+    arrays of the test runtime shared by ``world`` real processes, each checked against the
+    table's reference; nothing of the device memory ringcomm took is left after close."""
+    dtypes = GPU_DTYPES if gpu_device == "cuda" else ["float32"]
+    # on a GPU: sizes that make the slots wrap and the messages go in pieces
+    extra = {"blocks": (0, 5, 37, 70_000), "segment_bytes": 64 << 10,
+             "slot_bytes": 128 << 10} if gpu_device == "cuda" else {}
+    res = cluster.run(world, "device_cases.job_device_matrix", engine=engine, dtypes=dtypes,
+                      device_name=gpu_device, timeout=280, **extra)
+    assert all(r["live"] == 0 for r in res), [r["live"] for r in res]
+    if world > 1:
+        assert all(r["chosen"] == engine for r in res), [r["chosen"] for r in res]
+    check(res[0]["cases"], world, [r["results"] for r in res])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_killed_rank_gives_typed_errors_on_the_test_runtime(cluster, gpu_device, engine):
+    _killed_rank_case(cluster, engine, gpu_device)

@@ -248,13 +248,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @slow
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
 def test_cuda_tensors_give_the_values_cpu_tensors_give(ranks, world):
     """Every collective of ``test_every_collective_gives_checked_values`` and every DDP
     mode of ``test_ddp_gradients_equal_one_process_on_the_full_batch`` again, on CUDA
-    tensors: staged through host memory, the results land on the GPU, in the tensors given."""
+    tensors the ranks' shared GPU reduces: the results land in the tensors given, equal to
+    the CPU's and to one process training on the whole batch."""
     checks = ranks.run("job_on_cuda", world, timeout=200, inner="job_collectives")
     assert len(set(checks)) == 1 and checks[0] > 70, checks
     done = ranks.run("job_on_cuda", world, timeout=200, inner="job_ddp")

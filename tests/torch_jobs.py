@@ -675,8 +675,8 @@ def job_on_cuda(rank: int, inner: str, **kwargs: Any) -> Any:
     """The job named ``inner`` with CUDA as torch's default device, so that every tensor it
     makes (its inputs, outputs and expected values, DDP's model and batches) lives on the GPU; its
     checks compare tensors with ``torch.equal``, which refuses tensors of two devices, so a
-    result that left the GPU fails them too. All ranks share GPU 0: the process group
-    stages CUDA tensors through host memory and needs no GPU of its own per rank."""
+    result that left the GPU fails them too. All ranks share GPU 0: ringcomm's device engines
+    need no GPU of their own per rank."""
     torch.set_default_device("cuda")
     try:
         assert torch.empty(1).is_cuda
