@@ -152,6 +152,82 @@ def test_more_pieces_than_slots_before_a_receive(engine_env):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_buffers_that_grow_give_the_smaller_ones_back(engine_env, engine):
+    """A larger segment size mid-run: the staged channel's bounce buffers (page-locked) and
+    device staging grow; the ones they replace are unregistered and freed (a leak shows in
+    the live count), and the sums stay right."""
+    engine_env(engine)
+
+    def fn(comm):
+        got = []
+        for segment in (64, 1 << 16):
+            comm.segment_bytes = segment
+            x = FakeDeviceArray.from_host(np.full(50_000, comm.rank + 1.0, np.float32))
+            comm.allreduce(x, algorithm="ring")
+            got.append(x.to_host()[::997].tolist())
+            x.close()
+        return got
+
+    before = _settled_live()
+    results = run_group(2, fn, device="fake", segment_bytes=64, timeout=30)
+    assert results == [[[3.0] * 51] * 2] * 2
+    assert _settled_live() == before, "device or page-locked memory left after close"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_many_arrays_dropped_right_after_their_ops_live_until_the_device_is_done(
+        engine_env, world):
+    """The caller drops its arrays as soon as each op is issued, far more often than the
+    engine keeps ops' arrays in flight (``IN_FLIGHT.LIMIT``): the oldest are let go only
+    once their work is done (nothing else waits for a group of one's copies). The fake
+    gives a dropped array's memory back as a pool would, so one let go early is a fault."""
+    engine_env("cuda-ipc")
+
+    def fn(comm):
+        for i in range(IN_FLIGHT.LIMIT + 16):
+            x = FakeDeviceArray.from_host(np.full(64, float(i + comm.rank), np.float32))
+            out = FakeDeviceArray.empty(64 * comm.world_size, np.float32)
+            comm.allgather(out, x)
+            del x, out
+        keep = FakeDeviceArray.from_host(np.ones(4, np.float32))
+        comm.allreduce(keep)
+        got = keep.to_host()
+        keep.close()
+        return got.tolist()
+
+    assert run_group(world, fn, device="fake", timeout=60) == [[float(world)] * 4] * world
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_stuck_behind_a_lost_peer_does_not_settle():
+    """What a lane's close after a failure asks before it frees (``_settles``): a stream
+    waiting for a dead process's event never settles, and the answer comes within the
+    time given; a stream with nothing stuck settles."""
+    import device_peer
+    from device_peer import Peer
+
+    from ringcomm.engines.device import _settles
+
+    peer = Peer("fake")
+    theirs: dict = {}
+    try:
+        memory, event = peer("export", nbytes=64)
+        device_peer.open_(RUNTIME, theirs, memory, event)
+        peer("produce", values=np.arange(8, dtype=np.float64))
+        peer.kill()  # before its device thread ran the record
+        peer.proc.join(10)
+        stuck, free = RUNTIME.new_stream(), RUNTIME.new_stream()
+        RUNTIME.wait_event(stuck, theirs["peer_ready"])
+        started = time.monotonic()
+        assert not _settles(RUNTIME, stuck, 0.3)
+        assert time.monotonic() - started < 5
+        assert _settles(RUNTIME, free, 0.3)
+        device_peer.close(RUNTIME, theirs)
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_host_arrays_beside_device_arrays_in_one_call(engine_env, engine):
     """A numpy array handed to a device op with a device array: the engine copies it to the
     device for the op, and back where the op writes it."""
@@ -224,15 +300,15 @@ def test_ranks_that_disagree_get_a_desync_error(engine_env, engine, what):
     def fn(comm):
         dtype = np.float64 if what == "dtype" and comm.rank == 1 else np.float32
         count = 9 if what == "count" and comm.rank == 1 else 8
-        x = FakeDeviceArray.from_host(np.ones(count, dtype))
-        try:
-            comm.allreduce(x, algorithm="ring")
-        finally:
-            x.close()
+        # dropped, not closed, after the failure: work the failed op queued may still use
+        # it, so the engine keeps it until the group closes
+        comm.allreduce(FakeDeviceArray.from_host(np.ones(count, dtype)), algorithm="ring")
 
+    before = _settled_live()
     results = run_group(2, fn, device="fake", return_errors=True, timeout=10)
     assert any(isinstance(r, DesyncError) for r in results), results
     assert all(isinstance(r, CommError) for r in results), results
+    assert _settled_live() == before, "a failed op's arrays were not given back at close"
 
 
 @pytest.mark.parametrize("engine", ENGINES)

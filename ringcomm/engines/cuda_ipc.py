@@ -71,13 +71,13 @@ _BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
 @dataclass(slots=True)
 class _Waiting:
     """A piece sent before its slot was free: its notice's header and numbers, and the
-    spare block (with the event that frees it) holding its bytes (None if empty)."""
+    spare block holding its bytes (None if empty)."""
 
     notice: Header
     nbytes: int
     offset: int
     size: int
-    block: tuple[Allocation, Event] | None
+    block: Allocation | None
 
 
 class _Exports:
@@ -178,7 +178,7 @@ class IpcChannel(DeviceChannel):
         self._pids: dict[int, int] = {}
         # pieces sent before their slot was free, per peer, and spare blocks holding them
         self._waiting: dict[int, deque[_Waiting]] = {peer: deque() for peer in peers}
-        self._spare: list[tuple[Allocation, Event]] = []
+        self._spare: list[Allocation] = []
         self._blocks: list[Allocation] = []
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
         if peers:
@@ -263,7 +263,7 @@ class IpcChannel(DeviceChannel):
             block = None
             if size:
                 block = self._spare_block()
-                self.runtime.copy(block[0].ptr, src + offset, size, stream)
+                self.runtime.copy(block.ptr, src + offset, size, stream)
             waiting.append(_Waiting(notice_header, nbytes, offset, size, block))
 
     def _post(self, peer: int, notice_header: Header, nbytes: int, offset: int, size: int,
@@ -296,15 +296,16 @@ class IpcChannel(DeviceChannel):
             self._credited[peer] = max(self._credited[peer], credit)
         return True
 
-    def _spare_block(self) -> tuple[Allocation, Event]:
-        """A slot-sized block of device memory that no queued work still reads."""
-        spare = self._spare
-        for index, (_, event) in enumerate(spare):
-            if self.runtime.event_done(event):
-                return spare.pop(index)
+    def _spare_block(self) -> Allocation:
+        """A slot-sized block of device memory for a piece to wait in. A block is given out
+        again as soon as its piece has been posted: every copy into a block and out of it
+        is queued on the lane's one stream, so stream order alone keeps a reuse behind the
+        last read (no event needed)."""
+        if self._spare:
+            return self._spare.pop()
         block = self.runtime.malloc(self.slot_bytes)
         self._blocks.append(block)
-        return block, self.runtime.new_event()
+        return block
 
     def _flush(self, peer: int, stream: Stream, ctx: OpContext,
                until: float | None = None) -> None:
@@ -318,13 +319,11 @@ class IpcChannel(DeviceChannel):
             waiting.popleft()
             src = 0
             if piece.block is not None:
-                src = piece.block[0].ptr
+                src = piece.block.ptr
             self._post(peer, piece.notice, piece.nbytes, piece.offset, piece.size, src,
                        stream, ctx)
-            if piece.block is not None:
-                block, event = piece.block
-                self.runtime.record(event, stream)  # the block is free once this is done
-                self._spare.append((block, event))
+            if piece.block is not None:  # its copy out is queued: later ones go after it
+                self._spare.append(piece.block)
 
     def _progress(self, stream: Stream, ctx: OpContext) -> None:
         """Give waiting pieces the slots their peers have freed (never blocks)."""
@@ -442,12 +441,11 @@ class IpcChannel(DeviceChannel):
 
     def _settle(self, deadline: float) -> bool:
         """Let this rank's device work on the slots finish: its copies into its own slots
-        (ready events), its reads of the peers' slots (done events) and of its spare
-        blocks. False if it has not by ``deadline`` (work that waits for a lost peer's
-        event may never finish)."""
+        (ready events) and its reads of the peers' slots (done events); the spare blocks
+        are read only by copies into its own slots. False if it has not by ``deadline``
+        (work that waits for a lost peer's event may never finish)."""
         events = [event for table in (self._ready, self._done)
                   for row in table.values() for event in row]
-        events += [event for _, event in self._spare]
         while True:
             events = [event for event in events if not self.runtime.event_done(event)]
             if not events:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
@@ -52,17 +53,24 @@ class DeviceLane:
         self.runtime = runtime = channel.runtime
         self.stream = runtime.new_stream()
         self._held: dict[str, Allocation] = {}
+        self._failed_ops: list[Any] = []  # what failed ops' queued work may still use
 
     def scratch(self, use: str, nbytes: int) -> int:
-        """A device pointer to at least ``nbytes`` bytes kept for ``use``."""
+        """A device pointer to at least ``nbytes`` bytes kept for ``use`` (a smaller one
+        is freed: ``free`` waits for the work queued on it, as cudaFree does)."""
         held = self._held.get(use)
         if held is None or held.nbytes < nbytes:
             if held is not None:
-                self.runtime.synchronize(self.stream)  # earlier ops may still use it
                 self.runtime.free(held)
                 del self._held[use]
             held = self._held[use] = self.runtime.malloc(max(nbytes, 1))
         return held.ptr
+
+    def keep_after_failure(self, *objects: Any) -> None:
+        """Keep what a failed op's queued work may still read or write (the caller's arrays,
+        host memory lifted to the device) until the lane closes: a failed op records no
+        done event to wait on, and its stream may wait for a lost peer for ever."""
+        self._failed_ops.extend(objects)
 
     def close(self, settle_s: float | None = None) -> None:
         """Give the scratch back once the stream is done with it, then close the channel
@@ -72,25 +80,28 @@ class DeviceLane:
         staging stay allocated (to the process's end) rather than freed under work still
         queued on them, and the channel is told only to let its peers go."""
         runtime = self.runtime
-        settled = True
-        if settle_s is None:
-            runtime.synchronize(self.stream)
-        else:
-            settled = _settles(runtime, self.stream, settle_s)
+        settled = settle_s is None or _settles(runtime, self.stream, settle_s)
         try:
-            if settled:
+            if settled:  # free waits for the queued work that uses it
                 for held in self._held.values():
                     runtime.free(held)
-            else:
+                self._failed_ops.clear()
+            else:  # the scratch and what failed ops used stay referenced, never reused
                 log.warning("device work of the %s engine still waits (for a lost peer?): its "
                             "device memory stays allocated until the process ends",
                             self.channel.name)
+                _ABANDONED.append((list(self._held.values()), self._failed_ops))
             self._held.clear()
         finally:
             if settled:
                 self.channel.close()
             else:
                 self.channel.abandon()
+
+
+# what lanes closed with device work still waiting (for a lost peer) left behind: kept
+# referenced to the process's end, so no allocator hands that memory out again
+_ABANDONED: list[tuple[list[Allocation], list[Any]]] = []
 
 
 def _settles(runtime: DeviceRuntime, stream: Stream, seconds: float) -> bool:
@@ -125,14 +136,23 @@ class DeviceEngine(Engine):
         if schedule.on_board:
             raise ValueError(f"{schedule.algorithm} {schedule.collective} is a board schedule: "
                              "the board engine runs it")
+        device: list[DeviceBuffer] = []  # the caller's: their producers and streams
+        lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
+        try:
+            self._run(schedule, buffers, ctx, device, lifted)
+        except BaseException:
+            self.lane.keep_after_failure(*(buf.array for buf in device),
+                                         *(buf for _, buf, _ in lifted))
+            raise
+
+    def _run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext,
+             device: list[DeviceBuffer], lifted: list[tuple[str, Buffer, int]]) -> None:
         lane = self.lane
         runtime, stream, channel = self.runtime, lane.stream, self.channel
         rank, world = self.rank, self.world_size
         itemsize = ctx.dtype.itemsize
         desc = ctx.desc
         pointers: dict[str, int] = {}
-        device: list[DeviceBuffer] = []  # the caller's: their producers and streams
-        lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
         for role, buf in buffers.items():
             if buf.memory == HOST:
                 ptr = lane.scratch(f"host:{role}", buf.nbytes)

@@ -151,8 +151,7 @@ class StagedChannel(DeviceChannel):
         reduction), grown for a larger message."""
         held = self._staging[peer]
         if held is None or held.nbytes < nbytes:
-            if held is not None:
-                self.runtime.synchronize(stream)
+            if held is not None:  # free waits for the reductions that read it
                 self.runtime.free(held)
                 self._staging[peer] = None
             held = self._staging[peer] = self.runtime.malloc(max(nbytes, self.segment_bytes))
@@ -177,8 +176,8 @@ class StagedChannel(DeviceChannel):
         self._sent_to.clear()
 
     def close(self) -> None:
-        """Unregister the bounce buffers and free the device staging (the caller has
-        synchronized the stream that used them)."""
+        """Unregister the bounce buffers (only copies the host waited for read or wrote
+        them) and free the device staging (``free`` waits for the work queued on it)."""
         if self._closed:
             return
         self._closed = True

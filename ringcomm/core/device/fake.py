@@ -261,7 +261,8 @@ class FakeRuntime(DeviceRuntime):
         self._streams: dict[int, FakeStream] = {}
         self._next_stream = 0x5000
         self._local = threading.local()
-        self._deferred: list[Allocation] = []
+        # (allocation, the stream of the array released, or None for a free)
+        self._deferred: list[tuple[Allocation, int | None]] = []
         self._exported_events: weakref.WeakSet[FakeEvent] = weakref.WeakSet()
         self._device_thread: threading.Thread | None = None
         self._event_maps: list[Any] = []  # keeps imported events' mappings for the process
@@ -623,6 +624,29 @@ class FakeRuntime(DeviceRuntime):
             if last:
                 self._advance(s, last, True, deadline)
 
+    def _refuse_queued_work(self, allocation: Allocation, owner: int) -> None:
+        """A ``FakeDeviceFault`` naming the work queued on streams other than ``owner``
+        that still touches ``allocation`` (an array released while the device may still
+        use it where stream order does not protect it)."""
+        with self._lock:
+            region = self._regions.get(allocation.ptr)
+            streams = [s for s in self._streams.values() if s.handle != owner]
+        if region is None:
+            return
+        queued = []
+        for s in streams:
+            with s.cond:
+                queued += [f"{item.what} on stream {s.handle:#x}" for item in s.queue
+                           if any(p < region.end and p + n > region.base
+                                  for p, n in item.touches)]
+        if queued:
+            self._free(allocation)  # given back all the same, as a pool would
+            raise FakeDeviceFault(
+                f"an array's memory at {allocation.ptr:#x} was released (the array dropped "
+                f"or closed) while queued device work still uses it: {', '.join(queued[:3])}"
+                f"{' ...' if len(queued) > 3 else ''}; keep an array alive until the work "
+                "queued on it is done (a pool allocator would hand its memory out again)")
+
     def _importers(self, region: _Region) -> list[int]:
         """Living processes still mapping ``region`` (read under the header's lock)."""
         table = np.frombuffer(region.mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
@@ -668,16 +692,28 @@ class FakeRuntime(DeviceRuntime):
     def free_soon(self, allocation: Allocation) -> None:
         """Free ``allocation`` at the next safe point (a finalizer may run anywhere,
         even inside this runtime)."""
-        self._deferred.append(allocation)
+        self._deferred.append((allocation, None))
+
+    def release_soon(self, allocation: Allocation, stream: int) -> None:
+        """Give an array's memory back as a pool allocator (CuPy's, torch's caching one)
+        takes it back when the array is dropped: at once, without waiting for the device,
+        for the next array made on ``stream`` (the handle of the stream it was made on) to
+        reuse. Work queued on that stream runs before any such reuse, but work queued on
+        another stream may not: at the next safe point, work still queued on another
+        stream that uses the memory is a ``FakeDeviceFault`` (whoever queued it had to
+        keep the array alive until it was done, as ringcomm's ``keep_until_done`` does)."""
+        self._deferred.append((allocation, stream))
 
     def _drain_deferred(self) -> None:
         if not self._deferred or int(getattr(self._local, "depth", 0)):
             return
         while self._deferred:
             try:
-                allocation = self._deferred.pop()
+                allocation, owner = self._deferred.pop()
             except IndexError:
                 return
+            if owner is not None:
+                self._refuse_queued_work(allocation, owner)
             self._free(allocation)
 
     def export_memory(self, allocation: Allocation) -> bytes:
@@ -900,7 +936,9 @@ class FakeDeviceArray:
         self.shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.allocation = rt.malloc(self.nbytes)
-        self._finalizer = weakref.finalize(self, rt.free_soon, self.allocation)
+        # given back as a pool does, for reuse on the stream current now (release_soon)
+        self._finalizer = weakref.finalize(self, rt.release_soon, self.allocation,
+                                           rt.current_stream().handle)
 
     @classmethod
     def empty(cls, shape: tuple[int, ...] | int, dtype: Any,
@@ -941,7 +979,8 @@ class FakeDeviceArray:
         return out
 
     def close(self) -> None:
-        """Free the device memory now (it is freed anyway once the array is dropped)."""
+        """Give the device memory back now, as dropping the array does (the runtime's
+        ``release_soon``: work still queued on it is a fault)."""
         self._finalizer()
         self.runtime.live_allocations()  # a safe point: the free happens here
 

@@ -141,7 +141,8 @@ class DeviceRuntime(abc.ABC):
 
     @abc.abstractmethod
     def free(self, allocation: Allocation) -> None:
-        """Give ``allocation`` back; an error while another process still maps it."""
+        """Give ``allocation`` back once the work queued on it is done (cudaFree waits for
+        the device); an error while another process still maps it."""
 
     @abc.abstractmethod
     def export_memory(self, allocation: Allocation) -> bytes:
