@@ -134,6 +134,17 @@ def _ordering(rank: int, world: int) -> dict[str, bool]:
     work.synchronize()
     ok["synchronize blocks until the result is on the device"] = bool(
         torch.all(x.cpu() == float(world)))
+    # a stream nothing ordered after the op reads the result only because synchronize()
+    # blocked the host until the device had done it (a large op, so a race would show)
+    other = torch.cuda.Stream(dev)
+    x = torch.full((n * 4,), float(rank + 1), device=dev)
+    work = dist.all_reduce(x, async_op=True)
+    work.synchronize()
+    with torch.cuda.stream(other):
+        copy = x.clone()
+    other.synchronize()
+    ok["after synchronize another stream reads the result"] = bool(
+        torch.all(copy == float(sum(range(1, world + 1)))))
     return ok
 
 
