@@ -207,11 +207,14 @@ def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str
                       sizes: tuple[int, ...], reps: int, results) -> None:
     import os
 
-    os.environ["RINGCOMM_DEVICE_ENGINE"] = engine  # must match: every rank forces it
     import ringcomm
 
+    from .core import config
     from .core.device import zeros
 
+    variable = config.BY_NAME["device_engine"].env  # must match: every rank forces it
+    assert variable is not None
+    os.environ[variable] = engine
     comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120,
                          segment_bytes=cost.DEFAULT_SEGMENT_BYTES, device=device)
     try:

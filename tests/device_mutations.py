@@ -66,6 +66,7 @@ def _every(engine: str, world: int) -> str:
 STAGED_OFF = f"{ENGINE}test_without_a_device_runtime_device_arrays_are_staged_through_the_host"
 TIGHT_RINGS = f"{ENGINE}test_staging_through_links_that_hold_its_memory[ipc-65536-16384]"
 GROWN = f"{ENGINE}test_buffers_that_grow_give_the_smaller_ones_back[staged]"
+RINGS = f"{ENGINE}test_staged_messages_go_through_the_page_locked_rings"
 CAUGHT_BY_TORCH_CUDA = f"{TORCH_CUDA}test_wait_orders_the_callers_stream_after_the_op[world2]"
 
 SITES: tuple[Site, ...] = (
@@ -102,6 +103,8 @@ SITES: tuple[Site, ...] = (
     Site("engines/staged.py",
          "runtime.event_synchronize(self._copied)  # the bytes are in host memory",
          (_every("staged", 2),)),
+    Site("engines/staged.py", "self.runtime.host_register(address, nbytes)", (RINGS,)),
+    Site("engines/staged.py", "self.runtime.host_unregister(address)", (RINGS,)),
     Site("engines/staged.py", "self.runtime.host_unregister(bounce.address)", (GROWN,)),
     Site("engines/staged.py", "runtime.record(self._landed, stream)", (TIGHT_RINGS,)),
     Site("engines/staged.py",

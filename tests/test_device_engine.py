@@ -384,7 +384,8 @@ def job_tight_rings(rank: int, world: int, store: str, transport: str, count: in
     """Staged messages over shared-memory rings far smaller than an op moves: the rings
     wrap many times within one op, so a payload released to the link before its copy to
     the device is done, or a bounce buffer rewritten while a send still reads it (within an
-    op, or by the next op), shows up as wrong values."""
+    op, or by the next op), shows up as wrong values. The broadcast moves one way only, so
+    the receiver's own sends never make it wait for its copies in between."""
     import ringcomm
 
     os.environ["RINGCOMM_DEVICE_ENGINE"] = "staged"
@@ -399,14 +400,51 @@ def job_tight_rings(rank: int, world: int, store: str, transport: str, count: in
         comm.allreduce(x, algorithm="ring")
         comm.gather(out if rank == 0 else None, x, root=0)
         comm.allreduce(z, algorithm="ring")  # right after the gather's last sends
+        y = FakeDeviceArray.from_host(np.arange(count, dtype=np.float32) * (rank + 1) * -1)
+        comm.broadcast(y, root=0)
         every = count // 64
         got = [x.to_host()[::every].tolist(), out.to_host()[::every].tolist(),
-               z.to_host()[::every].tolist()]
-        for array in (x, z, out):
+               z.to_host()[::every].tolist(), y.to_host()[::every].tolist()]
+        for array in (x, z, out, y):
             array.close()
         return got
     finally:
         comm.close()
+
+
+def job_pinned_rings(rank: int, world: int, store: str, transport: str,
+                     **_: object) -> dict[str, object]:
+    """Staged messages between ranks of one host: large ones go straight from the device
+    into the shared-memory ring's slots, and both rings are page-locked while in use."""
+    import ringcomm
+
+    os.environ["RINGCOMM_DEVICE_ENGINE"] = "staged"
+    before = RUNTIME.live_allocations()
+    comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                         transport=transport, device="fake", segment_bytes=64 << 10)
+    try:
+        x = FakeDeviceArray.from_host(np.full(1 << 16, rank + 1.0, np.float32))
+        comm.allreduce(x, algorithm="ring")
+        values = x.to_host()[::4099].tolist()
+        x.close()
+        peer = 1 - rank
+        rings = comm.transport.host_memory(peer)
+        registered = RUNTIME.registered()
+        pinned = [registered.get(address) == nbytes for address, nbytes in rings]
+        counters = dict(comm.transport.links[peer].counters)
+    finally:
+        comm.close()
+    return {"values": values, "rings": len(rings), "pinned": pinned, "counters": counters,
+            "live": RUNTIME.live_allocations() - before}
+
+
+def test_staged_messages_go_through_the_page_locked_rings(cluster):
+    res = cluster.run(2, "test_device_engine.job_pinned_rings", timeout=60)
+    for r in res:
+        assert r["values"] == [3.0] * len(r["values"])
+        assert r["rings"] == 2 and r["pinned"] == [True, True], r  # ours and the peer's
+        assert r["counters"]["shm"] > 0, r["counters"]  # slots sent, no bounce copy
+        assert r["live"] == 0, r  # unregistered (and everything freed) at close
 
 
 @pytest.mark.parametrize("transport,count,segment", [
@@ -422,9 +460,10 @@ def test_staging_through_links_that_hold_its_memory(cluster, transport, count, s
     every = count // 64
     base = np.arange(count, dtype=np.float32)
     total = sum(base + r for r in range(world))
-    for rank, (x, out, z) in enumerate(res):
+    for rank, (x, out, z, y) in enumerate(res):
         assert x == total[::every].tolist()
         assert z == [-1.0 * world] * len(z)
+        assert y == (-base)[::every].tolist()
         if rank == 0:  # the gather of the sums
             assert out == np.concatenate([total] * world)[::every].tolist()
         else:  # the allgather of the inputs

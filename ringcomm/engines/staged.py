@@ -4,16 +4,23 @@
 A message goes device -> page-locked host memory -> the pair's existing link (pipe and
 shared-memory ring, mailbox, tcp, in-memory) -> device:
 
-- send: the region is copied (device to host, on the op's stream) into one of two host
-  bounce buffers kept per peer (made at the first message to that peer, of the segment
-  size, grown for a larger message, page-locked once with ``host_register``); once that
-  copy's event is done the bounce buffer goes to ``transport.send``. A bounce buffer is
-  written again only once the send that read it is out (its ``SendHandle``), so while
-  segment ``k`` is on the wire, segment ``k + 1`` is being copied into the other one;
-- recv: ``transport.recv`` gives the payload in host memory (the ring's own, where the
-  link has one); it is copied to the device (straight into the destination for a plain
-  receive, else into a device staging allocation per peer), and the payload is released
-  to the link only once that copy is done; the reduction then runs on the stream.
+- send: where the link lends a slot of its shared-memory ring (``transport.reserve``: ranks
+  of one host, payloads above the mailbox's size), the region is copied from the device
+  straight into that slot and the slot is sent; the ring is page-locked once
+  (``host_register``), the first time it is used, so the copy runs at full speed with no
+  bounce buffer, and while the peer reads slot ``k`` the next message is copied into slot
+  ``k + 1``. Elsewhere (tcp, small payloads, a full ring) the region is copied into one
+  of two bounce buffers kept per peer (made at the first such message, of the segment
+  size, grown for a larger one, page-locked once) and the buffer goes to
+  ``transport.send``; a bounce buffer is written again only once the send that read it is
+  out (its ``SendHandle``), so while segment ``k`` is on the wire, segment ``k + 1`` is
+  being copied into the other one. Either way the host waits for the device copy before
+  the message goes;
+- recv: ``transport.recv`` gives the payload in host memory (the ring's own, page-locked
+  the first time, where the link has one); it is copied to the device (straight into the
+  destination for a plain receive, else into a device staging allocation per peer), and the
+  payload is released to the link only once that copy is done; the reduction then runs on
+  the stream.
 
 Every message carries the op's header through the transport, which checks it, watches for
 aborts and lost peers, and keeps the op's deadline; wrappers in front of the links (a
@@ -75,6 +82,7 @@ class StagedChannel(DeviceChannel):
         self._landed = runtime.new_event()  # a host-to-device copy is done
         self._pending: deque[tuple[int, SendHandle]] = deque()  # sends not yet out
         self._sent_to: set[int] = set()  # peers this op sent to (their delivery is checked)
+        self._pinned: dict[int, tuple[tuple[int, int], ...]] = {}  # rings page-locked, by peer
         self._closed = False
 
     # ---------------------------------------------------------------- sending
@@ -85,14 +93,36 @@ class StagedChannel(DeviceChannel):
         if not nbytes:
             self._track(peer, transport.send(peer, header, None, ctx.name))
             return
+        slot = transport.reserve(peer, nbytes)
+        if slot is not None:  # straight into the ring's slot, page-locked on first use
+            self._pin(peer)
+            self._to_host(slot, src, stream)
+            self._track(peer, transport.send_reserved(peer, header, ctx.name))
+            return
         bounce = self._bounce(peer, nbytes, ctx)
         view = bounce.view[:nbytes]
-        runtime = self.runtime
-        runtime.to_host(view, src, stream)
-        runtime.record(self._copied, stream)
-        runtime.event_synchronize(self._copied)  # the bytes are in host memory
+        self._to_host(view, src, stream)
         bounce.handle = transport.send(peer, header, view, ctx.name)
         self._track(peer, bounce.handle)
+
+    def _to_host(self, dst: np.ndarray, src: int, stream: Stream) -> None:
+        """Copy ``dst.nbytes`` bytes from the device at ``src`` into ``dst``, the host waiting
+        until they are there."""
+        runtime = self.runtime
+        runtime.to_host(dst, src, stream)
+        runtime.record(self._copied, stream)
+        runtime.event_synchronize(self._copied)  # the bytes are in host memory
+
+    def _pin(self, peer: int) -> None:
+        """Page-lock the shared memory of the link to ``peer`` that is mapped by now and
+        not yet locked (each ring once: registration touches every page)."""
+        regions = self.transport.host_memory(peer)
+        if regions != self._pinned.get(peer, ()):
+            pinned = set(self._pinned.get(peer, ()))
+            for address, nbytes in regions:
+                if (address, nbytes) not in pinned:
+                    self.runtime.host_register(address, nbytes)
+            self._pinned[peer] = regions
 
     def _bounce(self, peer: int, nbytes: int, ctx: OpContext) -> _Bounce:
         """The next of ``peer``'s two bounce buffers, once the send that last read it is out
@@ -130,6 +160,7 @@ class StagedChannel(DeviceChannel):
         payload = transport.recv(peer, header, ctx.deadline, ctx.name)
         try:
             if nbytes:
+                self._pin(peer)  # it may lie in the link's ring, mapped by now
                 host = np.frombuffer(payload, np.uint8, count=nbytes)
                 into = dst if reduce_with is None else self._staging_for(peer, nbytes, stream)
                 runtime.from_host(into, host, stream)
@@ -182,6 +213,7 @@ class StagedChannel(DeviceChannel):
             return
         self._closed = True
         self._pending.clear()
+        self._unpin()
         for pair in self._bounces:
             for bounce in pair:
                 self.runtime.host_unregister(bounce.address)
@@ -193,9 +225,18 @@ class StagedChannel(DeviceChannel):
 
     def abandon(self) -> None:
         """Work still queued may read the bounce buffers and write the staging: keep them
-        (and their registration) to the process's end."""
+        (and their registration) to the process's end. The rings are let go (no device
+        work reads or writes them once the host has waited for its copy), so the transport
+        may unmap them."""
         self._closed = True
         self._pending.clear()
+        self._unpin()
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, {}
+        for regions in pinned.values():
+            for address, _ in regions:
+                self.runtime.host_unregister(address)
 
     def describe(self) -> str:
         return "staged (device -> page-locked host -> link -> device)"

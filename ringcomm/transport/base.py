@@ -77,6 +77,10 @@ class Transport:
     def send_reserved(self, peer: int, header: Header, op: str) -> SendHandle | None:
         return self._link(peer).send_reserved(header, op)
 
+    def host_memory(self, peer: int) -> tuple[tuple[int, int], ...]:
+        """The shared host memory of the link to ``peer`` (see ``Link.host_memory``)."""
+        return self._link(peer).host_memory()
+
     def wait_sent(self, peer: int, handle: SendHandle, deadline: float, op: str) -> None:
         """Wait until a zero-copy send to ``peer`` no longer reads its buffer."""
         self._link(peer).wait_sent(handle, Wait(op, deadline))

@@ -95,6 +95,13 @@ class Link(abc.ABC):
         """Send the buffer the last ``reserve`` returned, now filled."""
         raise NotImplementedError(f"{type(self).__name__} has no reserved buffers")
 
+    def host_memory(self) -> tuple[tuple[int, int], ...]:
+        """The shared host memory this link's payloads are written into and read from in
+        place, mapped now, as (address, bytes): a shared-memory ring's payload area. A
+        device channel page-locks it, so its copies to and from the device run at full
+        speed with no bounce buffer. Empty where the link has none (yet)."""
+        return ()
+
     def send_notice(self, header: Header, text: bytes) -> None:  # noqa: B027 - optional hook
         """Put an abort notice in the data stream too, where the link keeps order with the
         data (so a peer that sees this rank go reads why first). Best effort."""

@@ -170,6 +170,11 @@ class LocalLink(PolledLink):
         self.counters["shm"] += 1
         self._frame(_IN_SHM, header.pack(), _SHM_NOTICE.pack(start), op)
 
+    def host_memory(self) -> tuple[tuple[int, int], ...]:
+        """The shared-memory rings' payload areas, each once it is mapped (the outgoing one
+        at the first ``reserve``, the incoming one at the first payload read from it)."""
+        return tuple(ring.region for ring in (self.ring_out, self.ring_in) if ring is not None)
+
     def send_notice(self, header: Header, text: bytes) -> None:
         # down the pipe it arrives before this rank's end of the pipe closes, so a peer that
         # sees the close has read the notice first and reports the real cause

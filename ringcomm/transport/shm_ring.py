@@ -204,6 +204,8 @@ class RingWriter:
         self._tail = np.frombuffer(self._mm, np.int64, 1, 0)
         self._data = np.frombuffer(self._mm, np.uint8, capacity, _CONTROL)
         self._head = 0
+        # the payload area's address and bytes here: what a device channel page-locks
+        self.region = (self._data.ctypes.data, capacity)
 
     def reserve(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         """Room for ``nbytes``: its ring position and a writable view, or None if full."""
@@ -248,6 +250,7 @@ class RingReader:
         self.capacity = capacity
         self._tail = np.frombuffer(self._mm, np.int64, 1, 0)
         self._data = np.frombuffer(self._mm, np.uint8, capacity, _CONTROL)
+        self.region = (self._data.ctypes.data, capacity)  # see RingWriter
 
     def view(self, start: int, nbytes: int) -> np.ndarray:
         pos = start % self.capacity

@@ -45,6 +45,9 @@ class LinkWrapper(Link):
     def send_reserved(self, header: Header, op: str) -> SendHandle | None:
         return self.inner.send_reserved(header, op)
 
+    def host_memory(self) -> tuple[tuple[int, int], ...]:
+        return self.inner.host_memory()
+
     def send_notice(self, header: Header, text: bytes) -> None:
         self.inner.send_notice(header, text)
 

@@ -837,6 +837,11 @@ class FakeRuntime(DeviceRuntime):
                         f"{start:#x}+{size} registered already")
             self._registered[address] = nbytes
 
+    def registered(self) -> dict[int, int]:
+        """The host ranges page-locked now, address -> bytes (what a test looks at)."""
+        with self._lock:
+            return dict(self._registered)
+
     def host_unregister(self, address: int) -> None:
         with self._lock:
             if self._registered.pop(address, None) is None:
