@@ -151,7 +151,7 @@ def test_more_pieces_than_slots_before_a_receive(engine_env):
     assert out.tolist() == [6.0] * 4096
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", [pytest.param("cuda-ipc", marks=slow), "staged"])
 def test_buffers_that_grow_give_the_smaller_ones_back(engine_env, engine):
     """A larger segment size mid-run: the staged channel's bounce buffers (page-locked) and
     device staging grow; the ones they replace are unregistered and freed (a leak shows in
@@ -497,7 +497,7 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
     return {"type": None, "elapsed": time.monotonic() - started, "msg": ""}
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("staged", marks=slow)])
 def test_a_killed_rank_gives_typed_errors_on_the_others_in_time(cluster, engine):
     _killed_rank_case(cluster, engine, "fake")
 

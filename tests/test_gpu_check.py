@@ -31,6 +31,7 @@ def _gpu_check(out: Path, *args: str, timeout: float) -> tuple[dict, str]:
     return json.loads((out / "gpu_fake.json").read_text()), (out / "gpu_check_fake.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_reduced_fake_run_writes_every_field_and_says_it_is_fake(tmp_path):
     result, log = _gpu_check(tmp_path, "--steps", "modules,versions,ipc,mps", timeout=120)
     assert result["fake"] is True and result["runtime"] == "fake"
@@ -137,6 +138,7 @@ def test_device_backends_need_device_and_device_runs_default_to_the_engines():
     assert "ringcomm" in [b.name for b in s.backends] and s.device is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_device_sweep_over_two_ranks_checks_every_result(tmp_path):
     out = tmp_path / "fake.json"
