@@ -14,7 +14,8 @@ runs) and must leave its findings in files. The steps:
     ipc            device memory and an event shared by two processes (``gpu_probe ipc``)
     host-register  a /dev/shm mapping page-locked (``gpu_probe host-register``)
     mps            whether MPS runs (``gpu_probe mps``)
-    pytest-gpu     the tests marked ``gpu`` (counts from their JUnit report)
+    pytest-gpu     the tests marked ``gpu`` and not ``slow`` (counts from their JUnit report;
+                   ``make test-slow`` on a GPU machine adds the slow ones)
     tune           ``ringcomm tune --device --quick``: the device engines' cost constants
                    fitted on this device (``gpu_profile.json``, a profile ringcomm reads
                    through ``RINGCOMM_PROFILE``)
@@ -188,7 +189,8 @@ class Run:
     def pytest_gpu(self) -> Check:
         with tempfile.TemporaryDirectory(prefix="ringcomm-gpu-check-") as tmp:
             report = Path(tmp) / "junit.xml"
-            argv = [self.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+            argv = [self.python, "-m", "pytest", "-q", "-m", "gpu and not slow", "-p",
+                    "no:cacheprovider",
                     f"--junitxml={report}", "tests"]
             env = {"RINGCOMM_TEST_RUNTIME": "fake" if self.fake else "cupy"}
             code, output, seconds = self.command("pytest-gpu", argv, 270, env)

@@ -28,12 +28,17 @@ import argparse
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .plan import cost
 from .schedules import ALLREDUCE
+
+if TYPE_CHECKING:
+    from .core.device.runtime import DeviceRuntime
 
 TUNE_SIZES = (8, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
 QUICK_SIZES = (8, 65536, 1 << 20, 4 << 20)
@@ -93,7 +98,7 @@ def measure_gamma(nbytes: int = 64 << 20, segment_bytes: int = cost.DEFAULT_SEGM
     return statistics.median(times) / nbytes
 
 
-def measure_device_gamma(rt, nbytes: int = 64 << 20, reps: int = 5) -> float:
+def measure_device_gamma(rt: DeviceRuntime, nbytes: int = 64 << 20, reps: int = 5) -> float:
     """Seconds per byte of an in-place float32 sum on the device, on a stream of its own,
     the host waiting for each (the device reduction a device engine runs)."""
     from .core.device import zeros
@@ -115,13 +120,13 @@ def measure_device_gamma(rt, nbytes: int = 64 << 20, reps: int = 5) -> float:
     return statistics.median(times[1:]) / (count * 4)
 
 
-def _device_pointer(array) -> int:
+def _device_pointer(array: Any) -> int:
     """The device pointer of a CuPy array or a ``FakeDeviceArray``."""
     data = getattr(array, "data", None)
     return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(array.ptr)
 
 
-def _release(*arrays) -> None:
+def _release(*arrays: Any) -> None:
     """Give a fake runtime's arrays back now (CuPy's go with their last reference)."""
     for array in arrays:
         close = getattr(array, "close", None)
@@ -181,26 +186,47 @@ def _rank_main(rank: int, world: int, port: int, sizes: tuple[int, ...], reps: i
         comm.close()
 
 
-def measure(world: int, sizes: tuple[int, ...], reps: int,
-            segments: tuple[int, ...]) -> dict[tuple, float]:
-    """Median seconds per (algorithm, size) and per ring segment size, on ``world`` ranks."""
+def _run_ranks(world: int, target: Callable[..., None], *args: Any,
+               timeout: float = 600.0) -> Any:
+    """Start ``world`` spawned ranks of ``target(rank, world, port, *args, results)`` (CUDA
+    does not survive fork) and return what rank 0 puts in ``results``; a rank that exits
+    with an error ends the wait at once, naming it."""
+    import queue
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, world, port, sizes, reps, segments, results))
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results))
              for r in range(world)]
     for p in procs:
         p.start()
+    give_up = time.monotonic() + timeout
     try:
-        return results.get(timeout=600)
+        while True:
+            try:
+                return results.get(timeout=0.5)
+            except queue.Empty:
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+                if failed:
+                    raise RuntimeError("tuning ranks failed: " + ", ".join(
+                        f"rank {r} exited with {code}" for r, code in failed)) from None
+                if time.monotonic() > give_up:
+                    raise TimeoutError(
+                        f"tuning ranks gave no result within {timeout:g} s") from None
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def measure(world: int, sizes: tuple[int, ...], reps: int,
+            segments: tuple[int, ...]) -> dict[tuple, float]:
+    """Median seconds per (algorithm, size) and per ring segment size, on ``world`` ranks."""
+    result: dict[tuple, float] = _run_ranks(world, _rank_main, sizes, reps, segments)
+    return result
 
 
 def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str,
@@ -250,28 +276,18 @@ def measure_device(device: str, engine: str, world: int, sizes: tuple[int, ...],
                    reps: int) -> dict[tuple[str, int], float]:
     """Median seconds per (algorithm, size) of allreduces of device arrays over ``engine``,
     on ``world`` ranks."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # CUDA does not survive fork
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_device_rank_main,
-                         args=(r, world, port, device, engine, sizes, reps, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        return results.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    result: dict[tuple[str, int], float] = _run_ranks(world, _device_rank_main, device,
+                                                      engine, sizes, reps)
+    return result
 
 
-def tune_device(device: str, worlds: list[int], *, quick: bool = False, log=print,
+def tune_device(device: str, worlds: list[int], *, quick: bool = False,
+                log: Callable[[str], None] = print,
                 profile: cost.Profile | None = None) -> cost.Profile:
-    """Measure and fit the device engines' constants into ``profile`` (or a new one)."""
+    """Measure and fit the device engines' constants into ``profile`` (or a new one). The
+    samples are priced as the links price them (the default segment size): cuda-ipc moves
+    a message in slot-sized pieces, whose per-piece cost the fit folds into alpha and
+    beta."""
     from .core.device import runtime
     from .runtime.devices import runtime_name
 

@@ -103,7 +103,7 @@ SITES: tuple[Site, ...] = (
     Site("engines/staged.py",
          "runtime.event_synchronize(self._copied)  # the bytes are in host memory",
          (_every("staged", 2),)),
-    Site("engines/staged.py", "self.runtime.host_register(address, nbytes)", (RINGS,)),
+    Site("engines/staged.py", "self.runtime.host_register(*region)", (RINGS,)),
     Site("engines/staged.py", "self.runtime.host_unregister(address)", (RINGS,)),
     Site("engines/staged.py", "self.runtime.host_unregister(bounce.address)", (GROWN,)),
     Site("engines/staged.py", "runtime.record(self._landed, stream)", (TIGHT_RINGS,)),
@@ -130,8 +130,7 @@ SITES: tuple[Site, ...] = (
     Site("torch_backend/work.py", "buf.runtime.event_synchronize(buf.done)",
          (CAUGHT_BY_TORCH_CUDA,), gpu=True),
     # the group's lanes
-    Site("runtime/devices.py", "lane.close(_SETTLE_AFTER_FAILURE_S if failed else None)",
-         (_every("cuda-ipc", 1),)),
+    Site("runtime/devices.py", "lane.close(settled)", (_every("cuda-ipc", 1),)),
 )
 
 

@@ -247,7 +247,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the ranks share GPU 0)")
 
 
-@slow
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(240)

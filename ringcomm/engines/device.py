@@ -57,7 +57,8 @@ class DeviceLane:
 
     def scratch(self, use: str, nbytes: int) -> int:
         """A device pointer to at least ``nbytes`` bytes kept for ``use`` (a smaller one
-        is freed: ``free`` waits for the work queued on it, as cudaFree does)."""
+        is freed: ``free`` waits for the work queued on it; cudaFree waits for the whole
+        device, once per growth)."""
         held = self._held.get(use)
         if held is None or held.nbytes < nbytes:
             if held is not None:
@@ -72,15 +73,19 @@ class DeviceLane:
         done event to wait on, and its stream may wait for a lost peer for ever."""
         self._failed_ops.extend(objects)
 
-    def close(self, settle_s: float | None = None) -> None:
-        """Give the scratch back once the stream is done with it, then close the channel
-        (its memory, mappings and registrations, in the safe order). ``settle_s``: after a
-        failure, wait at most that long for the stream, which may wait for a lost peer's
-        event that never comes; if it does not settle, the scratch and the channel's own
-        staging stay allocated (to the process's end) rather than freed under work still
-        queued on them, and the channel is told only to let its peers go."""
+    def settles(self, seconds: float) -> bool:
+        """Whether the work queued on the lane's stream finishes within ``seconds``: after a
+        failure it may wait for a lost peer's event that never comes."""
+        return _settles(self.runtime, self.stream, seconds)
+
+    def close(self, settled: bool = True) -> None:
+        """Give the scratch back, then close the channel (its memory, mappings and
+        registrations, in the safe order). ``settled=False`` (device work still waits, for a
+        lost peer, here or on another lane): nothing is freed or unregistered, since a free
+        waits for the device (cudaFree waits for every stream of it) and would wait for
+        ever; the scratch and the channel's own staging stay allocated to the process's
+        end, and the channel is told only to let its peers go."""
         runtime = self.runtime
-        settled = settle_s is None or _settles(runtime, self.stream, settle_s)
         try:
             if settled:  # free waits for the queued work that uses it
                 for held in self._held.values():

@@ -29,6 +29,7 @@ tracer, the fault injector, a checksum) see these messages as any other.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import numpy as np
@@ -41,6 +42,8 @@ from .context import OpContext
 from .device_channel import DeviceChannel
 
 __all__ = ["StagedChannel"]
+
+log = logging.getLogger("ringcomm")
 
 _PAGE = 4096
 
@@ -82,7 +85,8 @@ class StagedChannel(DeviceChannel):
         self._landed = runtime.new_event()  # a host-to-device copy is done
         self._pending: deque[tuple[int, SendHandle]] = deque()  # sends not yet out
         self._sent_to: set[int] = set()  # peers this op sent to (their delivery is checked)
-        self._pinned: dict[int, tuple[tuple[int, int], ...]] = {}  # rings page-locked, by peer
+        self._tried: list[set[tuple[int, int]]] = [set() for _ in range(world)]  # rings, by peer
+        self._pinned: list[int] = []  # the addresses of those page-locked
         self._closed = False
 
     # ---------------------------------------------------------------- sending
@@ -115,14 +119,24 @@ class StagedChannel(DeviceChannel):
 
     def _pin(self, peer: int) -> None:
         """Page-lock the shared memory of the link to ``peer`` that is mapped by now and
-        not yet locked (each ring once: registration touches every page)."""
+        not yet tried (each ring once: registration touches every page). One that cannot
+        be locked is said so once and used as it is: slower copies, the same bytes."""
         regions = self.transport.host_memory(peer)
-        if regions != self._pinned.get(peer, ()):
-            pinned = set(self._pinned.get(peer, ()))
-            for address, nbytes in regions:
-                if (address, nbytes) not in pinned:
-                    self.runtime.host_register(address, nbytes)
-            self._pinned[peer] = regions
+        tried = self._tried[peer]
+        if len(regions) == len(tried):  # nothing newly mapped (the common case)
+            return
+        for region in regions:
+            if region in tried:
+                continue
+            tried.add(region)
+            try:
+                self.runtime.host_register(*region)
+            except Exception as err:  # noqa: BLE001 - unpinned memory still works
+                log.warning("rank %d cannot page-lock the shared memory of its link to rank "
+                            "%d (%s): device copies to and from it run unpinned",
+                            self.transport.rank, peer, err)
+                continue
+            self._pinned.append(region[0])
 
     def _bounce(self, peer: int, nbytes: int, ctx: OpContext) -> _Bounce:
         """The next of ``peer``'s two bounce buffers, once the send that last read it is out
@@ -213,7 +227,9 @@ class StagedChannel(DeviceChannel):
             return
         self._closed = True
         self._pending.clear()
-        self._unpin()
+        pinned, self._pinned = self._pinned, []
+        for address in pinned:
+            self.runtime.host_unregister(address)
         for pair in self._bounces:
             for bounce in pair:
                 self.runtime.host_unregister(bounce.address)
@@ -224,19 +240,11 @@ class StagedChannel(DeviceChannel):
                 self._staging[peer] = None
 
     def abandon(self) -> None:
-        """Work still queued may read the bounce buffers and write the staging: keep them
-        (and their registration) to the process's end. The rings are let go (no device
-        work reads or writes them once the host has waited for its copy), so the transport
-        may unmap them."""
+        """Device work still waits (for a lost peer): keep the bounce buffers, the staging
+        and every registration (the rings' too: unregistering may wait for the device) to
+        the process's end."""
         self._closed = True
         self._pending.clear()
-        self._unpin()
-
-    def _unpin(self) -> None:
-        pinned, self._pinned = self._pinned, {}
-        for regions in pinned.values():
-            for address, _ in regions:
-                self.runtime.host_unregister(address)
 
     def describe(self) -> str:
         return "staged (device -> page-locked host -> link -> device)"

@@ -101,13 +101,16 @@ def close_lanes(lanes: dict[str, DeviceLane], *, strict: bool = False,
     closing IPC mappings is collective and says so to the peers. Every lane is closed even
     if one fails; with ``strict`` the first failure is raised afterwards (a close that
     leaks is a bug to see), else it is logged (an abort must not raise). After a failure
-    (``failed``) device work may wait for a lost peer for ever: each lane waits for it a
-    little only (``DeviceLane.close``)."""
+    (``failed``) device work may wait for a lost peer for ever: the lanes wait for it a
+    little only, and if any lane's work does not settle no lane frees anything (a free
+    waits for the whole device, the stuck stream included; ``DeviceLane.close``)."""
     first: BaseException | None = None
+    settled = not failed or all(lane.settles(_SETTLE_AFTER_FAILURE_S)
+                                for lane in lanes.values())
     for name, lane in list(lanes.items()):
         started = time.monotonic()
         try:
-            lane.close(_SETTLE_AFTER_FAILURE_S if failed else None)
+            lane.close(settled)
         except Exception as err:  # noqa: BLE001 - every lane gets closed; see ``strict``
             log.warning("closing the %s device lane failed: %s", name, err)
             first = first or err

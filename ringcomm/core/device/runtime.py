@@ -142,7 +142,8 @@ class DeviceRuntime(abc.ABC):
     @abc.abstractmethod
     def free(self, allocation: Allocation) -> None:
         """Give ``allocation`` back once the work queued on it is done (cudaFree waits for
-        the device); an error while another process still maps it."""
+        the whole device, every stream of it: never free while a stream may wait for ever);
+        an error while another process still maps it."""
 
     @abc.abstractmethod
     def export_memory(self, allocation: Allocation) -> bytes:
