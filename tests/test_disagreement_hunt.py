@@ -109,6 +109,8 @@ PROCESS_TIMEOUT = 3.0  # s per op; stalls are found by probing after about a sec
 def test_the_hunt_over_real_processes_finds_no_silent_wrong_result(cluster, transport, world,
                                                                    n):
     seed = SEED + world * 10 + (transport == "tcp")
+    # every rank process started (torch imported) before the cases' 3 s inits begin
+    cluster.run(world, "fault_jobs.job_ready", timeout=60)
     reports = cluster.run(world, "job_hunt", transport=transport, seed=seed, n=n,
                           op_timeout=PROCESS_TIMEOUT, timeout=180)
     all_cases = hunt.cases(seed, n, worlds=(world,))
