@@ -424,7 +424,7 @@ class CopyTurns(LocalTurns):
     def __init__(self, handle: DeviceHandle, case: Case, bufs: Any) -> None:
         rt = self.rt = handle.runtime
         self.src = max((bufs.inp, bufs.out), key=lambda a: a.nbytes)
-        self.dst = device.device_zeros(rt, self.src.size, self.src.dtype)
+        self.dst = device.zeros(rt, self.src.size, self.src.dtype)
         src, dst, nbytes = device.pointer(self.src), device.pointer(self.dst), self.src.nbytes
 
         def copy() -> None:

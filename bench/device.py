@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.device import pointer, zeros
+
 from .buffers import Buffers, Reference
 from .common import format_size
 
@@ -48,19 +50,6 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     return np.dtype(name)
 
 
-def pointer(array: Any) -> int:
-    """Device pointer of element 0 of a CuPy array or a ``FakeDeviceArray``."""
-    data = getattr(array, "data", None)
-    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(array.ptr)
-
-
-def device_zeros(rt: Any, count: int, dtype: np.dtype) -> Any:
-    """``count`` zeros of ``dtype`` as the runtime's own array (CuPy's, or the fake's)."""
-    from ringcomm.core.device import zeros
-
-    return zeros(rt, count, dtype)
-
-
 def _count(array: Any) -> int:
     """Elements of a device array (``size``, as CuPy and the fake runtime name it)."""
     return int(array.size)
@@ -81,10 +70,10 @@ class RuntimeBuffers(Buffers):
         sizes = spec.sizes(spec.block(count, world), world, rank=rank)
         np_dtype = numpy_dtype(dtype)
         if "data" in sizes:
-            self.inp = self.out = device_zeros(self.rt, sizes["data"], np_dtype)
+            self.inp = self.out = zeros(self.rt, sizes["data"], np_dtype)
         else:
-            self.inp = device_zeros(self.rt, sizes["input"], np_dtype)
-            self.out = device_zeros(self.rt, sizes["output"], np_dtype)
+            self.inp = zeros(self.rt, sizes["input"], np_dtype)
+            self.out = zeros(self.rt, sizes["output"], np_dtype)
 
     def _upload(self, array: Any, host: Any) -> None:
         import torch

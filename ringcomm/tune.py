@@ -101,12 +101,12 @@ def measure_gamma(nbytes: int = 64 << 20, segment_bytes: int = cost.DEFAULT_SEGM
 def measure_device_gamma(rt: DeviceRuntime, nbytes: int = 64 << 20, reps: int = 5) -> float:
     """Seconds per byte of an in-place float32 sum on the device, on a stream of its own,
     the host waiting for each (the device reduction a device engine runs)."""
-    from .core.device import zeros
+    from .core.device import pointer, release, zeros
     from .core.dtypes import reduce_op
 
     count = max(1, nbytes // 4)
     a, b = zeros(rt, count, np.float32), zeros(rt, count, np.float32)
-    pa, pb = _device_pointer(a), _device_pointer(b)
+    pa, pb = pointer(a), pointer(b)
     op = reduce_op("sum", np.dtype(np.float32))
     stream = rt.new_stream()
     rt.synchronize(rt.current_stream())  # the zeros are there
@@ -116,22 +116,8 @@ def measure_device_gamma(rt: DeviceRuntime, nbytes: int = 64 << 20, reps: int = 
         rt.reduce(pa, pa, pb, count, np.dtype(np.float32), op, stream)
         rt.synchronize(stream)
         times.append(time.perf_counter() - start)
-    _release(a, b)
+    release(a, b)
     return statistics.median(times[1:]) / (count * 4)
-
-
-def _device_pointer(array: Any) -> int:
-    """The device pointer of a CuPy array or a ``FakeDeviceArray``."""
-    data = getattr(array, "data", None)
-    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(array.ptr)
-
-
-def _release(*arrays: Any) -> None:
-    """Give a fake runtime's arrays back now (CuPy's go with their last reference)."""
-    for array in arrays:
-        close = getattr(array, "close", None)
-        if close is not None:
-            close()
 
 
 def relative_errors(samples: list[Sample], p: cost.CostParams) -> list[float]:
@@ -236,7 +222,7 @@ def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str
     import ringcomm
 
     from .core import config
-    from .core.device import zeros
+    from .core.device import release, zeros
 
     variable = config.BY_NAME["device_engine"].env  # must match: every rank forces it
     assert variable is not None
@@ -265,7 +251,7 @@ def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str
                     mine = np.array([(time.perf_counter() - start) / iters])
                     comm.allreduce(mine, "max")
                     timings.setdefault((name, nbytes), []).append(float(mine[0]))
-            _release(x)
+            release(x)
         if rank == 0:
             results.put({key: statistics.median(v) for key, v in timings.items()})
     finally:

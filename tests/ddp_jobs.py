@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch_jobs import Ranks
+from torch_jobs import Ranks, on_cuda
 
 import ddp
 import ringcomm  # noqa: F401 - registers the backend
@@ -141,14 +141,7 @@ def job_on_cuda(rank: int, inner: str, **kwargs: Any) -> Any:
     """The job named ``inner`` with CUDA as torch's default device: the models (ours and
     the one-process reference), their gradients, buckets and batches live on the GPU that
     the ranks share, and ringcomm reduces them there."""
-    torch.set_default_device("cuda")
-    try:
-        assert torch.empty(1).is_cuda
-        result = globals()[inner](rank=rank, **kwargs)
-        torch.cuda.synchronize()
-        return result
-    finally:
-        torch.set_default_device(None)
+    return on_cuda(globals()[inner], rank=rank, **kwargs)
 
 
 def job_equivalence(rank: int, world: int, port: int, backend: str, **_: Any) -> dict:

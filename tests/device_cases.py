@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from what_runs import CALLS, contribution
 
+from ringcomm.core.device import release
 from ringcomm.core.device.fake import FakeDeviceArray
 from ringcomm.plan.collectives import COLLECTIVES
 
@@ -50,12 +51,6 @@ def to_host(array: Any) -> np.ndarray:
     return array.to_host() if isinstance(array, FakeDeviceArray) else array.get()
 
 
-def release(array: Any) -> None:
-    """Give a fake array's memory back now (a CuPy array's goes with its last reference)."""
-    if isinstance(array, FakeDeviceArray):
-        array.close()
-
-
 def run_cases(comm: Any, cases: list[Case]) -> list[np.ndarray | None]:
     """Each case on ``comm`` with arrays of its device runtime; the result role's values
     (None where the rank has none)."""
@@ -73,8 +68,7 @@ def run_cases(comm: Any, cases: list[Case]) -> list[np.ndarray | None]:
         results.append(None if out is None else to_host(out))
         # what the caller queued on them is done before they go
         runtime.synchronize(runtime.current_stream())
-        for array in arrays.values():
-            release(array)
+        release(*arrays.values())
     return results
 
 

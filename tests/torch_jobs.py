@@ -677,10 +677,15 @@ def job_on_cuda(rank: int, inner: str, **kwargs: Any) -> Any:
     checks compare tensors with ``torch.equal``, which refuses tensors of two devices, so a
     result that left the GPU fails them too. All ranks share GPU 0: ringcomm's device engines
     need no GPU of their own per rank."""
+    return on_cuda(globals()[inner], rank=rank, **kwargs)
+
+
+def on_cuda(job: Any, **kwargs: Any) -> Any:
+    """``job(**kwargs)`` with CUDA as torch's default device, its device work done."""
     torch.set_default_device("cuda")
     try:
         assert torch.empty(1).is_cuda
-        result = globals()[inner](rank=rank, **kwargs)
+        result = job(**kwargs)
         torch.cuda.synchronize()
         return result
     finally:

@@ -67,3 +67,17 @@ def zeros(rt: DeviceRuntime, count: int, dtype: Any) -> Any:
 
     assert isinstance(rt, FakeRuntime)
     return FakeDeviceArray.from_host(np.zeros(count, dtype=dtype), runtime=rt)
+
+
+def pointer(array: Any) -> int:
+    """The device pointer of element 0 of a CuPy array or a ``FakeDeviceArray``."""
+    data = getattr(array, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(array.ptr)
+
+
+def release(*arrays: Any) -> None:
+    """Give a fake array's memory back now (a CuPy array's goes with its last reference)."""
+    for array in arrays:
+        close = getattr(array, "close", None)
+        if close is not None:
+            close()
