@@ -4,6 +4,7 @@
     ringcomm schedule allreduce -n 4 -c 8 --rank 1 --segment 1
     ringcomm schedule allreduce_dbtree -n 8 -c 16 --rank 3      # the other algorithms
     ringcomm schedule --choices -n 4                           # what runs, by size, and why
+    ringcomm explain --algo ring -n 4 --svg ring.svg           # round by round, with buffers
     ringcomm trace merge traces/ -o trace.json                 # RINGCOMM_TRACE's files
     ringcomm trace plot trace.json -o timeline.png
     ringcomm store --port 29500                                # a stand-alone store
@@ -71,15 +72,14 @@ def _print_choices(args: argparse.Namespace) -> None:
     ``--hosts HxR``."""
     from .plan.select import Group, Selector, choices
     from .plan.settings import Settings
-    from .plan.topology import Topology
+    from .plan.topology import Topology, hosts_layout
     from .runtime.local import simulated_hosts
     from .transport import board, shm_ring
 
     if args.hosts:
-        hosts, per_host = _hosts(args.hosts)
-        world = hosts * per_host
-        topology = simulated_hosts(world, [list(range(h * per_host, (h + 1) * per_host))
-                                           for h in range(hosts)])
+        layout = hosts_layout(args.hosts)
+        world = sum(len(ranks) for ranks in layout)
+        topology = simulated_hosts(world, layout)
         has_board = False
     else:
         world = args.world_size
@@ -102,14 +102,6 @@ def _print_choices(args: argparse.Namespace) -> None:
     for row in rows:
         print("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4]))
               + "  " + row[4])
-
-
-def _hosts(text: str) -> tuple[int, int]:
-    hosts, sep, ranks = text.lower().partition("x")
-    if not sep or not hosts.isdigit() or not ranks.isdigit() or int(hosts) < 1 \
-            or int(ranks) < 1:
-        raise ArgumentError(f"--hosts {text!r} is not HOSTSxRANKS, e.g. 2x2")
-    return int(hosts), int(ranks)
 
 
 def _print_schedules(args: argparse.Namespace) -> None:
@@ -137,6 +129,34 @@ def _print_schedules(args: argparse.Namespace) -> None:
         if i:
             print()
         print(build(rank, args.world_size, args.count, segment, args.root))
+
+
+def _explain(args: argparse.Namespace) -> None:
+    from .plan.topology import hosts_layout
+    from .teach import explain
+
+    if args.world_size < 1:
+        raise ArgumentError(f"--world-size must be at least 1, got {args.world_size}")
+    ex = explain(args.collective, args.algo, args.world_size, args.count, root=args.root,
+                 op=args.op, segment=args.segment,
+                 hosts=hosts_layout(args.hosts) if args.hosts else None)
+    if args.animate:
+        from .teach.animate import animate
+
+        animate(ex, delay=args.delay)
+    else:
+        from .teach.text import render
+
+        print(render(ex))
+    for path, kind in ((args.svg, "svg"), (args.html, "html")):
+        if path:
+            if kind == "svg":
+                from .teach.svg import draw as make
+            else:
+                from .teach.page import page as make
+            with open(path, "w", encoding="utf-8") as out:
+                out.write(make(ex))
+            print(f"wrote {path}")
 
 
 def _serve_store(args: argparse.Namespace) -> None:
@@ -217,6 +237,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     sched.add_argument("--rank", type=int, default=None, help="only this rank")
     sched.add_argument("--root", type=int, default=0)
     sched.set_defaults(run=_print_schedules)
+
+    explain = sub.add_parser(
+        "explain", help="run a collective in-process and explain it round by round",
+        description="Run one collective for real over in-memory links and show, round by "
+        "round, which chunk each rank sends, receives and reduces, every rank's buffers "
+        "after each round (rank r starts with (r + 1) * (i + 1) at element i), the result "
+        "checked against numpy, and the cost by the cost model against an everyone-to-"
+        "everyone exchange and a parameter server. --svg draws the rounds, --html writes an "
+        "animated page, --animate steps through them in the terminal.")
+    explain.add_argument("--algo", default=None, metavar="NAME",
+                         help="the algorithm: for allreduce ring (default), tree, dbtree, hd, "
+                         "rd, hier (with --hosts); for broadcast chain (default) or tree; the "
+                         "others have one")
+    explain.add_argument("--collective", default="allreduce", choices=list(COLLECTIVES))
+    explain.add_argument("-n", "--world-size", type=int, default=4)
+    explain.add_argument("-c", "--count", type=int, default=None,
+                         help="elements of the vector, or of one rank's block for the "
+                         "collectives with a block per rank (default: one per rank; two)")
+    explain.add_argument("-s", "--segment", type=int, default=0,
+                         help="elements per message (default: whole chunks)")
+    explain.add_argument("--hosts", default=None, metavar="HxR",
+                         help="H hosts of R ranks each (sets the world size); hier needs it")
+    explain.add_argument("--root", type=int, default=0)
+    explain.add_argument("--op", default="sum", choices=["sum", "prod", "min", "max"])
+    explain.add_argument("--svg", default=None, metavar="FILE", help="draw the rounds")
+    explain.add_argument("--html", default=None, metavar="FILE",
+                         help="write one self-contained page that animates the rounds")
+    explain.add_argument("--animate", action="store_true",
+                         help="step through the rounds in this terminal")
+    explain.add_argument("--delay", type=float, default=1.5,
+                         help="seconds a round stays on screen with --animate")
+    explain.set_defaults(run=_explain)
 
     store = sub.add_parser(
         "store", help="serve a rendezvous store until interrupted",

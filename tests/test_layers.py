@@ -40,6 +40,9 @@ ALLOWED = {
                   "plan", "runtime"},
     "torch_backend": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
                       "plan", "runtime", "bootstrap"},
+    # the teaching views run collectives on an in-process group and draw them
+    "teach": {BASE, "core", "schedules", "transport", "engines", "observe", "faults", "plan",
+              "runtime"},
 }
 
 

@@ -10,6 +10,7 @@ exactly what runs.
 
 The rules, per collective:
 
+- any collective: a forced algorithm (``algorithm=``), one of its own;
 - allreduce: a forced algorithm (``algorithm=``, then ``RINGCOMM_ALGO``); else, on one
   host's board, the one-shot post up to ``one_shot_bytes`` and the two-shot above; else
   the cost model's cheapest algorithm over links for this size (``hier`` among them where
@@ -91,8 +92,9 @@ class Selector:
     def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
                memory: str = HOST, forced: str | None = None) -> Choice:
         """The choice for ``collective`` on a buffer of ``nbytes`` (allgather: one rank's
-        input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming an allreduce
-        algorithm (an ``ArgumentError`` where it is unknown or cannot run here). Made once
+        input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming one of the
+        collective's algorithms (an ``ArgumentError`` where it is unknown or cannot run
+        here). Made once
         per call shape (once per collective where its size does not matter): a program
         makes the same few calls over and over."""
         if collective in _SIZE_FREE and memory is HOST and forced is None:
@@ -163,7 +165,7 @@ class Selector:
         if collective == "allreduce":
             return self._allreduce(nbytes, itemsize, forced)
         if forced is not None:
-            raise ArgumentError(f"only allreduce takes a forced algorithm, not {collective}")
+            return self._forced(collective, forced, board)
         small = board_schedules.SMALL_BYTES
         if collective == "broadcast":
             if board and nbytes <= small:
@@ -182,6 +184,21 @@ class Selector:
             return LINKS, "dissemination", "no shared board"
         algorithm = next(iter(COLLECTIVES[collective].algorithms))
         return LINKS, algorithm, "its one algorithm"
+
+    def _forced(self, collective: str, forced: str, board: bool) -> tuple[str, str, str]:
+        """A forced algorithm of a collective other than allreduce: one of its own, and one
+        of the board's only where the group has a board."""
+        algorithms = COLLECTIVES[collective].algorithms
+        name = forced.lower() if isinstance(forced, str) else forced
+        if name not in algorithms:
+            raise ArgumentError(f"{collective} has no algorithm {forced!r}; use one of "
+                                f"{', '.join(algorithms)}, or leave it unset for the "
+                                "automatic choice")
+        engine = ALGORITHMS[name].engine
+        if engine == BOARD and not board:
+            raise ArgumentError(f"{collective} algorithm {name!r} needs the shared board, "
+                                "which this group does not have; choose another algorithm")
+        return engine, name, "forced by algorithm="
 
     def _allreduce(self, nbytes: int, itemsize: int,
                    forced: str | None) -> tuple[str, str, str]:

@@ -15,6 +15,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from ..errors import ArgumentError
+
+
+def hosts_layout(text: str) -> tuple[tuple[int, ...], ...]:
+    """``HxR`` (as ``--hosts`` takes it): H hosts of R ranks each, numbered host by host."""
+    h, sep, r = text.lower().partition("x")
+    if not sep or not h.isdigit() or not r.isdigit() or int(h) < 1 or int(r) < 1:
+        raise ArgumentError(f"--hosts {text!r} is not HOSTSxRANKS, e.g. 2x2")
+    per = int(r)
+    return tuple(tuple(range(i * per, (i + 1) * per)) for i in range(int(h)))
+
 
 def host_identity() -> str:
     """Equal on two ranks exactly when they can reach each other's ipc sockets and shared

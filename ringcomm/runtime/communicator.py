@@ -378,12 +378,15 @@ class Communicator:
         return self.selector.choose("allreduce", nbytes, itemsize, forced=forced).algorithm
 
     @_names_bad_input
-    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
-        """Copy root's ``x`` into ``x`` on every rank. Returns ``x``."""
+    def broadcast(self, x: Any, root: int = 0, *, algorithm: str | None = None,
+                  async_op: bool = False) -> Any:
+        """Copy root's ``x`` into ``x`` on every rank. Returns ``x``. ``algorithm``
+        (``chain``, ``binomial``, or on the shared board ``board``) forces one for this call,
+        and must be the same on every rank."""
         self._check_rank(root, "root")
         data = as_buffer(x, name="x", reads=self.rank == root)
         return self._collective("broadcast", {"data": data}, x, data.nbytes, async_op,
-                                arg=root, count=data.count)
+                                arg=root, count=data.count, forced=algorithm)
 
     @_names_bad_input
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -601,16 +604,19 @@ class Communicator:
     def _collective(self, name: str, buffers: dict[str, Buffer], result: Any, nbytes: int,
                     async_op: bool, reduce: Any = None, *, arg: int = -1, count: int = 0,
                     send_counts: tuple[int, ...] | None = None,
-                    recv_counts: tuple[int, ...] | None = None) -> Any:
+                    recv_counts: tuple[int, ...] | None = None,
+                    forced: str | None = None) -> Any:
         """Submit collective ``name`` on ``buffers`` as the selector chooses for ``nbytes``
-        (the size its rules look at) and where the buffers' memory lives."""
+        (the size its rules look at) and where the buffers' memory lives, or with the
+        ``forced`` algorithm."""
         first, *others = buffers.values()
         memory = first.memory  # a device's, where any buffer is on one: the selector and
         if memory is HOST:     # the engine see it
             for buf in others:
                 if buf.memory is not HOST:
                     memory = buf.memory
-        choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory)
+        choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory,
+                                      forced=forced)
         return self._ops.submit(CollectiveCall(
             COLLECTIVES[name], first.dtype, buffers, result, choice, memory, reduce, arg, count,
             send_counts, recv_counts), async_op)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..engines.exchange import Table, TableExchange
+from ..engines.wrapping import Wrapper
 from ..errors import CommError
 from ..observe.steps import StepLog, TraceEvent
 from ..plan.settings import Settings
@@ -44,6 +45,7 @@ def run_group(
     hosts: Sequence[Sequence[int]] | None = None,
     board: bool = False,
     device: str | None = None,
+    wrappers: Sequence[Wrapper] = (),
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
@@ -58,6 +60,8 @@ def run_group(
     gives the group a device runtime and its device engines, as ``ringcomm.init(device=)``
     does; their set-up is collective, so the communicators are then made on the ranks'
     threads.
+    ``wrappers`` stand in front of every rank's links and engines (the same objects on
+    every rank, so one that keeps state tells the ranks apart).
     """
     net = InMemoryNetwork(world_size, board=board and hosts is None)
     topology = None if hosts is None else simulated_hosts(world_size, hosts)
@@ -65,14 +69,14 @@ def run_group(
         return lambda members, tag: net.subnetwork(tag, len(members)).transport(
             members.index(rank))
 
-    wrappers = [StepLog(trace)] if trace is not None else []
+    wrapping = [*wrappers, *([StepLog(trace)] if trace is not None else [])]
     settings = Settings.local(segment_bytes=segment_bytes, device=device)
     table = Table()
 
     def make(r: int) -> Communicator:
         return Communicator(net.transport(r), timeout=timeout, settings=settings,
                             segment_bytes=segment_bytes, topology=topology,
-                            connect=connector(r), wrappers=wrappers,
+                            connect=connector(r), wrappers=wrapping,
                             exchange=TableExchange(table, r))
 
     on_device = settings.device != "off"
