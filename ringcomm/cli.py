@@ -148,12 +148,10 @@ def _explain(args: argparse.Namespace) -> None:
         from .teach.text import render
 
         print(render(ex))
-    for path, kind in ((args.svg, "svg"), (args.html, "html")):
+    from .teach import page, svg
+
+    for path, make in ((args.svg, svg.draw), (args.html, page.page)):
         if path:
-            if kind == "svg":
-                from .teach.svg import draw as make
-            else:
-                from .teach.page import page as make
             with open(path, "w", encoding="utf-8") as out:
                 out.write(make(ex))
             print(f"wrote {path}")

@@ -70,7 +70,9 @@ def explain(collective: str = "allreduce", algorithm: str | None = None, world_s
     name = resolve(collective, algorithm)
     if hosts is not None:  # the layout says how many ranks there are
         world_size = sum(len(h) for h in hosts)
-    if count is None:
+    if collective == "barrier":
+        count = 0  # it moves no data: its messages are empty
+    elif count is None:
         count = 2 if COLLECTIVES[collective].blocked else world_size
     if count < 0:
         raise ArgumentError(f"the count must not be negative, got {count}")

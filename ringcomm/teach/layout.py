@@ -33,8 +33,12 @@ class Panel:
 
 @dataclass(frozen=True)
 class Layout:
+    """The panels of one drawing; ``aspect`` where the positions keep their proportions (a
+    circle, a cube), so a panel drawn wider must be drawn taller too."""
+
     shape: str
     panels: tuple[Panel, ...]
+    aspect: float = 0.0  # height over width to keep; 0: any
 
     def panel_of(self, transfer: Transfer) -> int:
         for i, panel in enumerate(self.panels):
@@ -50,14 +54,15 @@ def layout(ex: Explanation) -> Layout:
     if call.algorithm == "hier" and call.hosts is not None:
         return Layout("two levels", (_hosts(call.hosts),))
     if call.algorithm in ("hd", "rd"):
-        return Layout("hypercube", (Panel("hypercube", _hypercube(n)),))
+        cube = _hypercube(n)
+        return Layout("hypercube", (Panel("hypercube", _fit(cube)),), aspect(cube))
     if call.algorithm == "dbtree":
         return Layout("two trees", tuple(
             Panel(name, _tree(n, [t for t in transfers if t.phase.startswith(name)]), name)
             for name in ("tree A", "tree B")))
     if call.algorithm in ("tree", "binomial"):
         return Layout("tree", (Panel("tree", _tree(n, transfers)),))
-    return Layout("ring", (Panel("ring", _circle(n)),))
+    return Layout("ring", (Panel("ring", _circle(n)),), 1.0)
 
 
 def _circle(n: int) -> dict[int, Point]:
@@ -103,24 +108,44 @@ def _tree(n: int, transfers: list[Transfer]) -> dict[int, Point]:
 
 
 def _hypercube(n: int) -> dict[int, Point]:
-    """The ``p`` ranks that exchange (``p`` the largest power of two up to ``n``) by the bits
-    of their number among them: even bits across, odd bits down; a rank folded into a
-    partner beside it."""
+    """The ``p`` ranks that exchange (``p`` the largest power of two up to ``n``) at the
+    corners of a hypercube laid flat: bit 0 of a rank's number among them goes across,
+    bit 1 down, so pairs of a step are squares; bit 2 moves a square aside and down, so
+    two squares make a cube; the next three bits repeat that at a larger scale. A rank
+    folded into a partner sits below it."""
     p = 1 << (n.bit_length() - 1)
-    bits = p.bit_length() - 1
-    across = 1 << ((bits + 1) // 2)
-    down = 1 << (bits // 2)
+    axes = [(1.0, 0.0), (0.0, 1.0), (1.5, 0.45)]
     spots: dict[int, Point] = {}
     for v in range(p):
-        col = sum(((v >> (2 * j)) & 1) << j for j in range(bits))
-        row = sum(((v >> (2 * j + 1)) & 1) << j for j in range(bits))
-        spots[real_rank(v, n)] = (0.15 + 0.7 * (col / (across - 1) if across > 1 else 0.5),
-                                  0.12 + 0.6 * (row / (down - 1) if down > 1 else 0.5))
+        x = y = 0.0
+        for bit in range(p.bit_length() - 1):
+            if v >> bit & 1:
+                dx, dy = axes[bit % 3]
+                scale = 2.2 ** (bit // 3)  # the next cube, beside and below
+                x, y = x + dx * scale, y + dy * scale
+        spots[real_rank(v, n)] = (x, y)
     for r in range(n):  # folded ranks, below the partner they fold into
         if r not in spots:
             px, py = spots[r - 1]
-            spots[r] = (px, py + 0.2)
+            spots[r] = (px, py + 0.6)
     return spots
+
+
+def _fit(spots: dict[int, Point]) -> dict[int, Point]:
+    """``spots`` stretched over the unit square, each axis on its own (``aspect`` says how
+    tall to draw it)."""
+    xs = [x for x, _ in spots.values()]
+    ys = [y for _, y in spots.values()]
+    wide, tall = max(xs) - min(xs) or 1.0, max(ys) - min(ys) or 1.0
+    return {r: (0.08 + 0.84 * (x - min(xs)) / wide, 0.1 + 0.8 * (y - min(ys)) / tall)
+            for r, (x, y) in spots.items()}
+
+
+def aspect(spots: dict[int, Point]) -> float:
+    """Height over width of ``spots`` as laid out before ``_fit``."""
+    xs = [x for x, _ in spots.values()]
+    ys = [y for _, y in spots.values()]
+    return (max(ys) - min(ys)) / ((max(xs) - min(xs)) or 1.0) if len(spots) > 1 else 1.0
 
 
 def _hosts(hosts: tuple[tuple[int, ...], ...]) -> Panel:

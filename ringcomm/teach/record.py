@@ -44,13 +44,15 @@ class Executed:
 @dataclass
 class RankRun:
     """One rank's part of the run: its schedule, its buffers before the first step, every
-    step in the order it ran, and the collective's result on this rank."""
+    step in the order it ran, and the collective's result on this rank; then the round
+    of each step, once ``rounds`` has counted them."""
 
     rank: int
     schedule: Schedule
     before: dict[str, np.ndarray]
     steps: list[Executed] = field(default_factory=list)
     result: np.ndarray | None = None
+    rounds: list[int] = field(default_factory=list)  # each step's round (``rounds``)
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,9 @@ class Round:
     @property
     def phases(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
-        for item in (*self.transfers, *self.copies):
-            if item.phase:
-                seen.setdefault(item.phase, None)
+        for phase in [t.phase for t in self.transfers] + [c.phase for c in self.copies]:
+            if phase:
+                seen.setdefault(phase, None)
         return tuple(seen)
 
     def changed(self, rank: int, before: Round | None, role: str) -> np.ndarray:
@@ -124,9 +124,9 @@ def rounds(call: Call, runs: list[RankRun]) -> list[Round]:
                     copies.append(LocalCopy(clock[r], r, step.src, step.dst, step.phase))
                 if step.kind in _SENDS:
                     to = step.to if step.kind is Kind.RECV_REDUCE_SEND else step.peer
-                    src = step.dst if step.kind is Kind.RECV_REDUCE_SEND else step.src
-                    assert src is not None
-                    in_flight.setdefault((r, to), deque()).append((clock[r] + 1, src))
+                    sent = step.dst if step.kind is Kind.RECV_REDUCE_SEND else step.src
+                    assert sent is not None
+                    in_flight.setdefault((r, to), deque()).append((clock[r] + 1, sent))
                 step_round[r][cursor[r]] = clock[r]
                 cursor[r] += 1
                 progressed = True
@@ -142,6 +142,7 @@ def rounds(call: Call, runs: list[RankRun]) -> list[Round]:
     for c in copies:
         out[c.round].copies.append(c)
     for r, run in enumerate(runs):
+        run.rounds = step_round[r]
         state, known = _start(run)
         writes = [(step_round[r][i], e) for i, e in enumerate(run.steps)
                   if e.step.kind is not Kind.SEND]
