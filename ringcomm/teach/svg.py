@@ -113,7 +113,10 @@ def draw_one(ex: Explanation, rnd: Round, fr: Frame | None = None) -> str:
 def draw_round(parent: ET.Element, ex: Explanation, fr: Frame, rnd: Round,
                prefix: str = "") -> None:
     """One round: its title, then each panel's ranks and the messages that panel shows."""
-    _text(parent, 8, 16, round_title(rnd, ex), size=12, weight="bold")
+    title = round_title(rnd, ex)
+    if len(title) * 6.6 > fr.cell[0] - 12:  # too long for the cell: without the count
+        title = title.rpartition(":")[0] or title
+    _text(parent, 8, 16, title, size=12, weight="bold")
     by_panel: dict[int, list[Transfer]] = {}
     for t in rnd.transfers:
         by_panel.setdefault(fr.layout.panel_of(t), []).append(t)
