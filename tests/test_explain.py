@@ -214,3 +214,11 @@ def test_a_forced_algorithm_of_another_collective_is_checked() -> None:
         return comm.choose("broadcast", 8, algorithm="chain").algorithm, x
     for algorithm, x in run_group(3, rank):
         assert algorithm == "chain" and x.tolist() == [1, 1, 1]
+
+
+def test_the_animation_without_rich_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # as if rich were not installed
+    with pytest.raises(ArgumentError, match=r"pip install 'ringcomm\[teach\]'"):
+        animate(explain("allreduce", "ring", 2), delay=0)
