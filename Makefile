@@ -3,12 +3,13 @@
 #   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
 #   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts,
 #   the fault matrix; make soak runs 300 seeded random faults)
+# make docs regenerates docs/tutorial.md and its figures from the code and bench/results/.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak bench bench-quick gpu-check lint setup clean
+.PHONY: demo test test-slow soak bench bench-quick gpu-check lint docs setup clean
 
 setup: $(STAMP)
 
@@ -36,6 +37,9 @@ soak: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+docs: $(STAMP)
+	$(PY) docs/build_tutorial.py
 
 # The figures the README quotes: allreduce 8 B..256 MiB with every ringcomm algorithm and its
 # automatic choice against gloo, the other collectives, DDP training and the peak memory of a
