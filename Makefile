@@ -3,7 +3,8 @@
 #   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
 #   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts,
 #   the fault matrix; make soak runs 300 seeded random faults)
-# make docs regenerates docs/tutorial.md and its figures from the code and bench/results/.
+# make docs regenerates docs/tutorial.md, its figures and the README's explain picture and
+# page from the code and bench/results/.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -1,6 +1,7 @@
 """Builds docs/tutorial.md, "Teaching ring allreduce", and its figures from the code.
 
-    python docs/build_tutorial.py            # write docs/tutorial.md and docs/tutorial/*
+    python docs/build_tutorial.py            # write docs/tutorial.md and docs/tutorial/*,
+                                             # and the README's docs/ring_allreduce.*
     python docs/build_tutorial.py --check    # exit 1, with a diff, where they fall behind
     python docs/build_tutorial.py --record   # run the traced ddp/ job again, then build
 
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs/tutorial.md")
 FIGURES = Path("docs/tutorial")
 TIMELINE_PNG = FIGURES / "ddp_timeline.png"
+README_SVG, README_PAGE = Path("docs/ring_allreduce.svg"), Path("docs/ring_allreduce.html")
 SWEEP = Path("bench/results/allreduce.json")
 TRACE = Path("bench/results/ddp_trace.json")
 
@@ -916,6 +918,7 @@ several hosts) and the other collectives.
 
 def build() -> dict[Path, str]:
     """The page and its SVGs, by path relative to the repository."""
+    from ringcomm.teach.page import page as explain_page
     from ringcomm.teach.svg import draw
 
     ring_svg, tree_svg = FIGURES / "ring.svg", FIGURES / "tree.svg"
@@ -927,9 +930,12 @@ def build() -> dict[Path, str]:
                       section_ring(rel(ring_svg)), section_tree(rel(tree_svg)),
                       section_sweep(), section_ddp(rel(TIMELINE_PNG)), section_gpu(),
                       section_try()])
+    ring = explained("allreduce", "ring", 4)
     return {PAGE: reflow(page).rstrip("\n") + "\n",
-            ring_svg: draw(explained("allreduce", "ring", 4)),
-            tree_svg: draw(explained("allreduce", "tree", 4))}
+            ring_svg: draw(ring),
+            tree_svg: draw(explained("allreduce", "tree", 4)),
+            # the README's picture and the page it links
+            README_SVG: draw(ring), README_PAGE: explain_page(ring)}
 
 
 def write() -> None:
