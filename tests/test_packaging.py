@@ -109,7 +109,8 @@ def test_the_wheel_is_typed_and_licensed(built):
     assert not [c for c in classifiers if c.startswith("License ::")]
     assert "Operating System :: POSIX :: Linux" in classifiers
     assert {f"Programming Language :: Python :: 3.{v}" for v in (10, 11, 12)} <= set(classifiers)
-    assert set(meta.get_all("Provides-Extra")) == {"bench", "test", "cuda", "cuda13", "mpi"}
+    assert set(meta.get_all("Provides-Extra")) == {"bench", "teach", "test", "cuda", "cuda13",
+                                                   "mpi"}
 
 
 @pytest.mark.timeout(90)
