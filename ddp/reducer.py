@@ -64,7 +64,7 @@ class StepRecord:
     ready_order: list[int]  # parameter indices in the order their gradients became final
     ready_times: list[float]  # the same order
     launch_order: list[int]  # bucket indices in the order their allreduce was launched
-    launch_times: list[float]  # per bucket index
+    launch_times: list[float]  # per bucket index: when its allreduce was called
     ready_before_launch: list[int]  # per bucket: gradients computed before its launch
     finish_time: float  # averaged gradients written
     shadow: bool  # a joined rank shadowing the others' step
@@ -401,6 +401,7 @@ class Reducer:
                 step.next_launch += 1
 
     def _launch(self, step: _Step, b: int) -> None:
+        launched = time.perf_counter()  # before the call: an async allreduce may start in it
         bucket = self._buckets[b]
         flat = step.flats[b]
         grads = flat[:bucket.grad_numel]
@@ -419,7 +420,7 @@ class Reducer:
                 [self._params[i] for i in bucket.param_indices], views))
         step.futures[b] = future
         step.launch_order.append(b)
-        step.launch_times[b] = time.perf_counter()
+        step.launch_times[b] = launched
         step.ready_before_launch[b] = len(step.ready_order)
 
     def _hook_prescale(self, step: _Step) -> float:
