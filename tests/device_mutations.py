@@ -79,7 +79,7 @@ SITES: tuple[Site, ...] = (
     Site("engines/device.py", "runtime.wait_event(stream, buf.producer)",
          (_every("cuda-ipc", 2),)),
     Site("engines/device.py", "runtime.record(done, stream)", (_every("cuda-ipc", 1),)),
-    Site("engines/device.py", "runtime.wait_event(buf.caller_stream, done)",
+    Site("engines/device.py", "runtime.wait_event(mine.caller_stream, done)",
          (_every("cuda-ipc", 1),)),
     Site("engines/device.py", "runtime.synchronize(stream)",
          (f"{ENGINE}test_host_arrays_beside_device_arrays_in_one_call[cuda-ipc]",)),

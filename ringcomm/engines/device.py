@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
@@ -36,9 +36,23 @@ from .context import OpContext
 from .device_channel import DeviceChannel
 from .progress import over_links, timed_out, waited_for
 
-__all__ = ["DeviceEngine", "DeviceLane"]
+__all__ = ["DeviceEngine", "DeviceLane", "LaneOwner", "stage_in", "stage_out"]
 
 log = logging.getLogger("ringcomm")
+
+
+class LaneOwner(Protocol):
+    """What a lane runs over and closes last: a device channel (``DeviceChannel``), or an
+    NCCL communicator (``ringcomm.engines.nccl.NcclChannel``)."""
+
+    name: str
+    runtime: DeviceRuntime
+
+    def close(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+    def describe(self) -> str: ...
 
 
 class DeviceLane:
@@ -48,7 +62,7 @@ class DeviceLane:
     buffer's role), one allocation each, grown to the largest need. Ops run one at a time
     on the one stream, so one allocation per use serves them all."""
 
-    def __init__(self, channel: DeviceChannel) -> None:
+    def __init__(self, channel: LaneOwner) -> None:
         self.channel = channel
         self.runtime = runtime = channel.runtime
         self.stream = runtime.new_stream()
@@ -127,6 +141,7 @@ class DeviceEngine(Engine):
     (its name is the channel's: ``cuda-ipc``, ``staged``)."""
 
     def __init__(self, lane: DeviceLane, rank: int, world_size: int) -> None:
+        assert isinstance(lane.channel, DeviceChannel), f"{lane.channel.name} is no channel"
         self.lane = lane
         self.channel = lane.channel
         self.name = lane.channel.name
@@ -157,22 +172,7 @@ class DeviceEngine(Engine):
         rank, world = self.rank, self.world_size
         itemsize = ctx.dtype.itemsize
         desc = ctx.desc
-        pointers: dict[str, int] = {}
-        for role, buf in buffers.items():
-            if buf.memory == HOST:
-                ptr = lane.scratch(f"host:{role}", buf.nbytes)
-                buf.before_op()
-                if buf.count:
-                    runtime.from_host(ptr, buf.region(0, buf.count), stream)
-                pointers[role] = ptr
-                lifted.append((role, buf, ptr))
-            elif buf.memory in self.moves and isinstance(buf, DeviceBuffer):
-                runtime.wait_event(stream, buf.producer)
-                pointers[role] = buf.pointer
-                device.append(buf)
-            else:
-                raise ValueError(f"{buf.name} lives in {buf.memory} memory; the {self.name} "
-                                 f"engine moves {runtime.memory} memory only")
+        pointers = stage_in(lane, buffers, self.name, device, lifted)
         if schedule.scratch and "scratch" not in pointers:
             pointers["scratch"] = lane.scratch("scratch", schedule.scratch * itemsize)
         sent = [0] * world
@@ -241,22 +241,57 @@ class DeviceEngine(Engine):
                 raise
             raise timed_out(err, progress, f" (the last sends of {schedule.algorithm} "
                             f"{schedule.collective})", rank, ctx.name) from None
-        done = runtime.new_event()  # this op's own: a Work may wait on it after later ops
-        runtime.record(done, stream)
-        for buf in device:
-            runtime.wait_event(buf.caller_stream, done)
-            buf.done = done
-            # the caller's array outlives the work queued on it, even if the caller drops it
-            keep_until_done(runtime, done, 0, buf.array)
-        if lifted:  # host memory: the host reads it, so the host waits for it
-            written = {step.dst.buf for step in steps if step.dst is not None}
-            for role, buf, ptr in lifted:
-                if role in written and buf.count:  # a region is contiguous host memory
-                    runtime.to_host(buf.region(0, buf.count), ptr, stream)
-            runtime.synchronize(stream)
-            for _, buf, _ in lifted:
-                buf.after_op()
+        stage_out(lane, device, lifted, {step.dst.buf for step in steps if step.dst is not None})
 
     def describe(self) -> str:
         return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"
+
+
+def stage_in(lane: DeviceLane, buffers: Mapping[str, Buffer], engine: str,
+             device: list[DeviceBuffer], lifted: list[tuple[str, Buffer, int]]) -> dict[str, int]:
+    """The device pointer of every buffer of an op, by role, with the lane's stream ordered
+    after the caller's work on it: a device buffer's own (its ``producer`` waited for, the
+    buffer added to ``device``), a host buffer's copy in lane scratch (added to ``lifted``)."""
+    runtime, stream = lane.runtime, lane.stream
+    pointers: dict[str, int] = {}
+    for role, buf in buffers.items():
+        if buf.memory == HOST:
+            ptr = lane.scratch(f"host:{role}", buf.nbytes)
+            buf.before_op()
+            if buf.count:
+                runtime.from_host(ptr, buf.region(0, buf.count), stream)
+            pointers[role] = ptr
+            lifted.append((role, buf, ptr))
+        elif buf.memory == runtime.memory and isinstance(buf, DeviceBuffer):
+            runtime.wait_event(stream, buf.producer)
+            pointers[role] = buf.pointer
+            device.append(buf)
+        else:
+            raise ValueError(f"{buf.name} lives in {buf.memory} memory; the {engine} engine "
+                             f"moves {runtime.memory} memory only")
+    return pointers
+
+
+def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
+              lifted: list[tuple[str, Buffer, int]], written: set[str]) -> Any:
+    """After an op's last work on the lane's stream: a done event the callers' streams wait
+    on (the host does not), the callers' arrays kept alive until it; the lifted host
+    buffers the op wrote (``written`` roles) copied back, which the host waits for. Returns
+    the done event."""
+    runtime, stream = lane.runtime, lane.stream
+    done = runtime.new_event()  # this op's own: a Work may wait on it after later ops
+    runtime.record(done, stream)
+    for mine in device:
+        runtime.wait_event(mine.caller_stream, done)
+        mine.done = done
+        # the caller's array outlives the work queued on it, even if the caller drops it
+        keep_until_done(runtime, done, 0, mine.array)
+    if lifted:  # host memory: the host reads it, so the host waits for it
+        for role, host, ptr in lifted:
+            if role in written and host.count:  # a region is contiguous host memory
+                runtime.to_host(host.region(0, host.count), ptr, stream)
+        runtime.synchronize(stream)
+        for _, host, _ in lifted:
+            host.after_op()
+    return done
 
