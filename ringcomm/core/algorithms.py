@@ -8,9 +8,10 @@ one table, a new algorithm is one row here plus its schedule builder in the tabl
 collectives (``ringcomm.plan.collectives``), which refuses a builder whose name has no row.
 
 Each row says which engine runs it (``links``: messages between pairs of ranks; ``board``:
-the shared memory of one host's ranks) and whether the cost model prices it as an
-allreduce candidate. The device engines (``cuda-ipc``, ``staged``) run the same messages
-on device memory, so every algorithm of the links is theirs too (``engines_of``). A row's
+the shared memory of one host's ranks; ``nccl``: NCCL's own collective) and whether the
+cost model prices it as an allreduce candidate. The device engines (``nccl``, ``cuda-ipc``,
+``staged``) run the same messages on device memory, so every algorithm of the links is
+theirs too (``engines_of``). A row's
 wire code is its position: rows are only ever appended.
 """
 
@@ -23,7 +24,9 @@ LINKS = "links"  # the link executor: messages over each pair's link
 BOARD = "board"  # the shared board: posts and takes in memory all local ranks map
 CUDA_IPC = "cuda-ipc"  # device memory of one host's ranks, mapped by each other
 STAGED = "staged"  # device memory through page-locked host memory and the links
-DEVICE_ENGINES: tuple[str, ...] = (CUDA_IPC, STAGED)  # in the selector's order of preference
+NCCL = "nccl"  # device memory through NCCL's communicator (CuPy's cupy.cuda.nccl)
+# in the selector's order of preference (NCCL only where asked for: RINGCOMM_DEVICE_ENGINE)
+DEVICE_ENGINES: tuple[str, ...] = (NCCL, CUDA_IPC, STAGED)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ _ROWS = (
     AlgorithmName("twoshot", BOARD, False,
                   "on the shared board, piece by piece: each rank folds its chunk from "
                   "everyone's post, then takes everyone's folded chunk"),
+    AlgorithmName("nccl", NCCL, False,
+                  "NCCL's own collective, on the nccl engine (device memory)"),
 )
 
 ALGORITHMS = MappingProxyType({row.name: row for row in _ROWS})
@@ -68,10 +73,14 @@ WIRE_CODES = MappingProxyType({name: code for code, name in enumerate(WIRE_NAMES
 # and those of the shared board (taken by size where a group has one, never priced).
 ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allreduce)
 ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
+# the collectives NCCL has a call of its own for: the ``nccl`` algorithm's
+NCCL_OWN = frozenset({"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"})
 
 
 def engines_of(name: str) -> tuple[str, ...]:
     """The engines that run algorithm ``name``: the board's on the board only; every other
     over the links and on each device engine, which walk the same messages."""
     row = ALGORITHMS[name]
-    return (BOARD,) if row.engine == BOARD else (LINKS, *DEVICE_ENGINES)
+    if row.engine != LINKS:  # the board's, NCCL's own: where they run only
+        return (row.engine,)
+    return (LINKS, *DEVICE_ENGINES)

@@ -154,7 +154,7 @@ def _debug(raw: str) -> str:
 
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
 DEVICE_MODES = ("auto", "cuda", "fake", "off")
-DEVICE_ENGINES = ("auto", "cuda-ipc", "staged")
+DEVICE_ENGINES = ("auto", "cuda-ipc", "staged", "nccl")
 DEFAULT_IPC_SLOTS = 4
 DEFAULT_IPC_SLOT_BYTES = 4 << 20
 DEFAULT_SPIN_US = 50.0
@@ -233,7 +233,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device_engine", Scope.MUST_MATCH, "RINGCOMM_DEVICE_ENGINE", None,
             "which device engine moves device memory: cuda-ipc (ranks of one host map each "
             "other's device memory), staged (through page-locked host memory over the "
-            "links, across hosts too); auto takes cuda-ipc where every rank is on one host",
+            "links, across hosts too), nccl (NCCL through CuPy: its own collectives, and "
+            "ringcomm's schedules as NCCL groups; one GPU per rank, a communicator per group "
+            "from a unique id rank 0 draws at set-up and the others read from the store); "
+            "auto takes cuda-ipc where every rank is on one host, else staged",
             "auto", _choice(*DEVICE_ENGINES)),
     Setting("ipc_slots", Scope.AGREED, "RINGCOMM_IPC_SLOTS", None,
             "device staging slots per peer of the cuda-ipc engine (messages in flight)",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.dtypes import ReduceOp
-from ..schedules.schedule import Step
+from ..schedules.schedule import Schedule, Step
 from ..transport.header import OpDescriptor
 
 # told of every step an engine runs, where someone watches (a tracer): the step's index in
@@ -41,3 +41,6 @@ class OpContext:
     deadline: float
     reduce: ReduceOp | None = None
     observe: StepObserver | None = None
+    # rank -> that rank's schedule of this op, for an engine that plans from all of them
+    # (NCCL's groups pair every message's two ends)
+    schedule_of: Callable[[int], Schedule] | None = None

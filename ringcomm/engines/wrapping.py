@@ -29,6 +29,7 @@ from .base import Engine
 from .board import BoardEngine
 from .device import DeviceEngine, DeviceLane
 from .links import LinkEngine
+from .nccl import NcclChannel, NcclEngine
 
 
 class Wrapper:
@@ -94,7 +95,11 @@ class Wiring:
         if board is not None:
             engines["board"] = BoardEngine(board)
         for name, lane in self.lanes.items():
-            engines[name] = DeviceEngine(lane, self.transport.rank, self.transport.world_size)
+            if isinstance(lane.channel, NcclChannel):
+                engines[name] = NcclEngine(lane, self.transport)
+            else:
+                engines[name] = DeviceEngine(lane, self.transport.rank,
+                                             self.transport.world_size)
         for wrapper in self.wrappers:
             engines = {name: wrapper.engine(engine) for name, engine in engines.items()}
         self.engines = engines

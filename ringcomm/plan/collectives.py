@@ -34,7 +34,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ..core.algorithms import ALGORITHMS
+from ..core.algorithms import ALGORITHMS, NCCL_OWN
 from ..schedules import ALLREDUCE, allreduce_schedule, board, direct, ring, rooted
 from ..schedules.schedule import Schedule
 from ..transport.header import OpKind
@@ -209,10 +209,13 @@ class Collective:
         ``recv_counts`` give an all-to-all's uneven splits; ``piece`` is how many elements
         one post on the shared board holds, for the algorithms that post in pieces (0: all
         of them in one post, for schedules that are printed or checked rather than run: a
-        communicator passes its board's size). Which algorithm a call runs is the selector's
+        communicator passes its board's size). ``nccl`` (NCCL's own call, on the nccl engine)
+        has no steps. Which algorithm a call runs is the selector's
         choice (``ringcomm.plan.select``); without one this is the main algorithm, and an
         allreduce, which has no main one, needs it."""
         name = algorithm
+        if name == "nccl" and self.name in NCCL_OWN:  # one NCCL call: no steps of ours
+            return Schedule(self.name, "nccl", rank, world, ())
         if name is None:
             if self.name == "allreduce":
                 raise ValueError("allreduce runs the algorithm its caller chose (the "

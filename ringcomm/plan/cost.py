@@ -74,7 +74,25 @@ DEFAULT_PARAMS: dict[int, CostParams] = {
 DEFAULT_DEVICE_PARAMS: dict[str, CostParams] = {
     "cuda-ipc": CostParams(alpha=20e-6, beta=0.67e-12, gamma=1.0e-12),
     "staged": CostParams(alpha=60e-6, beta=0.17e-9, gamma=1.0e-12),
+    # nccl: a message of ringcomm's schedules is a group launch (about 10 us); its bytes
+    # move as NCCL's transport moves them (NVLink, PCIe, or sockets between hosts: taken
+    # here as NVLink-class). Also not measured here.
+    "nccl": CostParams(alpha=10e-6, beta=0.67e-12, gamma=1.0e-12),
 }
+# NCCL's own collective is one kernel: its ring's steps pay no launch each, about this
+NCCL_STEP_ALPHA = 1e-6
+
+
+def nccl_own_allreduce(world_size: int, nbytes: int, itemsize: int,
+                       params: CostParams) -> float:
+    """Predicted seconds of NCCL's own allreduce: a ring (NCCL's for large sizes) whose
+    steps cost ``NCCL_STEP_ALPHA`` instead of a launch each, plus one launch."""
+    if world_size <= 1 or nbytes == 0:
+        return params.alpha
+    count = nbytes // itemsize
+    ring = allreduce_cost("ring", world_size, count, itemsize, max(1, count))
+    step = CostParams(NCCL_STEP_ALPHA, params.beta, params.gamma)
+    return params.alpha + ring.time(step, 1.0)
 
 
 @dataclass

@@ -22,7 +22,9 @@ The rules, per collective:
 - the others: their one algorithm over links.
 
 Device memory a group's device engines move (``device_memory``) goes to one of them:
-``cuda-ipc`` where the group has it (every rank on one host), else ``staged``, with the
+``nccl`` where the group asked for it (NCCL's own call for the collectives that have one,
+an allreduce priced against the schedules as NCCL groups), else ``cuda-ipc`` where the
+group has it (every rank on one host), else ``staged``, with the
 algorithm the links would run (never a board schedule); an allreduce's is the cost
 model's cheapest under that engine's constants (a tuned profile's, else the defaults),
 and the choice's reason says which. Any other device
@@ -35,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..core.algorithms import ALGORITHMS, BOARD, LINKS, engines_of
+from ..core.algorithms import ALGORITHMS, BOARD, LINKS, NCCL, NCCL_OWN, engines_of
 from ..core.arrays import HOST
 from ..errors import ArgumentError
 from ..schedules import ALLREDUCE, ON_BOARD
@@ -135,6 +137,8 @@ class Selector:
     def _device_algorithm(self, engine: str, collective: str, nbytes: int, itemsize: int,
                           forced: str | None) -> tuple[str, str]:
         group = self.group
+        if engine == NCCL:
+            return self._nccl_algorithm(collective, nbytes, itemsize, forced)
         if collective != "allreduce":
             _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
             return algorithm, why
@@ -157,6 +161,45 @@ class Selector:
                 share=1.0, hosts=group.topology.hosts, remote=group.settings.remote)
         source = "tuned" if engine in group.settings.device_params else "default"
         return chosen, f"the cost model's cheapest with its {source} constants"
+
+    def _nccl_algorithm(self, collective: str, nbytes: int, itemsize: int,
+                        forced: str | None) -> tuple[str, str]:
+        """On the nccl engine: NCCL's own call (``nccl``) for the collectives that have one,
+        against ringcomm's schedules as NCCL groups, by the cost model for an allreduce;
+        the schedules the links would run for the others."""
+        group = self.group
+        if forced is not None and forced.lower() == NCCL:
+            if collective not in NCCL_OWN:
+                raise ArgumentError(f"NCCL has no call of its own for {collective}; leave "
+                                    "the algorithm unset (its schedules run as NCCL groups)")
+            return NCCL, "forced by algorithm="
+        if collective not in NCCL_OWN:
+            _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
+            return algorithm, f"{why}, as NCCL groups"
+        if collective != "allreduce":
+            if forced is not None:
+                _, algorithm, why = self._rule(collective, nbytes, itemsize, forced,
+                                               board=False)
+                return algorithm, f"{why}, as NCCL groups"
+            return NCCL, "NCCL's own call"
+        if forced is not None or group.settings.algorithm is not None:
+            _, algorithm, why = self._allreduce(nbytes, itemsize, forced)
+            return algorithm, f"{why}, as NCCL groups"
+        params = group.settings.device_cost(NCCL)
+        key = (nbytes, itemsize, NCCL)
+        chosen = self._priced_device.get(key)
+        if chosen is None:
+            best = cost.choose("allreduce", group.world_size, nbytes, itemsize,
+                               segment_bytes=group.segment_bytes, params=params, share=1.0,
+                               hosts=group.topology.hosts, remote=group.settings.remote)
+            ours = cost.predict("allreduce", best, group.world_size, nbytes, itemsize,
+                                segment_bytes=group.segment_bytes, params=params, share=1.0,
+                                hosts=group.topology.hosts, remote=group.settings.remote)
+            own = cost.nccl_own_allreduce(group.world_size, nbytes, itemsize, params)
+            chosen = self._priced_device[key] = NCCL if own <= ours else best
+        source = "tuned" if NCCL in group.settings.device_params else "default"
+        what = "NCCL's own allreduce" if chosen == NCCL else f"{chosen} as NCCL groups"
+        return chosen, f"{what}: the cost model's cheapest with its {source} constants"
 
     def _rule(self, collective: str, nbytes: int, itemsize: int,
               forced: str | None, *, board: bool | None = None) -> tuple[str, str, str]:

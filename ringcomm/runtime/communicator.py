@@ -214,10 +214,12 @@ class Communicator:
         return self._ops.idle
 
     def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
-               algorithm: str | None = None) -> Choice:
-        """How this communicator runs ``collective`` on ``nbytes`` (the engine, algorithm,
-        segment size, and why): the selector's choice, the same on every rank."""
-        return self.selector.choose(collective, nbytes, itemsize, forced=algorithm)
+               algorithm: str | None = None, memory: str = HOST) -> Choice:
+        """How this communicator runs ``collective`` on ``nbytes`` in ``memory`` (host, or
+        a device runtime's: ``comm.device.memory``): the engine, algorithm, segment size,
+        and why; the selector's choice, the same on every rank."""
+        return self.selector.choose(collective, nbytes, itemsize, memory=memory,
+                                    forced=algorithm)
 
     def describe(self) -> str:
         """How this rank reaches its peers (the kind of each link, and why), the engines

@@ -14,11 +14,12 @@ import logging
 import time
 
 from ..core import device as devices
-from ..core.algorithms import CUDA_IPC, STAGED
+from ..core.algorithms import CUDA_IPC, NCCL, STAGED
 from ..core.device.runtime import DeviceRuntime
 from ..engines.cuda_ipc import IpcChannel
 from ..engines.device import DeviceLane
 from ..engines.device_channel import Exchange
+from ..engines.nccl import NcclChannel, open_channel
 from ..engines.staged import StagedChannel
 from ..errors import ArgumentError
 from ..plan.settings import Settings
@@ -53,8 +54,8 @@ def device_runtime(settings: Settings) -> DeviceRuntime | None:
 def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
     """Whether the cuda-ipc channel can serve this group, and why (or why not): every rank
     on one host, and the device engine setting allows it."""
-    if settings.device_engine == STAGED:
-        return False, "RINGCOMM_DEVICE_ENGINE=staged"
+    if settings.device_engine in (STAGED, NCCL):
+        return False, f"RINGCOMM_DEVICE_ENGINE={settings.device_engine}"
     if len(topology.hosts) > 1:
         if settings.device_engine == CUDA_IPC:
             raise ArgumentError("RINGCOMM_DEVICE_ENGINE=cuda-ipc, but the ranks span "
@@ -73,6 +74,9 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
     is closed again if a later part fails."""
     lanes: dict[str, DeviceLane] = {}
     try:
+        if settings.device_engine == NCCL:
+            lanes[NCCL] = DeviceLane(_nccl_channel(runtime, transport, exchange, timeout))
+            return lanes
         serves, why = ipc_serves(topology, settings)
         if serves and exchange is not None:
             channel = IpcChannel(runtime, transport, exchange, transport.rank,
@@ -89,6 +93,22 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
         close_lanes(lanes)
         raise
     return lanes
+
+
+def _nccl_channel(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,
+                  timeout: float) -> NcclChannel:
+    """The group's NCCL communicator (``RINGCOMM_DEVICE_ENGINE=nccl``): its unique id goes
+    through ``exchange`` (the store), made within ``timeout``."""
+    library = devices.nccl_library(runtime)
+    if not library.available():
+        raise ArgumentError(f"RINGCOMM_DEVICE_ENGINE=nccl, but {runtime.name}'s NCCL cannot be "
+                            "used here (is CuPy built with NCCL? pip install nvidia-nccl-cu12 "
+                            "or cu13); use auto, cuda-ipc or staged")
+    if exchange is None:
+        raise ArgumentError("RINGCOMM_DEVICE_ENGINE=nccl needs a store to pass NCCL's unique "
+                            "id through (ringcomm.init gives one)")
+    return open_channel(runtime, library, exchange, transport.rank, transport.world_size,
+                        timeout)
 
 
 _SETTLE_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for device work

@@ -393,9 +393,9 @@ class OpRunner:
         dtype = np.dtype(call.dtype)
         choice = call.choice
         engine = self.wiring.engines[choice.engine]
+        segment = max(1, choice.segment_bytes // max(1, dtype.itemsize))
         schedule = call.spec.schedule(
-            self.rank, self.world_size, call.count,
-            max(1, choice.segment_bytes // max(1, dtype.itemsize)), root=call.arg,
+            self.rank, self.world_size, call.count, segment, root=call.arg,
             algorithm=choice.algorithm, hosts=self.hosts, send_counts=call.send_counts,
             recv_counts=call.recv_counts, piece=SLOT_BYTES // dtype.itemsize)
         buffers, moves = call.buffers, engine.moves
@@ -407,7 +407,12 @@ class OpRunner:
                             algorithm_code(schedule.algorithm), reduce_code(call.reduce),
                             call.arg, choice.segment_bytes, call.count, call.send_counts,
                             call.recv_counts)
-        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, call.reduce)
+        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, call.reduce,
+                        schedule_of=lambda r: call.spec.schedule(
+                            r, self.world_size, call.count, segment, root=call.arg,
+                            algorithm=choice.algorithm, hosts=self.hosts,
+                            send_counts=call.send_counts, recv_counts=call.recv_counts,
+                            piece=SLOT_BYTES // dtype.itemsize))
         started = time.perf_counter()
         try:
             engine.run(schedule, buffers, ctx)

@@ -88,6 +88,11 @@ class InMemoryLink(Link):
         data = b"" if payload is None else payload.reshape(-1).view(np.uint8).tobytes()
         self._theirs.deliver(self.rank, header, data, abort=False)
 
+    def send_notice(self, header: Header, text: bytes) -> None:
+        # in the data too, as a pipe carries it: a peer that only reads what is waiting
+        # (``Transport.screen``, while it watches device work) sees the abort there
+        self._theirs.deliver(self.rank, header, bytes(text), abort=False)
+
     def recv_header(self, wait: Wait) -> Header:
         box = self._mine
         with box.cond:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ArgumentError
+from .nccl import NcclLibrary
 from .runtime import DeviceRuntime
 
 RUNTIME_NAMES = ("fake", "cupy")
@@ -45,6 +46,22 @@ def _make(name: str) -> DeviceRuntime:
         return CupyRuntime()
     raise ArgumentError(
         f"unknown device runtime {name!r}; use one of: {', '.join(RUNTIME_NAMES)}")
+
+
+def nccl_library(rt: DeviceRuntime) -> NcclLibrary:
+    """NCCL for runtime ``rt``'s devices: CuPy's ``cupy.cuda.nccl`` for ``cupy``, the strict
+    fake for ``fake``; imported only when asked for."""
+    if rt.name == "cupy":
+        from .cupy_nccl import CupyNccl
+
+        return CupyNccl()
+    if rt.name == "fake":
+        from .fake import FakeRuntime
+        from .fake_nccl import FakeNccl
+
+        assert isinstance(rt, FakeRuntime)
+        return FakeNccl(rt)
+    raise ArgumentError(f"no NCCL for the {rt.name!r} device runtime")
 
 
 def available_runtimes() -> list[str]:

@@ -33,6 +33,9 @@ from .runtime import Stream
 class FakeNccl(NcclLibrary):
     name = "fake"
 
+    def __init__(self, rt: FakeRuntime) -> None:
+        self.rt = rt
+
     def available(self) -> bool:
         return True
 
@@ -45,10 +48,7 @@ class FakeNccl(NcclLibrary):
         return os.urandom(UNIQUE_ID_BYTES)
 
     def connect(self, world_size: int, unique_id: bytes, rank: int) -> NcclComm:
-        from .. import device as devices
-
-        rt = devices.runtime("fake")
-        assert isinstance(rt, FakeRuntime)
+        rt = self.rt
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise FakeDeviceFault(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got "
                                   f"{len(unique_id)}")

@@ -3,9 +3,10 @@
 Why a seam: the NCCL engine (``ringcomm.engines.nccl``) runs ringcomm's own schedules as
 NCCL sends and receives in group calls, and NCCL's own collectives as one more algorithm;
 it needs a communicator, group calls, point-to-point calls, the collectives, and a way to
-end a communicator that hangs. Behind this interface: CuPy's ``cupy.cuda.nccl``
-(``cupy_nccl``, for a machine with a GPU) and a strict fake over the fake device runtime
-(``fake_nccl``), so the engine, its plans and its watchdog are tested on a CPU.
+end a communicator that hangs. Behind this interface (``ringcomm.core.device.nccl_library``
+gives a runtime's): CuPy's ``cupy.cuda.nccl`` (``cupy_nccl``, for a machine with a GPU) and
+a strict fake over the fake device runtime (``fake_nccl``), so the engine, its plans and its
+watchdog are tested on a CPU.
 
 NCCL's rules, which every library here keeps:
 
@@ -134,17 +135,3 @@ def nccl_op(op: ReduceOp) -> int:
     except KeyError:
         raise ValueError(f"NCCL has no {op.name!r} reduction; the NCCL engine reduces with "
                          f"{', '.join(NCCL_OPS)}") from None
-
-
-def library(name: str) -> NcclLibrary:
-    """The NCCL library for a device runtime: ``cupy`` (CuPy's ``cupy.cuda.nccl``) or
-    ``fake`` (over the fake device runtime); imported only when asked for."""
-    if name == "cupy":
-        from .cupy_nccl import CupyNccl
-
-        return CupyNccl()
-    if name == "fake":
-        from .fake_nccl import FakeNccl
-
-        return FakeNccl()
-    raise ValueError(f"no NCCL library for the {name!r} device runtime")
