@@ -300,11 +300,25 @@ def _join_ringcomm_group(where: RankContext) -> Any:
     return dist.new_group(backend="ringcomm", timeout=timedelta(seconds=where.timeout))
 
 
+def share_gpu(rank: int, world: int) -> None:
+    """Before NCCL starts in a rank process: where the ranks outnumber the GPUs, give each
+    its own ``NCCL_HOSTID``, so NCCL (which refuses two ranks on one GPU of one host) takes
+    them for separate hosts and joins them over sockets: correct, not fast."""
+    import os
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and gpus < world:
+        os.environ.setdefault("NCCL_HOSTID", f"ringcomm-bench-rank-{rank}")
+
+
 def _join_nccl_group(where: RankContext) -> Any:
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(where.rank % torch.cuda.device_count())
+    share_gpu(where.rank, where.world)
     return dist.new_group(backend="nccl")
 
 
@@ -322,10 +336,7 @@ def _nccl_unavailable(world: int) -> str | None:
         return "no CUDA device"
     if not dist.is_nccl_available():
         return "this torch has no NCCL"
-    gpus = torch.cuda.device_count()
-    if gpus < world:
-        return f"{gpus} GPU(s) for {world} ranks (NCCL needs one GPU per rank)"
-    return None
+    return None  # ranks that share a GPU get an NCCL_HOSTID each (share_gpu)
 
 
 def _gloo_unsupported(collective: str, dtype: str, op: str | None) -> str | None:
@@ -374,6 +385,8 @@ def _join_device_engine(engine: str) -> Callable[[RankContext], DeviceHandle]:
 
         import ringcomm
 
+        if engine == "nccl" and where.device == "cuda":
+            share_gpu(where.rank, where.world)
         saved = os.environ.get("RINGCOMM_DEVICE_ENGINE")
         os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
         try:
@@ -520,6 +533,9 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
     Runner(device.STAGED, owner="ringcomm", join=_join_device_engine("staged"),
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake")),
+    Runner(device.NCCL_ENGINE, owner="ringcomm", join=_join_device_engine("nccl"),
+           leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
+           sync=_device_sync, needs_device=("cuda",), on_simulated_hosts=False),
     Runner(device.COPY, owner="device", join=_join_copy, calls=_no_calls, own_turns=CopyTurns,
            device=device.RUNTIME_ARRAYS, sync=_device_sync, needs_device=("cuda", "fake")),
     Runner(device.GLOO_CUDA, owner="gloo", join=_join_gloo_cuda, calls=_torch_calls,

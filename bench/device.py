@@ -122,9 +122,15 @@ def one_gpu_bound(copy_rw_GBps: float, world: int) -> float:
 
 IPC = "ringcomm+cuda-ipc"
 STAGED = "ringcomm+staged"
+# ringcomm's nccl engine: NCCL's own call where it has one (by the cost model for an
+# allreduce; ``ringcomm+nccl:ring`` etc. force ringcomm's schedules as NCCL groups). Needs
+# CuPy's NCCL: the fake NCCL joins ranks that are threads of one process only, and the
+# sweep's ranks are processes.
+NCCL_ENGINE = "ringcomm+nccl"
 COPY = "copy"
 GLOO_CUDA = "gloo+cuda"
 TORCH_CUDA = "ringcomm/torch+cuda"
+TORCH_NCCL = "nccl"  # torch's own NCCL process group (ranks sharing a GPU: over sockets)
 
 
 def device_summary(rows: list[dict]) -> list[dict]:
@@ -134,7 +140,9 @@ def device_summary(rows: list[dict]) -> list[dict]:
 
     - IPC allreduce at 64 MiB and above: algbw at least half the one-GPU bound, the bound
       from the copy row of the same size in the same run;
-    - at 1 MiB and above: Gloo's time on the same CUDA tensors at least 20x IPC's;
+    - at 1 MiB and above: Gloo's time on the same CUDA tensors at least 20x IPC's, and
+      torch's NCCL (on one GPU: its socket fallback) at least 10x and Gloo at least 20x
+      the best device engine's;
     - an 8 B allreduce of a CUDA tensor through torch at world size 2: at most 50 us."""
     out: list[dict] = []
     keyed: dict[tuple[int, str, str], dict[int, dict[str, dict]]] = {}
@@ -146,6 +154,8 @@ def device_summary(rows: list[dict]) -> list[dict]:
         checks: list[tuple[str, float, bool, dict[int, float]]] = []
         bound_of: dict[int, float] = {}
         ratio: dict[int, float] = {}
+        nccl_ratio: dict[int, float] = {}
+        gloo_best: dict[int, float] = {}
         for nbytes, same in by_size.items():
             ipc, copy = same.get(IPC), same.get(COPY)
             if ipc and copy and nbytes >= 64 << 20:
@@ -154,8 +164,19 @@ def device_summary(rows: list[dict]) -> list[dict]:
             gloo = same.get(GLOO_CUDA)
             if ipc and gloo and nbytes >= 1 << 20:
                 ratio[nbytes] = gloo["time_us"] / ipc["time_us"]
+            engines = [same[name] for name in (IPC, STAGED) if name in same]
+            nccl = same.get(TORCH_NCCL)
+            if engines and nccl and nbytes >= 1 << 20:
+                best = min(r["time_us"] for r in engines)
+                nccl_ratio[nbytes] = nccl["time_us"] / best
+                if gloo:
+                    gloo_best[nbytes] = gloo["time_us"] / best
         checks.append(("IPC algbw / (one-GPU bound / 2), 64 MiB and up", 1.0, True, bound_of))
         checks.append(("gloo time / IPC time, CUDA tensors, 1 MiB and up", 20.0, True, ratio))
+        checks.append(("NCCL (torch, one GPU) time / best device engine time, 1 MiB and up",
+                       10.0, True, nccl_ratio))
+        checks.append(("gloo time / best device engine time, 1 MiB and up", 20.0, True,
+                       gloo_best))
         tiny = by_size.get(8, {}).get(TORCH_CUDA)
         small = {8: tiny["time_us"]} if tiny is not None and world == 2 else {}
         checks.append(("8 B through torch on a CUDA tensor (us)", 50.0, False, small))

@@ -135,11 +135,17 @@ def parse_backends(spec: list[str]) -> list[Backend]:
             found = [Backend(f"ringcomm:{a}", "ringcomm", a)]
         elif runner is not None:
             found = [Backend(word, word)]
+        elif word.startswith(f"{device.NCCL_ENGINE}:") and \
+                word.split(":", 1)[1] in (*adapter.allreduce_algorithms(), "nccl"):
+            # an allreduce algorithm on the nccl engine: ringcomm's schedule as NCCL groups,
+            # or NCCL's own call (``nccl``); the other collectives get the engine's choice
+            found = [Backend(word, device.NCCL_ENGINE, word.split(":", 1)[1])]
         else:
             raise ValueError(
                 f"unknown backend {word!r}: use ringcomm (its own choice), ringcomm:ALGO with "
                 f"ALGO one of {', '.join(algorithms)}, ringcomm:all, {TORCH}, "
-                f"ringcomm/curve, {CHECKSUMMED}, gloo or nccl")
+                f"ringcomm/curve, {CHECKSUMMED}, gloo, nccl, or on device memory "
+                f"{device.IPC}, {device.STAGED}, {device.NCCL_ENGINE}[:ALGO|:nccl]")
         out += [b for b in found if b not in out]
     if not out:
         raise ValueError("--backends names no backend")
@@ -323,7 +329,7 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     copy = next((r for r in rows if "copy_rw_GBps" in r), None)
     if copy is not None and collective == "allreduce":
         for r in rows:
-            if r["library"] in (device.IPC, device.STAGED):
+            if r["library"] in (device.IPC, device.STAGED, device.NCCL_ENGINE):
                 r["one_gpu_bound_GBps"] = device.one_gpu_bound(copy["copy_rw_GBps"], world)
     return rows
 
@@ -513,8 +519,9 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
 
 HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl"]
 DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED],
-                   "cuda": [device.IPC, device.STAGED, device.COPY, device.GLOO_CUDA,
-                            device.TORCH_CUDA]}
+                   "cuda": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
+                            f"{device.NCCL_ENGINE}:nccl", device.COPY, device.GLOO_CUDA,
+                            device.TORCH_CUDA, "nccl"]}
 
 
 def _left_out(runner: Runner, on_hosts: bool, world: int) -> str | None:

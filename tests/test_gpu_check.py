@@ -124,6 +124,37 @@ def test_the_device_targets_use_the_copy_of_the_same_run():
     assert device.device_summary(_device_rows(4, 8, 2.0, 30.0, 700.0, 40.0)) == []
 
 
+def test_the_nccl_targets_compare_with_the_best_device_engine():
+    """Torch's NCCL on one GPU (its socket fallback) at least 10x and Gloo at least 20x the
+    best device engine's time, from 1 MiB up; the best engine is the faster of IPC and
+    staged at each size."""
+    big = 4 << 20
+    rows = _device_rows(2, big, 50.0, 300.0, 30 * 300.0, 900.0)
+    staged = dict(rows[1], backend=device.STAGED, time_us=200.0)
+    nccl = dict(rows[1], backend=device.TORCH_NCCL, time_us=2500.0)
+    got = {t["target"]: t for t in device.device_summary([*rows, staged, nccl])}
+    over_nccl = got["NCCL (torch, one GPU) time / best device engine time, 1 MiB and up"]
+    assert over_nccl["worst"] == pytest.approx(12.5) and over_nccl["met"]
+    over_gloo = got["gloo time / best device engine time, 1 MiB and up"]
+    assert over_gloo["worst"] == pytest.approx(45.0) and over_gloo["met"]
+    slow_engines = [*rows, dict(nccl, time_us=2000.0)]  # IPC alone: 300 us
+    got = {t["target"]: t for t in device.device_summary(slow_engines)}
+    assert not got["NCCL (torch, one GPU) time / best device engine time, 1 MiB and up"]["met"]
+
+
+def test_the_nccl_engine_backends() -> None:
+    names = sweep.parse_backends([f"{device.NCCL_ENGINE}:ring", f"{device.NCCL_ENGINE}:nccl"])
+    assert [(b.name, b.library, b.algorithm) for b in names] == [
+        (f"{device.NCCL_ENGINE}:ring", device.NCCL_ENGINE, "ring"),
+        (f"{device.NCCL_ENGINE}:nccl", device.NCCL_ENGINE, "nccl")]
+    with pytest.raises(ValueError, match="unknown backend"):
+        sweep.parse_backends([f"{device.NCCL_ENGINE}:bogus"])
+    parser = sweep.build_parser()
+    with pytest.raises(ValueError, match="--device cuda"):  # CuPy's NCCL: processes, a GPU
+        sweep.settings_from(parser.parse_args(["--device", "fake", "--backends",
+                                               device.NCCL_ENGINE]))
+
+
 def test_device_backends_need_device_and_device_runs_default_to_the_engines():
     parser = sweep.build_parser()
     s, _ = sweep.settings_from(parser.parse_args(["--device", "fake"]))
