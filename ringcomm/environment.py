@@ -111,5 +111,9 @@ def device_report() -> list[str]:
     lines.append("  device engines (RINGCOMM_DEVICE_ENGINE=" + engine + "): " + {
         "auto": "cuda-ipc where every rank is on one host, else staged; staged always",
         "cuda-ipc": "cuda-ipc (every rank must be on one host); staged always",
-        "staged": "staged only"}[engine])
+        "staged": "staged only",
+        "nccl": "nccl only: every pair of ranks over NCCL's communicator"}[engine])
+    nccl = device.nccl_library(runtime)
+    lines.append(f"  nccl: {nccl.version() if nccl.available() else 'unavailable'} "
+                 f"({nccl.name}; used where RINGCOMM_DEVICE_ENGINE=nccl)")
     return lines

@@ -121,6 +121,18 @@ def cases_for(world: int, dtypes: list[str], *, blocks: tuple[int, ...] = (0, 5,
 RUNTIME_OF_DEVICE = {"fake": "fake", "cuda": "cupy"}
 
 
+def share_gpu(engine: str, device_name: str, rank: int, world: int) -> None:
+    """For the nccl engine on a GPU that the rank processes share: an NCCL_HOSTID each, so
+    NCCL (which refuses two ranks on one GPU of one host before 2.30) takes them for hosts
+    of their own and joins them over sockets."""
+    if engine != "nccl" or device_name != "cuda":
+        return
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < world:
+        os.environ.setdefault("NCCL_HOSTID", f"ringcomm-test-rank-{rank}")
+
+
 def job_device_matrix(rank: int, world: int, store: str, transport: str, engine: str,
                       dtypes: list[str], slot_bytes: int = 256, device_name: str = "fake",
                       blocks: tuple[int, ...] = (0, 5, 37), segment_bytes: int = 64,
@@ -134,6 +146,7 @@ def job_device_matrix(rank: int, world: int, store: str, transport: str, engine:
 
     os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
     os.environ["RINGCOMM_IPC_SLOT_BYTES"] = str(slot_bytes)
+    share_gpu(engine, device_name, rank, world)
     runtime = device.runtime(RUNTIME_OF_DEVICE[device_name])
     before = runtime.live_allocations()
     cases = cases_for(world, dtypes, blocks=blocks)
@@ -141,7 +154,8 @@ def job_device_matrix(rank: int, world: int, store: str, transport: str, engine:
                          transport=transport, device=device_name,
                          segment_bytes=segment_bytes)
     try:
-        engines = sorted(name for name in comm.engines if name in ("cuda-ipc", "staged"))
+        engines = sorted(name for name in comm.engines if name in ("cuda-ipc", "staged",
+                                                                   "nccl"))
         chosen = comm.selector.choose("allreduce", 4096, 4, memory=runtime.memory).engine
         results = run_cases(comm, cases)
     finally:

@@ -87,8 +87,9 @@ class NcclChannel:
         self.abort("the group closed after a failure")
 
     def describe(self) -> str:
-        return f"nccl {self.library.version()} ({self.library.name}, " \
-            f"{self.comm.world_size} ranks)"
+        peers = [r for r in range(self.comm.world_size) if r != self.comm.rank]
+        pairs = ", ".join(f"{self.comm.rank}<->{p}" for p in peers) or "none (one rank)"
+        return f"nccl {self.library.version()} ({self.library.name}; every pair: {pairs})"
 
 
 def open_channel(runtime: DeviceRuntime, library: NcclLibrary, exchange: Exchange,
