@@ -209,3 +209,15 @@ def test_a_stuck_nccl_op_times_out_and_the_abort_reaches_every_rank(
     assert isinstance(second, RemoteError), results
     assert second.peer == 0 and second.rank == 1 and took1 < timeout
     assert ended0.startswith("aborted") and ended1.startswith("aborted")
+
+
+def test_describe_and_env_say_where_nccl_runs(nccl_engine: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    described = run_group(3, lambda comm: comm.describe(), device="fake")
+    assert "nccl: nccl fake (fake; every pair: 1<->0, 1<->2)" in described[1]
+    from ringcomm.environment import device_report
+
+    monkeypatch.setenv("RINGCOMM_DEVICE", "fake")
+    report = "\n".join(device_report())
+    assert "RINGCOMM_DEVICE_ENGINE=nccl): nccl only" in report
+    assert "nccl: fake (fake; used where RINGCOMM_DEVICE_ENGINE=nccl)" in report
