@@ -88,16 +88,21 @@ def _replayed(collective: str, n: int, count: int, itemsize: int, segment_bytes:
     return cost.simulate(schedules, itemsize, params).time(params, cost.cores_per_rank(n))
 
 
-def device_choice(comm: Any, collective: str, world_size: int, nbytes: int,
-                  itemsize: int) -> tuple[str | None, float | None]:
+def device_choice(comm: Any, collective: str, world_size: int, nbytes: int, itemsize: int,
+                  algorithm: str | None = None) -> tuple[str | None, float | None]:
     """What a communicator made for device memory runs for a call on ``nbytes`` of its
-    device memory (``engine:algorithm``), and, for allreduce, the cost model's time for it
-    with that engine's constants (tuned on a GPU, else the defaults), as the selector prices
-    it: one rank per GPU's share of nothing, the host's cores left out (``share=1``)."""
+    device memory (``engine:algorithm``; ``algorithm`` forced where given), and, for
+    allreduce, the cost model's time for it with that engine's constants (tuned on a GPU,
+    else the defaults), as the selector prices it: one rank per GPU's share of nothing, the
+    host's cores left out (``share=1``)."""
     if nbytes == 0 or comm.device is None:
         return None, None
-    choice = comm.selector.choose(collective, nbytes, itemsize, memory=comm.device.memory)
+    choice = comm.selector.choose(collective, nbytes, itemsize, memory=comm.device.memory,
+                                  forced=algorithm)
     chosen = f"{choice.engine}:{choice.algorithm}"
+    if collective == "allreduce" and choice.algorithm == "nccl":
+        return chosen, cost.nccl_own_allreduce(world_size, nbytes, itemsize,
+                                               comm.settings.device_cost(choice.engine))
     if collective != "allreduce" or choice.algorithm not in ALLREDUCE:
         return chosen, None
     return chosen, cost.predict("allreduce", choice.algorithm, world_size, nbytes, itemsize,

@@ -535,7 +535,7 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
            sync=_device_sync, needs_device=("cuda", "fake")),
     Runner(device.NCCL_ENGINE, owner="ringcomm", join=_join_device_engine("nccl"),
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
-           sync=_device_sync, needs_device=("cuda",), on_simulated_hosts=False),
+           sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False),
     Runner(device.COPY, owner="device", join=_join_copy, calls=_no_calls, own_turns=CopyTurns,
            device=device.RUNTIME_ARRAYS, sync=_device_sync, needs_device=("cuda", "fake")),
     Runner(device.GLOO_CUDA, owner="gloo", join=_join_gloo_cuda, calls=_torch_calls,

@@ -123,9 +123,7 @@ def one_gpu_bound(copy_rw_GBps: float, world: int) -> float:
 IPC = "ringcomm+cuda-ipc"
 STAGED = "ringcomm+staged"
 # ringcomm's nccl engine: NCCL's own call where it has one (by the cost model for an
-# allreduce; ``ringcomm+nccl:ring`` etc. force ringcomm's schedules as NCCL groups). Needs
-# CuPy's NCCL: the fake NCCL joins ranks that are threads of one process only, and the
-# sweep's ranks are processes.
+# allreduce; ``ringcomm+nccl:ring`` etc. force ringcomm's schedules as NCCL groups)
 NCCL_ENGINE = "ringcomm+nccl"
 COPY = "copy"
 GLOO_CUDA = "gloo+cuda"

@@ -299,8 +299,9 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
         handle = handles[b.library]
         if isinstance(handle, DeviceHandle):  # the device engine's own choice and price
             if handle.comm is not None:  # (the copy has neither)
-                chosen, predicted = adapter.device_choice(handle.comm, collective, world,
-                                                          size, itemsize)
+                chosen, predicted = adapter.device_choice(
+                    handle.comm, collective, world, size, itemsize,
+                    b.algorithm if collective == "allreduce" else None)
         elif ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)
@@ -518,7 +519,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
 
 
 HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl"]
-DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED],
+DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
+                            f"{device.NCCL_ENGINE}:nccl"],
                    "cuda": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
                             f"{device.NCCL_ENGINE}:nccl", device.COPY, device.GLOO_CUDA,
                             device.TORCH_CUDA, "nccl"]}

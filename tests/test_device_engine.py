@@ -481,8 +481,9 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
 
     os.environ["RINGCOMM_DEVICE_ENGINE"] = engine
     # the nccl engine sends each peer one header an op over the links, then NCCL's work:
-    # rank 2 dies at its second, once rank 0 has its header and may be in NCCL's work
-    os.environ["RINGCOMM_FAULTS"] = f"kill:rank=2,call=2,msg={2 if engine == 'nccl' else 3}"
+    # rank 2 dies at its second (msg counts from 0), once rank 0 has its header and may be
+    # in NCCL's work
+    os.environ["RINGCOMM_FAULTS"] = f"kill:rank=2,call=2,msg={1 if engine == 'nccl' else 3}"
     share_gpu(engine, device_name, rank, world)
     comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=5.0,
                          transport=transport, device=device_name, segment_bytes=1024)
@@ -503,7 +504,8 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
     return {"type": None, "elapsed": time.monotonic() - started, "msg": ""}
 
 
-@pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("staged", marks=slow)])
+@pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("staged", marks=slow),
+                                    pytest.param("nccl", marks=slow)])
 def test_a_killed_rank_gives_typed_errors_on_the_others_in_time(cluster, engine):
     _killed_rank_case(cluster, engine, "fake")
 
@@ -526,15 +528,7 @@ def _killed_rank_case(cluster, engine: str, device_name: str) -> None:
 GPU_DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
 
 
-# the fake NCCL joins ranks that are threads of one process (tests/test_nccl_engine.py);
-# these run rank processes
 ON_GPU = [*ENGINES, "nccl"]
-
-
-def _needs_real_nccl(engine: str, gpu_device: str) -> None:
-    if engine == "nccl" and gpu_device != "cuda":
-        pytest.skip("the nccl engine across processes needs CuPy's NCCL: the fake NCCL joins "
-                    "threads of one process (tests/test_nccl_engine.py runs it there)")
 
 
 @pytest.mark.gpu
@@ -546,7 +540,6 @@ def test_every_collective_and_dtype_on_the_test_runtime(cluster, gpu_device, eng
     arrays of the test runtime shared by ``world`` real processes, each checked against the
     table's reference; nothing of the device memory ringcomm took is left after close. On
     the nccl engine, ranks sharing the GPU each get an NCCL_HOSTID (NCCL over sockets)."""
-    _needs_real_nccl(engine, gpu_device)
     dtypes = GPU_DTYPES if gpu_device == "cuda" else ["float32"]
     # on a GPU: sizes that make the slots wrap and the messages go in pieces
     extra = {"blocks": (0, 5, 37, 70_000), "segment_bytes": 64 << 10,
@@ -564,5 +557,4 @@ def test_every_collective_and_dtype_on_the_test_runtime(cluster, gpu_device, eng
 def test_a_killed_rank_gives_typed_errors_on_the_test_runtime(cluster, gpu_device, engine):
     """On the nccl engine too: the survivors raise within timeout + 2 s, none hangs in
     NCCL (their communicators are aborted)."""
-    _needs_real_nccl(engine, gpu_device)
     _killed_rank_case(cluster, engine, gpu_device)

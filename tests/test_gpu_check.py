@@ -81,7 +81,9 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     assert checks["pytest-gpu"]["passed"] > 0 and checks["pytest-gpu"]["failed"] == 0
     rows = result["figures"]["rows"]
     assert rows and all(r["wrong"] == 0 for r in rows)
-    assert {r["backend"] for r in rows} == {device.IPC, device.STAGED}
+    assert {r["backend"] for r in rows} == {device.IPC, device.STAGED,
+                                            f"{device.NCCL_ENGINE}:ring",
+                                            f"{device.NCCL_ENGINE}:nccl"}
     assert result["figures"]["runtime"] == "fake" and result["passed"] is True
     constants = checks["tune"]["detail"]["constants"]
     assert set(constants) == {"cuda-ipc", "staged"}
@@ -150,15 +152,16 @@ def test_the_nccl_engine_backends() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         sweep.parse_backends([f"{device.NCCL_ENGINE}:bogus"])
     parser = sweep.build_parser()
-    with pytest.raises(ValueError, match="--device cuda"):  # CuPy's NCCL: processes, a GPU
-        sweep.settings_from(parser.parse_args(["--device", "fake", "--backends",
-                                               device.NCCL_ENGINE]))
+    with pytest.raises(ValueError, match="--device cuda or --device fake"):
+        sweep.settings_from(parser.parse_args(["--backends", device.NCCL_ENGINE]))
 
 
 def test_device_backends_need_device_and_device_runs_default_to_the_engines():
     parser = sweep.build_parser()
     s, _ = sweep.settings_from(parser.parse_args(["--device", "fake"]))
-    assert [b.name for b in s.backends] == [device.IPC, device.STAGED] and s.device == "fake"
+    assert [b.name for b in s.backends] == [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
+                                            f"{device.NCCL_ENGINE}:nccl"]
+    assert s.device == "fake"
     s, _ = sweep.settings_from(parser.parse_args(["--device", "cuda"]))
     assert [b.name for b in s.backends] == sweep.DEVICE_BACKENDS["cuda"]
     with pytest.raises(ValueError, match="give --device cuda or --device fake"):
