@@ -885,14 +885,19 @@ steps, and the same schedules run on each:
 - `cuda-ipc`: for GPU memory, ranks on one host; chunks stay on the device, each rank's
   peers read its staging slots directly, and the additions run on the GPU;
 - `staged`: for GPU memory between hosts; each chunk goes device -> pinned host memory ->
-  the link -> device, double-buffered.
+  the link -> device, double-buffered;
+- `nccl`: for GPU memory through NVIDIA's NCCL (asked for with
+  `RINGCOMM_DEVICE_ENGINE=nccl`). The same schedules run as NCCL's sends and receives, in
+  *group calls*: an NCCL send waits for its peer's receive, so a ring step's send and
+  receive must be issued together, and ringcomm gives every message a level both its ends
+  share, so that each rank's group l meets its peers' group l. NCCL's own allreduce is one
+  more algorithm beside them, priced by the same cost model.
 
 So ring against tree, buckets and overlap work the same way on a GPU; what changes are the
 constants (alpha, beta, gamma), and so where the crossovers fall. ringcomm's defaults for
 the device engines come from documented figures, not from a run; `ringcomm tune --device
 cuda` fits them on a GPU machine. **No GPU figure has been measured for ringcomm yet**, so
-this page shows none; [gpu.md](gpu.md) explains the device path and how it is tested, and
-NCCL through CuPy is planned as a later addition.
+this page shows none; [gpu.md](gpu.md) explains the device path and how it is tested.
 """
 
 
