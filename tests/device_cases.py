@@ -162,3 +162,30 @@ def job_device_matrix(rank: int, world: int, store: str, transport: str, engine:
         comm.close()
     return {"results": results, "engines": engines, "chosen": chosen,
             "live": runtime.live_allocations() - before, "cases": cases}
+
+
+def job_nccl_bits(rank: int, world: int, store: str, transport: str, device_name: str = "fake",
+                  **_: Any) -> dict[str, Any]:
+    """A rank of real processes on the nccl engine: one allreduce of the same float32 and
+    int64 values by NCCL's own call and by ringcomm's ring and tree as NCCL groups; each
+    result's bytes."""
+    import ringcomm
+
+    os.environ["RINGCOMM_DEVICE_ENGINE"] = "nccl"
+    share_gpu("nccl", device_name, rank, world)
+    comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                         transport=transport, device=device_name)
+    runtime = comm.device
+    out: dict[str, Any] = {}
+    try:
+        rng = np.random.default_rng(rank)
+        for dtype in ("float32", "int64"):
+            values = (rng.standard_normal(70_000) * 1e3).astype(dtype)
+            for algorithm in ("nccl", "ring", "tree"):
+                x = to_device(runtime, values)
+                comm.allreduce(x, algorithm=algorithm)
+                out[f"{dtype}/{algorithm}"] = to_host(x).tobytes()
+                release(x)
+    finally:
+        comm.close()
+    return out

@@ -501,6 +501,7 @@ def job_killed_mid_op(rank: int, world: int, store: str, transport: str, engine:
                 "msg": str(err)}
     finally:
         comm.abort("test over")
+        del os.environ["RINGCOMM_FAULTS"]  # the rank process may run other jobs after
     return {"type": None, "elapsed": time.monotonic() - started, "msg": ""}
 
 
@@ -558,3 +559,24 @@ def test_a_killed_rank_gives_typed_errors_on_the_test_runtime(cluster, gpu_devic
     """On the nccl engine too: the survivors raise within timeout + 2 s, none hangs in
     NCCL (their communicators are aborted)."""
     _killed_rank_case(cluster, engine, gpu_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_nccl_own_allreduce_against_ringcomms_schedules_on_the_test_runtime(
+        cluster, gpu_device, world):
+    """On the GPU (or the fake across processes): NCCL's own allreduce and ringcomm's ring
+    and tree as NCCL groups, bit for bit where the order of the additions is the same
+    (integers always; floats at two ranks, one commutative addition each); to rounding
+    where it is not (floats from three ranks: NCCL's order and the ring's differ)."""
+    res = cluster.run(world, "device_cases.job_nccl_bits", device_name=gpu_device,
+                      timeout=120)
+    for r in res:
+        for algorithm in ("ring", "tree"):
+            assert r[f"int64/{algorithm}"] == r["int64/nccl"]
+            ours = np.frombuffer(r[f"float32/{algorithm}"], np.float32)
+            own = np.frombuffer(r["float32/nccl"], np.float32)
+            if world == 2:
+                assert ours.tobytes() == own.tobytes(), algorithm
+            else:
+                np.testing.assert_allclose(ours, own, rtol=1e-4, atol=1e-1)

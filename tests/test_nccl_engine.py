@@ -98,7 +98,7 @@ def test_the_unique_id_goes_through_the_exchange() -> None:
         t.join(10)
     uid = table.values[("nccl-id", 0)]
     assert len(uid) == 128 and ("nccl-id", 1) not in table.values  # rank 0 draws it alone
-    for channel in made:
+    for channel in reversed(made):  # rank 0 serves the fake's broker: it ends last
         channel.close()  # type: ignore[union-attr]
 
 
@@ -221,3 +221,29 @@ def test_describe_and_env_say_where_nccl_runs(nccl_engine: None,
     report = "\n".join(device_report())
     assert "RINGCOMM_DEVICE_ENGINE=nccl): nccl only" in report
     assert "nccl: fake (fake; used where RINGCOMM_DEVICE_ENGINE=nccl)" in report
+
+
+def test_nccl_own_allreduce_against_the_schedules_bit_for_bit(nccl_engine: None) -> None:
+    """NCCL's own call and ringcomm's schedules as NCCL groups give the same bits where they
+    add in the same order: integers always, and floats at two ranks (each element is one
+    addition of two values, and IEEE addition commutes). From three ranks on, floats are
+    added in another order (the ring's, against NCCL's), so they agree to rounding only."""
+    def rank(comm):
+        rng = np.random.default_rng(comm.rank)
+        out = {}
+        for dtype in ("float32", "int64"):
+            values = (rng.standard_normal(1000) * 1e3).astype(dtype)
+            for algorithm in ("nccl", "ring", "tree"):
+                x = to_device(comm.device, values)
+                comm.allreduce(x, algorithm=algorithm)
+                out[(dtype, algorithm)] = to_host(x)
+        return out
+    for world in (2, 3):
+        got = run_group(world, rank, device="fake")[0]
+        for algorithm in ("ring", "tree"):
+            assert got[("int64", algorithm)].tobytes() == got[("int64", "nccl")].tobytes()
+            own, ours = got[("float32", "nccl")], got[("float32", algorithm)]
+            if world == 2:
+                assert own.tobytes() == ours.tobytes(), algorithm
+            else:
+                np.testing.assert_allclose(ours, own, rtol=1e-5, atol=1e-2)

@@ -59,6 +59,7 @@ class FakeNccl(NcclLibrary):
     def unique_id(self) -> bytes:
         """A broker served by this process from now on, its address and key as the id."""
         broker = _Broker()
+        _SERVED[broker.address] = broker
         address = broker.address.encode()
         uid = _ID.pack(_MAGIC, len(address), broker.key) + address
         if len(uid) > UNIQUE_ID_BYTES:
@@ -80,7 +81,11 @@ class FakeNccl(NcclLibrary):
         except OSError as err:
             raise FakeDeviceFault(f"NCCL init: the id's broker cannot be reached ({err})") \
                 from None
-        comm = _Comm(self.rt, conn, rank, world_size)
+        comm = _Comm(self.rt, conn, rank, world_size, address)
+        broker = _SERVED.get(address)
+        if broker is not None:
+            with broker.lock:
+                broker.local += 1
         problem = comm.ask("join", rank, world_size)
         if problem:
             raise FakeDeviceFault(problem)
@@ -95,7 +100,10 @@ class FakeNccl(NcclLibrary):
 
 class _Broker:
     """What the ranks of one communicator share, served to their connections by a daemon
-    thread of the process that drew the id; ends once every rank has left."""
+    thread of the process that drew the id; ends once every rank has left (or its process
+    is gone). Its own process's ranks wait for that when they end their communicators, so
+    that what they sent outlives them, as a GPU's delivered bytes would (the last of them to
+    end waits, so ranks that are threads of one process never wait for each other)."""
 
     def __init__(self) -> None:
         self.key = os.urandom(32)
@@ -105,7 +113,9 @@ class _Broker:
         self.lock = threading.Lock()
         self.world = 0
         self.joined: set[int] = set()
-        self.left = 0
+        self.left: set[int] = set()  # ranks that ended their communicators, or are gone
+        self.over = threading.Event()  # every rank has
+        self.local = 0  # communicators of this process's ranks not ended yet
         self.sent: dict[tuple[int, int], list[bytes]] = defaultdict(list)
         self.receives: dict[tuple[int, int], int] = defaultdict(int)
         self.collectives: dict[int, dict[int, tuple[tuple[Any, ...], bytes]]] = \
@@ -121,12 +131,18 @@ class _Broker:
             return  # closed: every rank left
 
     def _serve(self, conn: Connection) -> None:
+        rank = -1
         with conn:
             while True:
                 try:
                     verb, *args = conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError):  # its process is gone: it has left
+                    if rank >= 0:
+                        with self.lock:
+                            self._leave(rank)
                     return
+                if verb == "join":
+                    rank = args[0]
                 with self.lock:
                     conn.send(getattr(self, f"_{verb}")(*args))
                 if verb == "leave":
@@ -174,9 +190,14 @@ class _Broker:
         return dict(posted) if len(posted) == self.world else None
 
     def _leave(self, rank: int) -> None:
-        self.left += 1
-        if self.left >= self.world:
+        self.left.add(rank)
+        if len(self.left) >= self.world:
             self.listener.close()
+            self.over.set()
+            _SERVED.pop(self.address, None)
+
+
+_SERVED: dict[str, _Broker] = {}  # the brokers this process serves, by address
 
 
 class _Call:
@@ -315,8 +336,10 @@ _UNANSWERED: dict[str, Any] = {
 
 
 class _Comm(NcclComm):
-    def __init__(self, rt: FakeRuntime, conn: Connection, rank: int, world_size: int) -> None:
+    def __init__(self, rt: FakeRuntime, conn: Connection, rank: int, world_size: int,
+                 address: str) -> None:
         self.rt = rt
+        self.address = address
         self.rank, self.world_size = rank, world_size
         self.aborted = False
         self.ended = ""  # why it may not be used: "aborted" or "destroyed"
@@ -432,6 +455,13 @@ class _Comm(NcclComm):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        broker = _SERVED.get(self.address)
+        if broker is not None:  # served here: the last of this process's ranks to end an
+            with broker.lock:   # orderly way waits for the other processes' ranks, which
+                broker.local -= 1  # may still read what it sent
+                last = broker.local == 0
+            if last and how == "destroyed":
+                broker.over.wait(self.rt.hang_timeout)
 
     def async_error(self) -> str | None:
         return "the communicator was aborted (ncclCommAbort)" if self.aborted else None
