@@ -129,13 +129,39 @@ def _messages(schedule: Schedule) -> list[tuple[Message | None, Message | None]]
 def levels(schedules: list[Schedule]) -> tuple[dict[Message, int], list[dict[int, int]]]:
     """Every message's level and, per rank, the level of each copy (by step), raised until
     every rank's rules hold (see the module docstring); a ``ValueError`` where they never
-    do (schedules that wait on each other). A rank's rules are walked again only when a
-    level of one of its messages went up."""
+    do (schedules that wait on each other).
+
+    A first pass walks the ranks together in the order the messages flow (a rank's receive
+    waits until its sender has walked the send), so each message is levelled once its
+    causes are; a rank is walked again only when a level of one of its messages went up
+    since (a receiver's rule can raise a level its sender used)."""
     per_rank = [_messages(s) for s in schedules]
     spans = [_Spans(s) for s in schedules]
     level: dict[Message, int] = defaultdict(int)
-    copies: list[dict[int, int]] = [{} for _ in schedules]
-    queue = deque(range(len(schedules)))
+    walkers = [_Walker(s, m, level, sp) for s, m, sp in zip(schedules, per_rank, spans,
+                                                            strict=True)]
+    sent: set[Message] = set()
+    busy = list(range(len(schedules)))
+    while busy:
+        moved = False
+        for r in list(busy):
+            w = walkers[r]
+            while not w.done:
+                taken = w.messages[w.index][0]
+                if taken is not None and taken not in sent:
+                    break  # its sender has not walked the send yet
+                given = w.step()
+                if given is not None:
+                    sent.add(given)
+                moved = True
+            if w.done:
+                busy.remove(r)
+        if busy and not moved:
+            raise ValueError("the schedules' messages wait on each other: no NCCL grouping "
+                             f"exists (ranks {busy} wait for messages never sent)")
+    copies = [w.copies for w in walkers]
+    queue = deque(r for r, w in enumerate(walkers) if w.raised)
+    queue.extend(r for r in range(len(schedules)) if r not in queue)
     queued = set(queue)
     budget = (sum(len(s.steps) for s in schedules) + 2) * max(1, len(schedules))
     while queue:
@@ -145,8 +171,10 @@ def levels(schedules: list[Schedule]) -> tuple[dict[Message, int], list[dict[int
                              "exists")
         r = queue.popleft()
         queued.discard(r)
-        raised, copies[r] = _walk(schedules[r], per_rank[r], level, spans[r])
-        for message in raised:  # its other end must be walked again (a walk sees the
+        w = _Walker(schedules[r], per_rank[r], level, spans[r])
+        w.run()
+        copies[r] = w.copies
+        for message in w.raised:  # its other end must be walked again (a walk sees the
             other = message[1] if message[0] == r else message[0]  # levels it raises)
             if other not in queued:
                 queue.append(other)
@@ -178,59 +206,79 @@ class _Spans:
         return {buf: (np.full(len(c), -1), np.full(len(c), -1)) for buf, c in self.cuts.items()}
 
 
-def _walk(schedule: Schedule, messages: list[tuple[Message | None, Message | None]],
-          level: dict[Message, int], spans: _Spans) -> tuple[list[Message], dict[int, int]]:
-    """Raise levels so that one rank's rules hold: the messages raised, and the level of
-    each of the rank's copies."""
-    raised: list[Message] = []
-    floor = 0  # the level of the rank's last receive
-    copies: dict[int, int] = {}
-    marks = spans.fresh()
+class _Walker:
+    """One rank's walk through its steps, raising levels so that its rules hold (the
+    module docstring): ``raised`` the messages it raised, ``copies`` the level of each of
+    its copies."""
 
-    def need(message: Message, at_least: int) -> int:
-        if level[message] < at_least:
-            level[message] = at_least
-            raised.append(message)
-        return level[message]
+    def __init__(self, schedule: Schedule, messages: list[tuple[Message | None,
+                                                                Message | None]],
+                 level: dict[Message, int], spans: _Spans) -> None:
+        self.schedule, self.messages, self.level, self.spans = schedule, messages, level, spans
+        self.index = 0
+        self.floor = 0  # the level of the rank's last receive
+        self.raised: list[Message] = []
+        self.copies: dict[int, int] = {}
+        self.marks = spans.fresh()
 
-    def after(region: Region, *, writes_only: bool, gap: int) -> int:
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.messages)
+
+    def run(self) -> None:
+        while not self.done:
+            self.step()
+
+    def need(self, message: Message, at_least: int) -> int:
+        if self.level[message] < at_least:
+            self.level[message] = at_least
+            self.raised.append(message)
+        return self.level[message]
+
+    def after(self, region: Region, *, writes_only: bool, gap: int) -> int:
         """The lowest level for work on ``region``: ``gap`` levels after what touched it
         (only what wrote it, with ``writes_only``)."""
-        buf, lo, hi = spans.cells(region)
+        buf, lo, hi = self.spans.cells(region)
         if hi <= lo:
-            return floor
-        seen = int(marks[buf][0 if writes_only else 1][lo:hi].max())
-        return max(floor, seen + gap) if seen >= 0 else floor
+            return self.floor
+        seen = int(self.marks[buf][0 if writes_only else 1][lo:hi].max())
+        return max(self.floor, seen + gap) if seen >= 0 else self.floor
 
-    def touch(region: Region, at: int, writes: bool) -> None:
-        buf, lo, hi = spans.cells(region)
-        wrote, touched = marks[buf]
+    def touch(self, region: Region, at: int, writes: bool) -> None:
+        buf, lo, hi = self.spans.cells(region)
+        wrote, touched = self.marks[buf]
         np.maximum(touched[lo:hi], at, out=touched[lo:hi])
         if writes:
             np.maximum(wrote[lo:hi], at, out=wrote[lo:hi])
 
-    for i, (step, (taken, given)) in enumerate(zip(schedule.steps, messages, strict=True)):
+    def step(self) -> Message | None:
+        """Walk the next step; the message it sends, if any."""
+        i = self.index
+        step = self.schedule.steps[i]
+        taken, given = self.messages[i]
+        self.index += 1
         if taken is not None:
             assert step.dst is not None
             if step.kind is Kind.RECV:  # lands in place, during its group
-                floor = need(taken, after(step.dst, writes_only=False, gap=1))
+                self.floor = self.need(taken, self.after(step.dst, writes_only=False, gap=1))
             else:  # lands in a temporary; the reduction is local work after the group
                 assert step.src is not None
-                floor = need(taken, max(after(step.dst, writes_only=False, gap=0),
-                                        after(step.src, writes_only=True, gap=0)))
-                touch(step.src, floor, False)
-            touch(step.dst, floor, True)
+                self.floor = self.need(taken, max(
+                    self.after(step.dst, writes_only=False, gap=0),
+                    self.after(step.src, writes_only=True, gap=0)))
+                self.touch(step.src, self.floor, False)
+            self.touch(step.dst, self.floor, True)
         if given is not None:
             src = step.dst if step.kind is Kind.RECV_REDUCE_SEND else step.src
             assert src is not None
-            touch(src, need(given, after(src, writes_only=True, gap=1)), False)
+            self.touch(src, self.need(given, self.after(src, writes_only=True, gap=1)), False)
         if step.kind is Kind.COPY:
             assert step.src is not None and step.dst is not None
-            at = copies[i] = max(after(step.dst, writes_only=False, gap=0),
-                                 after(step.src, writes_only=True, gap=0))
-            touch(step.src, at, False)
-            touch(step.dst, at, True)
-    return raised, copies
+            at = self.copies[i] = max(self.after(step.dst, writes_only=False, gap=0),
+                                      self.after(step.src, writes_only=True, gap=0))
+            self.touch(step.src, at, False)
+            self.touch(step.dst, at, True)
+        return given
 
 
 def plans(schedules: list[Schedule]) -> list[Plan]:
