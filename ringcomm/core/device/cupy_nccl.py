@@ -29,9 +29,10 @@ class CupyNccl(NcclLibrary):
 
     def available(self) -> bool:
         try:
-            return bool(_nccl().available)
-        except ImportError:
+            nccl = _nccl()
+        except ImportError:  # CuPy built without NCCL
             return False
+        return bool(getattr(nccl, "available", True))
 
     def version(self) -> str:
         try:
