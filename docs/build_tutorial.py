@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.teach.text import duration, size  # as explain prints them
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs/tutorial.md")
 FIGURES = Path("docs/tutorial")
@@ -44,22 +46,6 @@ TRACE = Path("bench/results/ddp_trace.json")
 MIB = 1 << 20
 
 # ----------------------------------------------------------------------------- formatting
-
-
-def size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-def duration(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
 
 
 def ms(us: float) -> str:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
@@ -36,7 +37,7 @@ from .context import OpContext
 from .device_channel import DeviceChannel
 from .progress import over_links, timed_out, waited_for
 
-__all__ = ["DeviceEngine", "DeviceLane", "LaneOwner", "stage_in", "stage_out"]
+__all__ = ["DeviceEngine", "DeviceLane", "LaneOwner", "held", "stage_in", "stage_out"]
 
 log = logging.getLogger("ringcomm")
 
@@ -156,14 +157,8 @@ class DeviceEngine(Engine):
         if schedule.on_board:
             raise ValueError(f"{schedule.algorithm} {schedule.collective} is a board schedule: "
                              "the board engine runs it")
-        device: list[DeviceBuffer] = []  # the caller's: their producers and streams
-        lifted: list[tuple[str, Buffer, int]] = []  # host buffers copied to the device
-        try:
+        with held(self.lane) as (device, lifted):
             self._run(schedule, buffers, ctx, device, lifted)
-        except BaseException:
-            self.lane.keep_after_failure(*(buf.array for buf in device),
-                                         *(buf for _, buf, _ in lifted))
-            raise
 
     def _run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext,
              device: list[DeviceBuffer], lifted: list[tuple[str, Buffer, int]]) -> None:
@@ -245,6 +240,22 @@ class DeviceEngine(Engine):
 
     def describe(self) -> str:
         return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"
+
+
+@contextmanager
+def held(lane: DeviceLane) -> Iterator[tuple[list[DeviceBuffer],
+                                             list[tuple[str, Buffer, int]]]]:
+    """One op's buffers as ``stage_in`` fills them in: the caller's device buffers (their
+    producers and streams) and the host buffers lifted to the device. If the op fails, the
+    lane keeps them to its close: a failed op records no done event, and its queued work
+    may still use them."""
+    device: list[DeviceBuffer] = []
+    lifted: list[tuple[str, Buffer, int]] = []
+    try:
+        yield device, lifted
+    except BaseException:
+        lane.keep_after_failure(*(buf.array for buf in device), *(buf for _, buf, _ in lifted))
+        raise
 
 
 def stage_in(lane: DeviceLane, buffers: Mapping[str, Buffer], engine: str,

@@ -45,7 +45,7 @@ from ..transport.base import Transport
 from ..transport.link import Wait
 from .base import Engine
 from .context import OpContext
-from .device import DeviceLane, stage_in, stage_out
+from .device import DeviceLane, held, stage_in, stage_out
 from .device_channel import Exchange
 
 __all__ = ["NcclChannel", "NcclEngine", "open_channel"]
@@ -149,14 +149,8 @@ class NcclEngine(Engine):
             raise CommAborted(f"the NCCL communicator cannot be used: it was "
                               f"{self.channel.ended}; create a new communicator",
                               rank=self.rank, op=ctx.name)
-        device: list[DeviceBuffer] = []
-        lifted: list[tuple[str, Buffer, int]] = []
-        try:
+        with held(self.lane) as (device, lifted):
             self._run(schedule, buffers, ctx, device, lifted)
-        except BaseException:
-            self.lane.keep_after_failure(*(buf.array for buf in device),
-                                         *(buf for _, buf, _ in lifted))
-            raise
 
     def _run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext,
              device: list[DeviceBuffer], lifted: list[tuple[str, Buffer, int]]) -> None:
