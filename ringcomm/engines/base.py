@@ -28,6 +28,9 @@ class Engine(abc.ABC):
 
     name = "engine"
     moves = HOST_ONLY
+    # whether it plans from every rank's schedule of an op (``OpContext.schedule_of``): only
+    # then does an op carry a way to build them
+    plans_from_every_rank = False
 
     @abc.abstractmethod
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
@@ -57,6 +60,7 @@ class EngineWrapper(Engine):
         self.inner = inner
         self.name = inner.name
         self.moves = inner.moves
+        self.plans_from_every_rank = inner.plans_from_every_rank
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
         self.inner.run(schedule, buffers, ctx)

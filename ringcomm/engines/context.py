@@ -42,5 +42,5 @@ class OpContext:
     reduce: ReduceOp | None = None
     observe: StepObserver | None = None
     # rank -> that rank's schedule of this op, for an engine that plans from all of them
-    # (NCCL's groups pair every message's two ends)
+    # (``Engine.plans_from_every_rank``: NCCL's groups pair every message's two ends)
     schedule_of: Callable[[int], Schedule] | None = None

@@ -130,6 +130,7 @@ class NcclEngine(Engine):
     docstring)."""
 
     name = NCCL
+    plans_from_every_rank = True  # a message's level is fixed by both of its ends
 
     def __init__(self, lane: DeviceLane, transport: Transport) -> None:
         channel = lane.channel

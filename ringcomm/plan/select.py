@@ -173,18 +173,15 @@ class Selector:
                 raise ArgumentError(f"NCCL has no call of its own for {collective}; leave "
                                     "the algorithm unset (its schedules run as NCCL groups)")
             return NCCL, "forced by algorithm="
-        if collective not in NCCL_OWN:
+        if collective == "allreduce":
+            schedules = forced is not None or group.settings.algorithm is not None
+        else:
+            schedules = forced is not None or collective not in NCCL_OWN
+        if schedules:  # what the links would run, as NCCL groups
             _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
             return algorithm, f"{why}, as NCCL groups"
         if collective != "allreduce":
-            if forced is not None:
-                _, algorithm, why = self._rule(collective, nbytes, itemsize, forced,
-                                               board=False)
-                return algorithm, f"{why}, as NCCL groups"
             return NCCL, "NCCL's own call"
-        if forced is not None or group.settings.algorithm is not None:
-            _, algorithm, why = self._allreduce(nbytes, itemsize, forced)
-            return algorithm, f"{why}, as NCCL groups"
         params = group.settings.device_cost(NCCL)
         key = (nbytes, itemsize, NCCL)
         chosen = self._priced_device.get(key)

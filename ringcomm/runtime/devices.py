@@ -68,8 +68,9 @@ def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
 def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,
                topology: Topology, settings: Settings, segment_bytes: int,
                timeout: float) -> dict[str, DeviceLane]:
-    """The group's device lanes, by engine name: ``staged`` always, ``cuda-ipc`` where it
-    serves (``ipc_serves``) and an ``exchange`` is at hand. Collective: every rank calls it
+    """The group's device lanes, by engine name: ``nccl`` alone where the settings ask for
+    it; else ``staged`` always, ``cuda-ipc`` where it serves (``ipc_serves``) and an
+    ``exchange`` is at hand. Collective: every rank calls it
     at set-up, which waits at most ``timeout`` seconds for the peers' handles. What was made
     is closed again if a later part fails."""
     lanes: dict[str, DeviceLane] = {}

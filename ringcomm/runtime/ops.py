@@ -407,12 +407,12 @@ class OpRunner:
                             algorithm_code(schedule.algorithm), reduce_code(call.reduce),
                             call.arg, choice.segment_bytes, call.count, call.send_counts,
                             call.recv_counts)
-        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, call.reduce,
-                        schedule_of=lambda r: call.spec.schedule(
-                            r, self.world_size, call.count, segment, root=call.arg,
-                            algorithm=choice.algorithm, hosts=self.hosts,
-                            send_counts=call.send_counts, recv_counts=call.recv_counts,
-                            piece=SLOT_BYTES // dtype.itemsize))
+        ctx = OpContext(desc, name, dtype, time.monotonic() + self.timeout, call.reduce)
+        if engine.plans_from_every_rank:
+            ctx.schedule_of = lambda r: call.spec.schedule(
+                r, self.world_size, call.count, segment, root=call.arg,
+                algorithm=choice.algorithm, hosts=self.hosts, send_counts=call.send_counts,
+                recv_counts=call.recv_counts, piece=SLOT_BYTES // dtype.itemsize)
         started = time.perf_counter()
         try:
             engine.run(schedule, buffers, ctx)

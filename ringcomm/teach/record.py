@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.algorithms import ALGORITHMS, LINKS
 from ..core.arrays import Buffer
 from ..engines.base import Engine, EngineWrapper
 from ..engines.context import OpContext, also
@@ -83,7 +84,8 @@ def resolve(collective: str, algorithm: str | None) -> str:
     if spec is None:
         raise ArgumentError(f"unknown collective {collective!r}; use one of "
                             f"{', '.join(COLLECTIVES)}")
-    links = {name: a for name, a in spec.algorithms.items() if name not in ("board", "twoshot")}
+    links = {name: a for name, a in spec.algorithms.items()
+             if ALGORITHMS[name].engine == LINKS}  # what runs over links (not the board's)
     if algorithm is None:
         return "ring" if collective == "allreduce" else next(iter(links))
     for name, a in links.items():
