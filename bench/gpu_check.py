@@ -1,11 +1,14 @@
 """``bench/gpu_check.sh``: everything a GPU machine can tell about ringcomm's device path, in
 one command and under eight minutes, written to ``gpu.json`` and a log.
 
-A GPU machine is lent for half an hour at a time, with nothing outside it reachable, so the
-run must not need anything it does not bring (wheels in ``.whl/``, installed by the shell
-script into a private folder on ``PYTHONPATH``), must not stop at the first failure (each
-step is a subprocess with its own time limit; a failing step is recorded and the next one
-runs) and must leave its findings in files. The steps:
+A GPU machine is lent for minutes at a time, with nothing outside it reachable, so the run
+must not need anything it does not bring (wheels in ``.whl/``, installed by the shell script
+into a private folder on ``PYTHONPATH``), must not stop at the first failure and must leave
+its findings in files however it ends. Each step is a command in a process session of its
+own, its output copied into the log as it comes, bounded by a time limit: at the limit it is
+interrupted, a few seconds later killed with everything it started; a failing step is
+recorded and the next one runs. The limits come from a plan that keeps time for every step
+still to come, within the run's budget. The steps:
 
     wheels         the brought wheels, installed into the private folder (none: skipped)
     modules        which modules ringcomm, its tests and the benchmark need are missing
@@ -14,13 +17,19 @@ runs) and must leave its findings in files. The steps:
     ipc            device memory and an event shared by two processes (``gpu_probe ipc``)
     host-register  a /dev/shm mapping page-locked (``gpu_probe host-register``)
     mps            whether MPS runs (``gpu_probe mps``)
-    pytest-gpu     the tests marked ``gpu`` and not ``slow`` (counts from their JUnit report;
-                   ``make test-slow`` on a GPU machine adds the slow ones)
+    pytest-gpu     the tests marked ``gpu`` and not ``slow``, in pytest-xdist workers where
+                   it is importable, a time limit per test, every test's outcome streamed
+                   as it ends and kept in ``gpu.json`` even when the step is stopped at its
+                   limit (``gpu_pytest``; ``make test-slow`` on a GPU machine adds the slow
+                   ones)
     tune           ``ringcomm tune --device --quick``: the device engines' cost constants
                    fitted on this device (``gpu_profile.json``, a profile ringcomm reads
                    through ``RINGCOMM_PROFILE``)
     bench          ``ringcomm bench --device``: the short device sweep (rows with #wrong 0
                    pass)
+
+``--quick`` fits in four minutes instead of eight: the same tests, no tune step, the
+benchmark at 8 B, 8 KiB and 8 MiB only and without plots.
 
 ``--fake`` runs the same steps on a CPU machine against the strict fake runtime (the tests
 marked ``gpu`` with ``RINGCOMM_TEST_RUNTIME=fake``, the benchmark with ``--device fake``)
@@ -36,17 +45,38 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-BUDGET_S = 470.0  # the whole run, under eight minutes with the shell script's set-up
+from . import gpu_pytest
+
+STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "tune",
+         "bench")
+QUICK_DROPS = ("tune",)  # the steps --quick leaves out
+
+# the whole run, with the shell script's set-up: under eight minutes, --quick under four
+BUDGET_S = 470.0
+QUICK_BUDGET_S = 225.0
+# each step's time in seconds: (kept for it while the steps before it run, the most it may
+# take). The first figures add up to the budget, so however the steps before it went, each
+# step finds its share left; a step takes more when the ones before it took less than
+# theirs. On an H100 (2026-11) the probes took seconds each and the gpu tests 98 s in six
+# workers (236 s serially were not enough).
+PLAN = {"wheels": (20, 120), "modules": (5, 60), "versions": (15, 90), "ipc": (15, 90),
+        "host-register": (10, 60), "mps": (5, 20), "pytest-gpu": (170, 260),
+        "tune": (40, 60), "bench": (190, 200)}
+QUICK_PLAN = {**PLAN, "ipc": (10, 90), "host-register": (5, 60), "pytest-gpu": (110, 170),
+              "tune": (0, 0), "bench": (55, 60)}
+PER_TEST_S = 120.0  # --timeout for each gpu test (the suite's own default), --quick: 90
+QUICK_PER_TEST_S = 90.0
+GRACE_S = 5.0  # from the interrupt at a step's limit to the kill of its whole session
 
 # (module, the wheel that brings it, what needs it); cupy only on a GPU
 NEEDED = (
@@ -57,12 +87,25 @@ NEEDED = (
     ("matplotlib", "matplotlib", "bench"),
 )
 NEEDED_ON_GPU = (("cupy", "cupy-cuda13x (or cupy-cuda12x)", "the device runtime"),)
-OPTIONAL = (("expecttest", "expecttest", "torch's own test suite (tests/torch_suite)"),)
+OPTIONAL = (("expecttest", "expecttest", "torch's own test suite (tests/torch_suite)"),
+            ("xdist", "pytest-xdist and execnet", "the gpu tests in parallel workers"))
 
 
 # what ``versions`` reports beside the device's own description (``gpu.json``'s "device")
 LIBRARIES = ("ok", "available", "runtime", "torch", "torch_cuda", "torch_cuda_available",
              "numpy", "python", "cupy", "nccl")
+
+def bench_args(device: str, quick: bool) -> list[str]:
+    """The device sweep's sizes."""
+    if device == "fake":  # the plumbing: small sizes, few repetitions (numpy on the CPU)
+        return ["-n", "2", "-b", "8", "-e", "64K", "-f", "32", "--reps", "3", "--iters", "2",
+                "--warmup", "1"]
+    # --quick: 8 B, 8 KiB and 8 MiB, few repetitions
+    short = ["-b", "8", "-e", "8M", "-f", "1024", "--reps", "3", "--iters", "3",
+             "--warmup", "1"]
+    # 8 B to 256 MiB at 2 and 4 ranks sharing the GPU
+    return ["-n", "2", "4", *(short if quick else
+                              ["-b", "8", "-e", "256M", "-f", "32", "--reps", "5"])]
 
 
 @dataclass
@@ -78,18 +121,95 @@ class Check:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-class Run:
-    """The steps of one check run: their time limits against the whole run's budget, their
-    output into the log, their outcomes into ``checks``."""
+def bounded(argv: list[str], *, cwd: Path, env: dict[str, str], limit: float, log: IO[str],
+            grace: float = GRACE_S) -> tuple[int | None, str, float]:
+    """Run ``argv`` in a process session of its own, its output (stdout and stderr) copied
+    into ``log`` line by line as it comes; at ``limit`` seconds interrupt it (SIGINT: pytest
+    and the benchmark say what they were doing), ``grace`` seconds later kill its whole
+    session (pytest's workers, the ranks a test or the benchmark started). What is left in
+    the session after a normal end is killed too, so that nothing holds the GPU for the
+    steps after. Its exit status (None: stopped at the limit), output and seconds."""
+    grace = min(grace, limit / 4)
+    kept: list[str] = []
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                            errors="replace", bufsize=1, start_new_session=True)
+    copier = threading.Thread(target=_copy_lines, args=(proc.stdout, log, kept), daemon=True)
+    copier.start()
+    stopped = False
+    try:
+        proc.wait(timeout=max(limit - grace, 0.1))
+    except subprocess.TimeoutExpired:
+        stopped = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    finally:  # also where gpu_check itself is stopped: nothing it started outlives it
+        _kill_session(proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    # the pipe ends when every process that held it has: one that left the session must
+    # not hold up the run
+    copier.join(timeout=2.0)
+    output = "".join(kept)
+    if stopped:
+        note = f"(stopped at its limit of {limit:.0f} s)\n"
+        log.write(note)
+        output += note
+    log.flush()
+    return None if stopped else proc.returncode, output, time.monotonic() - started
 
-    def __init__(self, root: Path, out: Path, fake: bool, budget: float, python: str) -> None:
+
+def _copy_lines(source: IO[str], log: IO[str], kept: list[str]) -> None:
+    with contextlib.suppress(ValueError, OSError):  # the log closed under a stray writer
+        for line in source:
+            kept.append(line)
+            log.write(line)
+            log.flush()
+
+
+def _kill_session(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _last_json(output: str) -> dict[str, Any] | None:
+    """The last line of ``output`` that is a JSON object (a probe's answer: warnings on
+    stderr may come after it)."""
+    for line in reversed(output.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            found = json.loads(line)
+            if isinstance(found, dict):
+                return found
+    return None
+
+
+class Run:
+    """The steps of one check run: their time limits from the plan and the run's budget,
+    their output into the log, their outcomes into ``checks``."""
+
+    def __init__(self, root: Path, out: Path, fake: bool, budget: float, python: str,
+                 quick: bool = False, steps: tuple[str, ...] = STEPS,
+                 tests: tuple[str, ...] = ("tests",)) -> None:
         self.root, self.out, self.fake, self.python = root, out, fake, python
+        self.quick, self.tests = quick, tests
         self.device = "fake" if fake else "cuda"
         self.deadline = time.monotonic() + budget
         self.checks: list[Check] = []
+        # the steps that will run, in order; where their shares add up to more than the
+        # budget (a --budget below the default), each is cut in proportion
+        self.asked = [s for s in STEPS if s in steps and not (quick and s in QUICK_DROPS)]
+        plan = QUICK_PLAN if quick else PLAN
+        total = sum(plan[s][0] for s in self.asked)
+        scale = min(1.0, budget / total) if total else 1.0
+        self.plan = {s: (kept * scale, most) for s, (kept, most) in plan.items()}
         suffix = "_fake" if fake else ""
         self.json_path = out / f"gpu{suffix}.json"
         self.log_path = out / f"gpu_check{suffix}.log"
+        self.tests_path = out / f"gpu_tests{suffix}.jsonl"
         self.bench_path = out / f"gpu_bench{suffix}.json"
         self.profile_path = out / f"gpu_profile{suffix}.json"
         out.mkdir(parents=True, exist_ok=True)
@@ -100,28 +220,26 @@ class Run:
         self.log.write(text + "\n")
         self.log.flush()
 
-    def command(self, name: str, argv: list[str], limit: float,
-                env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
-        """Run ``argv`` from the repository's root, bounded by ``limit`` and what is left
-        of the budget; its exit status (None: it ran out of time), output and seconds."""
-        left = self.deadline - time.monotonic()
-        limit = min(limit, left)
-        self.say(f"\n=== {name}: {shlex.join(argv)} (limit {limit:.0f} s)")
+    def limit(self, step: str) -> float:
+        """The seconds ``step`` may take now: its most, less the time the steps after it
+        keep, out of what is left of the budget."""
+        later = self.asked[self.asked.index(step) + 1:] if step in self.asked else []
+        left = self.deadline - time.monotonic() - sum(self.plan[s][0] for s in later)
+        return min(self.plan[step][1], left)
+
+    def command(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                about: str | None = None) -> tuple[int | None, str, float]:
+        """Run ``argv`` from the repository's root, bounded by the step's limit
+        (:func:`bounded`); its exit status (None: stopped at the limit), output and
+        seconds."""
+        limit = self.limit(name)
+        self.say(f"\n=== {name}{f' ({about})' if about else ''}: {shlex.join(argv)} "
+                 f"(limit {limit:.0f} s)")
         if limit < 1:
+            self.log.write("no time left in the run's budget\n")
             return None, "no time left in the run's budget", 0.0
-        started = time.monotonic()
-        try:
-            done = subprocess.run(argv, cwd=self.root, capture_output=True, text=True,
-                                  timeout=limit, env={**os.environ, **(env or {})})
-            code, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as err:
-            code = None
-            output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                             for x in (err.stdout, err.stderr))
-            output += f"\n(timed out after {limit:.0f} s)"
-        seconds = time.monotonic() - started
-        self.log.write(output if output.endswith("\n") else output + "\n")
-        return code, output, seconds
+        return bounded(argv, cwd=self.root, env={**os.environ, **(env or {})}, limit=limit,
+                       log=self.log)
 
     def record(self, check: Check) -> Check:
         check.seconds = round(check.seconds, 2)
@@ -140,7 +258,7 @@ class Run:
             return self.record(Check("wheels", "skip", skipped=1, detail={"why": why}))
         code, output, seconds = self.command(
             "wheels", [self.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                       "--no-compile", "--target", site, *map(str, brought)], 120)
+                       "--no-compile", "--target", site, *map(str, brought)])
         names = [w.name for w in brought]
         return self.record(Check("wheels", "pass" if code == 0 else "fail",
                                  passed=len(names) if code == 0 else 0,
@@ -153,10 +271,9 @@ class Run:
         probe = ("import importlib.util, json, sys; print(json.dumps({m: importlib.util."
                  "find_spec(m) is not None for m in sys.argv[1:]}))")
         names = [m for m, _, _ in (*needed, *OPTIONAL)]
-        code, output, seconds = self.command("modules", [self.python, "-c", probe, *names], 60)
-        try:
-            found = json.loads(output.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+        code, output, seconds = self.command("modules", [self.python, "-c", probe, *names])
+        found = _last_json(output)
+        if found is None:
             return self.record(Check("modules", "fail", failed=1, seconds=seconds,
                                      detail={"why": "the probe printed no answer"}))
         missing = [f"{m}: bring the wheel {wheel} (for {what})" for m, wheel, what in needed
@@ -172,12 +289,10 @@ class Run:
                                  seconds=seconds,
                                  detail={"missing": missing, "optional_missing": optional}))
 
-    def probe(self, name: str, limit: float) -> Check:
+    def probe(self, name: str) -> Check:
         argv = [self.python, "-m", "ringcomm_bench.gpu_probe", name, "--device", self.device]
-        code, output, seconds = self.command(name, argv, limit)
-        result: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, IndexError):
-            result = json.loads(output.strip().splitlines()[-1])
+        code, output, seconds = self.command(name, argv)
+        result = _last_json(output) or {}
         ok = code == 0 and bool(result.get("ok"))
         if code is None:
             result["why"] = "timed out"
@@ -187,24 +302,48 @@ class Run:
                                  failed=int(not ok), seconds=seconds, detail=result))
 
     def pytest_gpu(self) -> Check:
-        with tempfile.TemporaryDirectory(prefix="ringcomm-gpu-check-") as tmp:
-            report = Path(tmp) / "junit.xml"
-            argv = [self.python, "-m", "pytest", "-q", "-m", "gpu and not slow", "-p",
-                    "no:cacheprovider",
-                    f"--junitxml={report}", "tests"]
-            env = {"RINGCOMM_TEST_RUNTIME": "fake" if self.fake else "cupy"}
-            code, output, seconds = self.command("pytest-gpu", argv, 270, env)
-            counts = _junit_counts(report)
-        if counts is None:
-            return self.record(Check("pytest-gpu", "fail", failed=1, seconds=seconds,
-                                     detail={"why": "no test report (timed out or crashed)",
-                                             "exit_code": code}))
-        passed, failed, skipped = counts
-        ok = code == 0 and failed == 0 and passed > 0
-        return self.record(Check("pytest-gpu", "pass" if ok else "fail", passed=passed,
-                                 failed=failed, skipped=skipped, seconds=seconds,
-                                 detail={"exit_code": code, "runtime": env[
-                                     "RINGCOMM_TEST_RUNTIME"]}))
+        """The gpu tests, streamed (:mod:`ringcomm_bench.gpu_pytest`): every test's outcome
+        comes from the stream file, so the record holds however pytest ended."""
+        limit = self.limit("pytest-gpu")
+        with contextlib.suppress(FileNotFoundError):
+            self.tests_path.unlink()  # an old file must not pass for this run's
+        have = gpu_pytest.importable(self.python, ("xdist", "pytest_timeout"))
+        plan = gpu_pytest.plan(self.python, self.tests_path, cores=os.cpu_count(), have=have,
+                               per_test_timeout=QUICK_PER_TEST_S if self.quick else PER_TEST_S,
+                               paths=self.tests)
+        runtime = "fake" if self.fake else "cupy"
+        started, interrupted = time.monotonic(), None
+        try:
+            code, _, seconds = self.command("pytest-gpu", plan.argv,
+                                            {"RINGCOMM_TEST_RUNTIME": runtime},
+                                            about="; ".join(plan.notes))
+        except (KeyboardInterrupt, SystemExit) as err:  # gpu_check itself stopped
+            code, seconds, interrupted = None, time.monotonic() - started, err
+        streamed = gpu_pytest.read_stream(self.tests_path)
+        ok, found = gpu_pytest.record(streamed, code, code is None, limit)
+        if interrupted is not None:
+            found["why"] = f"gpu_check itself was stopped ({type(interrupted).__name__})"
+        elif limit < 1:
+            found["why"] = "no time left in the run's budget"
+        passed, failed, skipped = streamed.counts()
+        check = self.record(Check(
+            "pytest-gpu", "pass" if ok else "fail", passed=passed,
+            failed=failed + (0 if ok or failed else 1), skipped=skipped, seconds=seconds,
+            detail={"runtime": runtime, "marker": gpu_pytest.MARKER, "workers": plan.workers,
+                    "per_test_timeout_s": plan.per_test_timeout, "notes": plan.notes,
+                    "stream": self.tests_path.name, **found}))
+        for line in streamed.outcomes:
+            if gpu_pytest.COUNTS.get(line["outcome"]) == "failed":
+                self.say(f"  {line['outcome']}: {line['nodeid']}: {line.get('message', '')}")
+        for line in streamed.collect_errors:
+            self.say(f"  not collected: {line['nodeid']}: {line['message']}")
+        if "why" in found:
+            self.say(f"  {found['why']}")
+        if isinstance(not_finished := found.get("not_finished"), list):
+            self.say(f"  not finished ({len(not_finished)}): {', '.join(not_finished)}")
+        if interrupted is not None:
+            raise interrupted
+        return check
 
     def tune(self) -> Check:
         """The device engines' constants, fitted here: the figures the cost model would
@@ -213,7 +352,7 @@ class Run:
             self.profile_path.unlink()  # an old file must not pass for this run's
         argv = [self.python, "-m", "ringcomm.cli", "tune", "--device", self.device, "-n", "2",
                 "--quick", "-o", str(self.profile_path)]
-        code, output, seconds = self.command("tune", argv, 60)
+        code, output, seconds = self.command("tune", argv)
         try:
             devices = json.loads(self.profile_path.read_text())["devices"]
         except (OSError, ValueError, KeyError):
@@ -230,19 +369,14 @@ class Run:
                                      "profile": str(self.profile_path.relative_to(self.out))}))
 
     def bench(self) -> tuple[Check, dict[str, Any]]:
-        if self.fake:  # the plumbing: small sizes, few repetitions (numpy on the CPU)
-            sizes = ["-n", "2", "-b", "8", "-e", "64K", "-f", "32", "--reps", "3",
-                     "--iters", "2", "--warmup", "1"]
-        else:  # 8 B to 256 MiB at 2 and 4 ranks sharing the GPU
-            sizes = ["-n", "2", "4", "-b", "8", "-e", "256M", "-f", "32", "--reps", "5"]
         argv = [self.python, "-m", "ringcomm_bench", "--device", self.device,
-                "--collectives", "allreduce", *sizes, "--timeout", "120",
-                "--json", str(self.bench_path)]
-        if not self.fake:
+                "--collectives", "allreduce", *bench_args(self.device, self.quick),
+                "--timeout", "120", "--json", str(self.bench_path)]
+        if not (self.fake or self.quick):
             argv += ["--plot-dir", str(self.out / "plots")]
         with contextlib.suppress(FileNotFoundError):
             self.bench_path.unlink()  # an old file must not pass for this run's
-        code, output, seconds = self.command("bench", argv, 200)
+        code, output, seconds = self.command("bench", argv)
         try:
             ran = json.loads(self.bench_path.read_text())
         except (OSError, ValueError):
@@ -265,38 +399,27 @@ class Run:
         return self.record(check), figures
 
 
-def _junit_counts(path: Path) -> tuple[int, int, int] | None:
-    """(passed, failed, skipped) from pytest's JUnit XML report; None where there is none."""
-    try:
-        root = ElementTree.parse(path).getroot()
-    except (OSError, ElementTree.ParseError):
-        return None
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = sum(int(s.get("tests", 0)) for s in suites)
-    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
-    skipped = sum(int(s.get("skipped", 0)) for s in suites)
-    return total - failed - skipped, failed, skipped
-
-
-STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "tune",
-         "bench")
-
-
-def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
-          python: str | None = None, steps: tuple[str, ...] = STEPS) -> dict[str, Any]:
+def check(root: Path, out: Path, fake: bool, budget: float | None = None,
+          python: str | None = None, steps: tuple[str, ...] = STEPS, quick: bool = False,
+          tests: tuple[str, ...] = ("tests",)) -> dict[str, Any]:
     """Run the steps asked for (every one by default; the others are recorded as skipped),
-    write the JSON and the log, return what was written."""
+    write the JSON and the log, return what was written. ``tests``: what pytest-gpu runs."""
     started = time.monotonic()
+    budget = budget if budget is not None else QUICK_BUDGET_S if quick else BUDGET_S
     # every step runs on the Python gpu_check.sh was given (PYTHON), this one by default
-    run = Run(root, out, fake, budget, python or os.environ.get("PYTHON") or sys.executable)
+    run = Run(root, out, fake, budget, python or os.environ.get("PYTHON") or sys.executable,
+              quick, steps, tests)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    run.say(f"ringcomm gpu_check{' --fake' if fake else ''}: {date}, results in {out}")
+    flags = " --fake" * fake + " --quick" * quick
+    run.say(f"ringcomm gpu_check{flags}: {date}, budget {budget:.0f} s, results in {out}")
     figures: dict[str, Any] = {}
-    limits = {"versions": 90, "ipc": 90, "host-register": 60, "mps": 20}
+    step = STEPS[0]
     try:
         for step in STEPS:
             if step not in steps:
                 run.record(Check(step, "skip", skipped=1, detail={"why": "not asked for"}))
+            elif quick and step in QUICK_DROPS:
+                run.record(Check(step, "skip", skipped=1, detail={"why": "left out by --quick"}))
             elif step == "wheels":
                 run.wheels()
             elif step == "modules":
@@ -308,23 +431,32 @@ def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
             elif step == "bench":
                 _, figures = run.bench()
             else:
-                run.probe(step, limits[step])
+                run.probe(step)
+    except BaseException as err:  # stopped (SIGTERM, ^C) or broken: the record still says so
+        if step not in {c.name for c in run.checks}:
+            run.record(Check(step, "fail", failed=1, detail={
+                "why": f"gpu_check itself was stopped in this step ({type(err).__name__})"}))
+        for later in STEPS[STEPS.index(step) + 1:]:
+            run.record(Check(later, "skip", skipped=1, detail={
+                "why": "not reached: gpu_check was stopped"}))
+        raise
     finally:
         found = next((c.detail for c in run.checks if c.name == "versions"), {})
         result = {
-            "check": "ringcomm gpu_check", "fake": fake,
+            "check": "ringcomm gpu_check", "fake": fake, "quick": quick,
             "runtime": "fake" if fake else "cupy",
             "note": ("the fake runtime on a CPU machine: the steps and the plumbing are "
                      "checked; no figure here says anything about a GPU" if fake else
                      "measured on the device named here"),
-            "date": date, "command": "bench/gpu_check.sh" + (" --fake" if fake else ""),
-            "duration_s": round(time.monotonic() - started, 1),
+            "date": date, "command": "bench/gpu_check.sh" + flags,
+            "budget_s": budget, "duration_s": round(time.monotonic() - started, 1),
             "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
                         "platform": platform.platform()},
             "device": {k: v for k, v in found.items() if k not in LIBRARIES},
             "versions": {k: v for k, v in found.items() if k not in ("ok",)},
             "checks": [vars(c) for c in run.checks],
-            "passed": bool(run.checks) and all(c.status != "fail" for c in run.checks),
+            "passed": (len(run.checks) == len(STEPS) and
+                       all(c.status != "fail" for c in run.checks)),
             "figures": figures,
         }
         run.json_path.write_text(json.dumps(result, indent=1) + "\n")
@@ -334,16 +466,27 @@ def check(root: Path, out: Path, fake: bool, budget: float = BUDGET_S,
     return result
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    """SIGTERM (a machine's limit): end like an interrupt, so that the steps' sessions are
+    killed and ``gpu.json`` written with what was found."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu_check.sh", description=__doc__.splitlines()[0])
     p.add_argument("--fake", action="store_true",
                    help="on a CPU machine: the same steps against the strict fake runtime "
                    "(writes gpu_fake.json)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"under four minutes (budget {QUICK_BUDGET_S:.0f} s): the same gpu "
+                   f"tests (a {QUICK_PER_TEST_S:.0f} s limit each), no tune step, the "
+                   "benchmark at 8 B, 8 KiB and 8 MiB with few repetitions and no plots")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for the JSON, the log and the benchmark's results "
                    "(default bench/results)")
-    p.add_argument("--budget", type=float, default=BUDGET_S,
-                   help=f"seconds for every step together (default {BUDGET_S:.0f})")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for every step together (default {BUDGET_S:.0f}, --quick "
+                   f"{QUICK_BUDGET_S:.0f}); each step's share shrinks in proportion")
     p.add_argument("--steps", default=",".join(STEPS),
                    help=f"the steps to run, commas between (default all: {','.join(STEPS)}); "
                    "the others are recorded as skipped")
@@ -352,8 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [s for s in steps if s not in STEPS]:
         p.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     root = Path(__file__).resolve().parent.parent
+    signal.signal(signal.SIGTERM, _stop)
     result = check(root, args.out or root / "bench" / "results", args.fake, args.budget,
-                   steps=steps)
+                   steps=steps, quick=args.quick)
     return 0 if result["passed"] else 1
 
 

@@ -2,21 +2,26 @@
 
 The GPU machine is lent for minutes at a time, so the one command run there must work the
 first time: its ``--fake`` mode runs every step against the strict fake runtime here, and
-the JSON it writes is what the GPU run writes too. The device sweep runs over two real
-ranks on fake device arrays, through each device engine, and every result is checked.
+the JSON it writes is what the GPU run writes too. The pytest step's streaming and its
+limit run here on small synthetic test folders (a run stopped at its limit keeps what
+finished and names what did not).
+The device sweep runs over two real ranks on fake device arrays, through each device
+engine, and every result is checked.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from ringcomm_bench import device, gpu_check, sweep
+from ringcomm_bench import device, gpu_check, gpu_pytest, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
@@ -48,8 +53,8 @@ def test_a_reduced_fake_run_writes_every_field_and_says_it_is_fake(tmp_path):
     assert checks["ipc"]["detail"]["exporter_live_allocations"] == 0
     for name in ("wheels", "host-register", "pytest-gpu", "tune", "bench"):
         assert checks[name]["status"] == "skip" and checks[name]["detail"]["why"] == "not asked for"
-    assert result["passed"] is True
-    assert not list(tmp_path.glob("*.xml"))  # the tests' report went to a folder of its own
+    assert result["passed"] is True and result["quick"] is False
+    assert not (tmp_path / "gpu_tests_fake.jsonl").exists()  # no tests asked for
 
 
 def test_a_failing_step_is_recorded_and_the_rest_still_run(tmp_path):
@@ -78,7 +83,10 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     assert checks["wheels"]["status"] in ("pass", "skip")
     for name in gpu_check.STEPS[1:]:
         assert checks[name]["status"] == "pass", (name, checks[name], log[-3000:])
-    assert checks["pytest-gpu"]["passed"] > 0 and checks["pytest-gpu"]["failed"] == 0
+    tests = checks["pytest-gpu"]
+    assert tests["passed"] > 0 and tests["failed"] == 0
+    assert len(tests["detail"]["tests"]) == tests["passed"] + tests["skipped"]
+    assert "not_finished" not in tests["detail"] and "why" not in tests["detail"]
     rows = result["figures"]["rows"]
     assert rows and all(r["wrong"] == 0 for r in rows)
     assert {r["backend"] for r in rows} == {device.IPC, device.STAGED,
@@ -89,6 +97,313 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     assert set(constants) == {"cuda-ipc", "staged"}
     assert all(c["alpha_us"] > 0 and c["beta_GBps"] > 0 for c in constants.values())
     assert result["duration_s"] < 8 * 60
+
+
+SYNTHETIC_INI = """[pytest]
+markers =
+    gpu: as in ringcomm's tests
+    slow: as in ringcomm's tests
+"""
+
+
+def _synthetic(folder: Path, tests: str, **more: str) -> Path:
+    """A test folder of its own (its pytest.ini makes it the root): quick to collect."""
+    folder.mkdir()
+    (folder / "pytest.ini").write_text(SYNTHETIC_INI)
+    (folder / "test_synthetic.py").write_text(tests)
+    for name, text in more.items():
+        (folder / f"{name}.py").write_text(text)
+    return folder
+
+
+STOPPED = """
+import os, signal, subprocess, sys, time
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_passes():
+    pass
+
+
+def test_b_fails():
+    assert 1 == 2, "wrong on purpose"
+
+
+def test_c_hangs_and_ignores_the_interrupt():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(os.environ["SYNTHETIC_CHILD"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(300)
+
+
+def test_d_never_starts():
+    pass
+
+
+@pytest.mark.slow
+def test_e_slow_is_left_out():
+    pass
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_pytest_step_stopped_at_its_limit_keeps_what_finished_and_names_what_did_not(
+        tmp_path, monkeypatch):
+    """The hung test ignores the interrupt, so pytest is killed and never ends its session:
+    the record comes from the stream alone, and the process the test started dies with it."""
+    tests = _synthetic(tmp_path / "synthetic", STOPPED)
+    monkeypatch.setenv("SYNTHETIC_CHILD", str(tmp_path / "child.pid"))
+    started = time.monotonic()
+    result = gpu_check.check(ROOT, tmp_path / "out", fake=True, budget=10,
+                             python=sys.executable, steps=("pytest-gpu",), tests=(str(tests),))
+    assert time.monotonic() - started < 14
+    step = {c["name"]: c for c in result["checks"]}["pytest-gpu"]
+    detail = step["detail"]
+    assert (step["status"], step["passed"], step["failed"]) == ("fail", 1, 1), step
+    assert detail["why"].startswith("stopped at the step's limit") and detail["exit_code"] is None
+    name = "test_synthetic.py::test_"
+    assert detail["not_finished"] == [f"{name}c_hangs_and_ignores_the_interrupt",
+                                      f"{name}d_never_starts"]
+    assert detail["running_when_stopped"] == [f"{name}c_hangs_and_ignores_the_interrupt"]
+    outcomes = {t["nodeid"]: t for t in detail["tests"]}
+    assert {n: t["outcome"] for n, t in outcomes.items()} == {
+        f"{name}a_passes": "passed", f"{name}b_fails": "failed"}
+    assert outcomes[f"{name}b_fails"]["message"] == "AssertionError: wrong on purpose assert 1 == 2"
+    assert all(t["duration"] >= 0 for t in detail["tests"])
+    assert result["passed"] is False
+    assert json.loads((tmp_path / "out" / "gpu_fake.json").read_text())["checks"] == \
+        result["checks"]
+    # the tests' lines reached the log as they ended, before the stop
+    log = (tmp_path / "out" / "gpu_check_fake.log").read_text()
+    assert log.index("test_a_passes PASSED") < log.index("(stopped at its limit of 10 s)")
+    assert f"not finished (2): {name}c_hangs" in log
+    streamed = gpu_pytest.read_stream(tmp_path / "out" / "gpu_tests_fake.jsonl")
+    assert streamed.exitstatus is None  # killed: pytest never said it ended
+    # nothing the test started outlives the step
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+OUTCOMES = """
+import os, time
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert 1 == 2, "wrong on purpose"
+
+
+@pytest.mark.skip(reason="not here")
+def test_skipped():
+    pass
+
+
+@pytest.mark.xfail(reason="known")
+def test_xfails():
+    assert False
+
+
+@pytest.fixture
+def broken_setup():
+    raise RuntimeError("setup broke")
+
+
+def test_setup_error(broken_setup):
+    pass
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+
+
+def test_teardown_error(broken_teardown):
+    pass
+
+
+def test_over_its_time_limit():
+    time.sleep(30)
+
+
+@pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="would end a serial run")
+def test_its_worker_dies():
+    os._exit(3)
+
+
+def test_after_the_others():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["serial", "xdist"])
+def test_the_stream_has_one_outcome_per_test_as_the_record_counts_it(tmp_path, workers):
+    """Each kind of ending, a module that cannot be imported and a test over its own time
+    limit (the run goes on), serially and in xdist workers (where xdist is here: it is on
+    the GPU machine)."""
+    xdist = workers == "xdist"
+    if xdist and importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed here")
+    tests = _synthetic(tmp_path / "synthetic", OUTCOMES,
+                       test_broken_import="import no_such_module_here\n")
+    stream = tmp_path / "stream.jsonl"
+    plan = gpu_pytest.plan(sys.executable, stream, per_test_timeout=2, cores=4,
+                           have={"xdist": xdist, "pytest_timeout": True}, paths=[str(tests)])
+    assert plan.workers == (2 if xdist else 0) and ("-n" in plan.argv) == xdist
+    with (tmp_path / "log").open("w") as log:
+        code, output, _ = gpu_check.bounded(plan.argv, cwd=ROOT, env=dict(os.environ),
+                                            limit=60, log=log)
+    streamed = gpu_pytest.read_stream(stream)
+    outcomes = {t["nodeid"].split("::")[-1]: t["outcome"] for t in streamed.outcomes}
+    assert outcomes == {
+        "test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped",
+        "test_xfails": "xfailed", "test_setup_error": "error", "test_teardown_error": "error",
+        "test_over_its_time_limit": "failed",
+        "test_its_worker_dies": "failed" if xdist else "skipped",
+        "test_after_the_others": "passed"}, output[-3000:]
+    assert len(streamed.outcomes) == len(outcomes)  # one line per test, not per phase
+    messages = {t["nodeid"].split("::")[-1]: t.get("message") for t in streamed.outcomes}
+    assert "Timeout" in messages["test_over_its_time_limit"]
+    assert messages["test_setup_error"] == "RuntimeError: setup broke"
+    assert messages["test_teardown_error"] == "RuntimeError: teardown broke"
+    assert messages["test_skipped"] == "Skipped: not here" and messages["test_passes"] is None
+    assert [e["nodeid"] for e in streamed.collect_errors] == ["test_broken_import.py"]
+    assert sorted(n.split("::")[-1] for n in streamed.collected or []) == sorted(outcomes)
+    assert streamed.counts() == (2, 5 + xdist, 2 + (not xdist))
+    assert code == streamed.exitstatus == 1
+    ok, detail = gpu_pytest.record(streamed, code, False, 60)
+    assert not ok and "not_finished" not in detail and "why" not in detail
+    assert detail["collect_errors"][0]["message"].endswith("No module named 'no_such_module_here'")
+
+
+def test_reading_a_stream_cut_short():
+    """A kill can cut the last line; a run stopped before its collection ended cannot say
+    which tests it would have run."""
+    lines = [{"event": "start", "nodeid": "t.py::a"}]
+    text = "\n".join(json.dumps(x) for x in lines) + '\n{"event": "outcome", "nodeid": "t.p'
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ringcomm-stream-{os.getpid()}.jsonl"
+    try:
+        path.write_text(text)
+        streamed = gpu_pytest.read_stream(path)
+    finally:
+        path.unlink()
+    assert streamed.started == ["t.py::a"] and streamed.outcomes == []
+    assert streamed.collected is None and streamed.not_finished() is None
+    ok, detail = gpu_pytest.record(streamed, None, True, 30)
+    assert not ok and detail["not_finished"] == "unknown: collection had not ended"
+    assert gpu_pytest.read_stream(path).collected is None  # no file: nothing known
+    done = gpu_pytest.Streamed(collected=["t.py::a"], started=["t.py::a"], exitstatus=0,
+                               outcomes=[{"nodeid": "t.py::a", "outcome": "passed",
+                                          "duration": 0.1}])
+    assert gpu_pytest.record(done, 0, False, 30) == (True, {"exit_code": 0,
+                                                            "tests": done.outcomes})
+    ok, detail = gpu_pytest.record(gpu_pytest.Streamed(collected=[], exitstatus=5), 5, False, 30)
+    assert not ok and detail["why"] == "no test ran (pytest's exit status 5)"
+    # a pytest that ended with 0 but never finished its session (killed from outside)
+    ok, detail = gpu_pytest.record(gpu_pytest.Streamed(collected=[]), 0, False, 30)
+    assert not ok and "ended without finishing" in detail["why"]
+
+
+def test_a_run_stopped_from_outside_still_writes_what_it_found(tmp_path):
+    """SIGTERM to the shell script (a machine's own limit): the step then running is
+    recorded as failed, the ones after as not reached, and gpu.json is written."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.Popen([str(SCRIPT), "--fake", "--out", str(tmp_path), "--steps",
+                             "modules,versions"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the versions probe takes seconds: stop the run in it
+        if line.startswith("=== versions"):
+            proc.terminate()
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    result = json.loads((tmp_path / "gpu_fake.json").read_text())
+    checks = {c["name"]: c for c in result["checks"]}
+    assert list(checks) == list(gpu_check.STEPS) and result["passed"] is False
+    assert checks["modules"]["status"] == "pass"
+    assert checks["versions"]["status"] == "fail"
+    assert checks["versions"]["detail"]["why"] == \
+        "gpu_check itself was stopped in this step (SystemExit)"
+    assert all(checks[s]["detail"]["why"] == "not reached: gpu_check was stopped"
+               for s in gpu_check.STEPS[gpu_check.STEPS.index("versions") + 1:])
+
+
+def test_the_workers_come_from_the_cores_and_serially_without_xdist(tmp_path):
+    assert [gpu_pytest.workers_for(n) for n in (None, 1, 2, 3, 4, 10, 16, 64)] == \
+        [1, 1, 1, 1, 2, 8, 8, 8]
+    stream = tmp_path / "s.jsonl"
+    both = gpu_pytest.plan("py", stream, per_test_timeout=90, cores=16,
+                           have={"xdist": True, "pytest_timeout": True})
+    assert both.argv[:2] == ["py", "-m"] and both.argv[-1] == "tests"
+    assert both.argv[both.argv.index("-n"):both.argv.index("-n") + 2] == ["-n", "8"]
+    assert "--timeout=90" in both.argv and f"--stream-to={stream}" in both.argv
+    assert both.argv[both.argv.index("-m", 3) + 1] == "gpu and not slow"
+    neither = gpu_pytest.plan("py", stream, per_test_timeout=90, cores=16, have={})
+    assert neither.workers == 0 and neither.per_test_timeout is None
+    assert "-n" not in neither.argv and not any(a.startswith("--timeout") for a in neither.argv)
+    assert any("pytest-xdist is not importable" in n for n in neither.notes)
+    assert gpu_pytest.importable(sys.executable, ["json", "no_such_module_here"]) == {
+        "json": True, "no_such_module_here": False}
+
+
+def test_the_plans_fit_their_budgets_and_keep_time_for_the_steps_after(tmp_path):
+    full = sum(gpu_check.PLAN[s][0] for s in gpu_check.STEPS)
+    quick = sum(gpu_check.QUICK_PLAN[s][0] for s in gpu_check.STEPS
+                if s not in gpu_check.QUICK_DROPS)
+    assert full <= gpu_check.BUDGET_S < 8 * 60 - 5
+    assert quick <= gpu_check.QUICK_BUDGET_S < 4 * 60 - 5
+    run = gpu_check.Run(ROOT, tmp_path, True, gpu_check.QUICK_BUDGET_S, sys.executable,
+                        quick=True)
+    assert "tune" not in run.asked
+    # at the start the tests may take their most: the benchmarks' shares are kept
+    assert run.limit("pytest-gpu") == pytest.approx(gpu_check.QUICK_PLAN["pytest-gpu"][1],
+                                                    abs=1)
+    assert run.limit("bench") == gpu_check.QUICK_PLAN["bench"][1]
+    run.deadline -= 200  # the steps before took most of the budget: bench gets what is left
+    assert run.limit("bench") == pytest.approx(25, abs=1)
+    run.log.close()
+    small = gpu_check.Run(ROOT, tmp_path, True, 100, sys.executable)  # a budget cut short
+    assert small.limit("wheels") < 100 and sum(k for k, _ in small.plan.values()) < 130
+    small.log.close()
+    result = gpu_check.check(ROOT, tmp_path, True, python=sys.executable, quick=True,
+                             steps=("tune",))
+    checks = {c["name"]: c for c in result["checks"]}
+    assert checks["tune"]["detail"]["why"] == "left out by --quick"
+    assert result["quick"] is True and result["budget_s"] == gpu_check.QUICK_BUDGET_S
+    assert result["command"] == "bench/gpu_check.sh --fake --quick"
+    assert result["passed"] is True
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_bench_step_asks_the_sweep_for_what_it_can_run(quick):
+    args = gpu_check.bench_args("cuda", quick)
+    parser = sweep.build_parser()
+    s, worlds = sweep.settings_from(parser.parse_args(["--device", "cuda", *args]))
+    assert worlds == [2, 4] and s.sizes[0] == 8
+    assert s.sizes[-1] == (8 << 20 if quick else 256 << 20)
+    assert [b.name for b in s.backends] == sweep.DEVICE_BACKENDS["cuda"]
+    fake, _ = sweep.settings_from(parser.parse_args(
+        ["--device", "fake", *gpu_check.bench_args("fake", quick)]))
+    assert fake.sizes == [8, 256, 8 << 10]
 
 
 def _device_rows(world: int, nbytes: int, copy_us: float, ipc_us: float, gloo_us: float,
