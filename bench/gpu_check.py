@@ -26,10 +26,13 @@ still to come, within the run's budget. The steps:
                    fitted on this device (``gpu_profile.json``, a profile ringcomm reads
                    through ``RINGCOMM_PROFILE``)
     bench          ``ringcomm bench --device``: the short device sweep (rows with #wrong 0
-                   pass)
+                   pass), without MPS (unless a daemon not of this run's runs already)
+    bench-mps      the sweep again, shorter, under an MPS daemon this run starts and stops
+                   (as root, with ``nvidia-cuda-mps-control`` on PATH and no daemon running;
+                   skipped with the reason otherwise)
 
 ``--quick`` fits in four minutes instead of eight: the same tests, no tune step, the
-benchmark at 8 B, 8 KiB and 8 MiB only and without plots.
+benchmarks at 8 B, 8 KiB and 8 MiB only and without plots.
 
 ``--fake`` runs the same steps on a CPU machine against the strict fake runtime (the tests
 marked ``gpu`` with ``RINGCOMM_TEST_RUNTIME=fake``, the benchmark with ``--device fake``)
@@ -45,9 +48,11 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,7 +63,7 @@ from typing import IO, Any
 from . import gpu_pytest
 
 STEPS = ("wheels", "modules", "versions", "ipc", "host-register", "mps", "pytest-gpu", "tune",
-         "bench")
+         "bench", "bench-mps")
 QUICK_DROPS = ("tune",)  # the steps --quick leaves out
 
 # the whole run, with the shell script's set-up: under eight minutes, --quick under four
@@ -71,9 +76,9 @@ QUICK_BUDGET_S = 225.0
 # workers (236 s serially were not enough).
 PLAN = {"wheels": (20, 120), "modules": (5, 60), "versions": (15, 90), "ipc": (15, 90),
         "host-register": (10, 60), "mps": (5, 20), "pytest-gpu": (170, 260),
-        "tune": (40, 60), "bench": (190, 200)}
+        "tune": (40, 60), "bench": (140, 200), "bench-mps": (50, 80)}
 QUICK_PLAN = {**PLAN, "ipc": (10, 90), "host-register": (5, 60), "pytest-gpu": (110, 170),
-              "tune": (0, 0), "bench": (55, 60)}
+              "tune": (0, 0), "bench": (35, 60), "bench-mps": (20, 40)}
 PER_TEST_S = 120.0  # --timeout for each gpu test (the suite's own default), --quick: 90
 QUICK_PER_TEST_S = 90.0
 GRACE_S = 5.0  # from the interrupt at a step's limit to the kill of its whole session
@@ -95,14 +100,23 @@ OPTIONAL = (("expecttest", "expecttest", "torch's own test suite (tests/torch_su
 LIBRARIES = ("ok", "available", "runtime", "torch", "torch_cuda", "torch_cuda_available",
              "numpy", "python", "cupy", "nccl")
 
-def bench_args(device: str, quick: bool) -> list[str]:
-    """The device sweep's sizes."""
+# bench-mps: what MPS may change (the device engines, the copy's ceiling, torch's CUDA
+# tensors through ringcomm), not the slow socket-bound NCCL and Gloo rows
+MPS_BACKENDS = ("ringcomm+cuda-ipc", "ringcomm+staged", "copy", "ringcomm/torch+cuda")
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def bench_args(device: str, quick: bool, mps: bool) -> list[str]:
+    """The device sweep's sizes (and for ``bench-mps`` its backends)."""
     if device == "fake":  # the plumbing: small sizes, few repetitions (numpy on the CPU)
         return ["-n", "2", "-b", "8", "-e", "64K", "-f", "32", "--reps", "3", "--iters", "2",
                 "--warmup", "1"]
     # --quick: 8 B, 8 KiB and 8 MiB, few repetitions
     short = ["-b", "8", "-e", "8M", "-f", "1024", "--reps", "3", "--iters", "3",
              "--warmup", "1"]
+    if mps:  # 8 B to 16 MiB
+        sizes = short if quick else ["-b", "8", "-e", "16M", "-f", "128", "--reps", "3"]
+        return ["-n", "2", "4", *sizes, "--backends", *MPS_BACKENDS]
     # 8 B to 256 MiB at 2 and 4 ranks sharing the GPU
     return ["-n", "2", "4", *(short if quick else
                               ["-b", "8", "-e", "256M", "-f", "32", "--reps", "5"])]
@@ -187,6 +201,63 @@ def _last_json(output: str) -> dict[str, Any] | None:
     return None
 
 
+def mps_daemons() -> list[str]:
+    """The MPS processes running here (named ``nvidia-cuda-mps-*``)."""
+    running = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            if name.startswith("nvidia-cuda-mps"):
+                running.append(name)
+    return sorted(set(running))
+
+
+def mps_unavailable(fake: bool) -> str | None:
+    """Why this run cannot start an MPS daemon of its own, or None where it can."""
+    if fake:
+        return "the fake runtime: MPS shares a GPU, there is none"
+    if os.geteuid() != 0:
+        return "not root: this run starts an MPS daemon only as root"
+    if shutil.which(MPS_CONTROL) is None:
+        return f"{MPS_CONTROL} is not on PATH"
+    if running := mps_daemons():
+        return (f"an MPS daemon runs already ({', '.join(running)}), not this run's: the "
+                "bench step ran under it")
+    return None
+
+
+class MpsDaemon:
+    """An MPS control daemon of this run's own, its pipe and log folders in ``folder``; its
+    clients need :attr:`env` (the same ``CUDA_MPS_PIPE_DIRECTORY``)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "mps"),
+                    "CUDA_MPS_LOG_DIRECTORY": str(folder / "mpslog")}
+
+    def _control(self, args: list[str], text: str | None = None) -> tuple[int | None, str]:
+        try:
+            done = subprocess.run([MPS_CONTROL, *args], input=text, capture_output=True,
+                                  text=True, timeout=30, env={**os.environ, **self.env})
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, str(err)
+        return done.returncode, (done.stdout + done.stderr).strip()
+
+    def start(self) -> str | None:
+        """Start the daemon; None, or why it did not start."""
+        for folder in self.env.values():
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        code, output = self._control(["-d"])
+        return None if code == 0 else f"{MPS_CONTROL} -d: exit {code} {output}".strip()
+
+    def stop(self, wait: float = 10.0) -> bool:
+        """Tell it to quit and wait for its processes to end; whether they did."""
+        self._control([], "quit\n")
+        deadline = time.monotonic() + wait
+        while mps_daemons() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not mps_daemons()
+
+
 class Run:
     """The steps of one check run: their time limits from the plan and the run's budget,
     their output into the log, their outcomes into ``checks``."""
@@ -211,6 +282,7 @@ class Run:
         self.log_path = out / f"gpu_check{suffix}.log"
         self.tests_path = out / f"gpu_tests{suffix}.jsonl"
         self.bench_path = out / f"gpu_bench{suffix}.json"
+        self.bench_mps_path = out / f"gpu_bench_mps{suffix}.json"
         self.profile_path = out / f"gpu_profile{suffix}.json"
         out.mkdir(parents=True, exist_ok=True)
         self.log = self.log_path.open("w")
@@ -368,35 +440,70 @@ class Run:
                                      "exit_code": code, "constants": fitted,
                                      "profile": str(self.profile_path.relative_to(self.out))}))
 
-    def bench(self) -> tuple[Check, dict[str, Any]]:
+    def bench(self, name: str = "bench", env: dict[str, str] | None = None,
+              about: str | None = None) -> tuple[Check, dict[str, Any]]:
+        """The device sweep (``bench``), or its shorter run under MPS (``bench-mps``, with
+        the daemon's ``env``)."""
+        mps = name == "bench-mps"
+        path = self.bench_mps_path if mps else self.bench_path
         argv = [self.python, "-m", "ringcomm_bench", "--device", self.device,
-                "--collectives", "allreduce", *bench_args(self.device, self.quick),
-                "--timeout", "120", "--json", str(self.bench_path)]
-        if not (self.fake or self.quick):
+                "--collectives", "allreduce", *bench_args(self.device, self.quick, mps),
+                "--timeout", "120", "--json", str(path)]
+        if not (self.fake or self.quick or mps):
             argv += ["--plot-dir", str(self.out / "plots")]
+        under = None
+        if not mps:
+            running = [] if self.fake else mps_daemons()
+            under = (f"under an MPS daemon running already, not this run's "
+                     f"({', '.join(running)})" if running else "without MPS")
+            about = about or ("the fake runtime" if self.fake else under)
         with contextlib.suppress(FileNotFoundError):
-            self.bench_path.unlink()  # an old file must not pass for this run's
-        code, output, seconds = self.command("bench", argv)
+            path.unlink()  # an old file must not pass for this run's
+        code, output, seconds = self.command(name, argv, env, about=about)
         try:
-            ran = json.loads(self.bench_path.read_text())
+            ran = json.loads(path.read_text())
         except (OSError, ValueError):
-            return self.record(Check("bench", "fail", failed=1, seconds=seconds, detail={
-                "why": "no results written", "exit_code": code})), {}
+            return self.record(Check(name, "fail", failed=1, seconds=seconds, detail={
+                "why": "no results written", "exit_code": code, "mps": about})), {}
         rows = ran.get("rows", [])
         wrong = [r for r in rows if r["wrong"]]
         ok = code == 0 and rows and not wrong
         figures = {
             "command": ran.get("command"), "runtime": ran.get("runtime"),
-            "results": str(self.bench_path.relative_to(self.out)),
+            "mps": about, "results": str(path.relative_to(self.out)),
             "device_targets": ran.get("device_targets", []), "notes": ran.get("notes", []),
             "rows": [{k: r.get(k) for k in (
                 "world_size", "backend", "bytes", "dtype", "chosen", "time_us", "algbw_GBps",
                 "busbw_GBps", "wrong", "predicted_us", "copy_rw_GBps", "one_gpu_bound_GBps")
                 if r.get(k) is not None} for r in rows]}
-        check = Check("bench", "pass" if ok else "fail", passed=len(rows) - len(wrong),
+        check = Check(name, "pass" if ok else "fail", passed=len(rows) - len(wrong),
                       failed=len(wrong) + (0 if rows else 1), seconds=seconds,
-                      detail={"exit_code": code, "rows": len(rows)})
+                      detail={"exit_code": code, "rows": len(rows), "mps": about})
         return self.record(check), figures
+
+    def bench_mps(self) -> tuple[Check, dict[str, Any]]:
+        """The sweep again, shorter, under an MPS daemon this run starts and always stops:
+        ranks sharing the GPU without time-slicing."""
+        if (why := mps_unavailable(self.fake)) is not None:
+            self.say(f"\n=== bench-mps: skipped: {why}")
+            return self.record(Check("bench-mps", "skip", skipped=1, detail={"why": why})), {}
+        with tempfile.TemporaryDirectory(prefix="ringcomm-mps-") as tmp:
+            daemon = MpsDaemon(Path(tmp))
+            try:
+                if (error := daemon.start()) is not None:
+                    self.say(f"\n=== bench-mps: the MPS daemon did not start: {error}")
+                    return self.record(Check("bench-mps", "fail", failed=1, detail={
+                        "why": f"the MPS daemon did not start: {error}"})), {}
+                check, figures = self.bench("bench-mps", daemon.env, about=(
+                    f"under an MPS daemon this run started, CUDA_MPS_PIPE_DIRECTORY="
+                    f"{daemon.env['CUDA_MPS_PIPE_DIRECTORY']}"))
+            finally:
+                stopped = daemon.stop()
+                self.say(f"MPS daemon {'stopped' if stopped else 'still running 10 s after quit'}")
+        check.detail["mps_stopped"] = stopped
+        if not stopped:
+            check.status, check.failed = "fail", check.failed + 1
+        return check, figures
 
 
 def check(root: Path, out: Path, fake: bool, budget: float | None = None,
@@ -413,6 +520,7 @@ def check(root: Path, out: Path, fake: bool, budget: float | None = None,
     flags = " --fake" * fake + " --quick" * quick
     run.say(f"ringcomm gpu_check{flags}: {date}, budget {budget:.0f} s, results in {out}")
     figures: dict[str, Any] = {}
+    figures_mps: dict[str, Any] = {}
     step = STEPS[0]
     try:
         for step in STEPS:
@@ -430,6 +538,8 @@ def check(root: Path, out: Path, fake: bool, budget: float | None = None,
                 run.tune()
             elif step == "bench":
                 _, figures = run.bench()
+            elif step == "bench-mps":
+                _, figures_mps = run.bench_mps()
             else:
                 run.probe(step)
     except BaseException as err:  # stopped (SIGTERM, ^C) or broken: the record still says so
@@ -458,6 +568,7 @@ def check(root: Path, out: Path, fake: bool, budget: float | None = None,
             "passed": (len(run.checks) == len(STEPS) and
                        all(c.status != "fail" for c in run.checks)),
             "figures": figures,
+            "figures_mps": figures_mps,
         }
         run.json_path.write_text(json.dumps(result, indent=1) + "\n")
         run.say(f"\nwrote {run.json_path} and {run.log_path}: "
@@ -468,7 +579,7 @@ def check(root: Path, out: Path, fake: bool, budget: float | None = None,
 
 def _stop(signum: int, _frame: Any) -> None:
     """SIGTERM (a machine's limit): end like an interrupt, so that the steps' sessions are
-    killed and ``gpu.json`` written with what was found."""
+    killed, the MPS daemon stopped and ``gpu.json`` written with what was found."""
     raise SystemExit(128 + signum)
 
 
@@ -480,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"under four minutes (budget {QUICK_BUDGET_S:.0f} s): the same gpu "
                    f"tests (a {QUICK_PER_TEST_S:.0f} s limit each), no tune step, the "
-                   "benchmark at 8 B, 8 KiB and 8 MiB with few repetitions and no plots")
+                   "benchmarks at 8 B, 8 KiB and 8 MiB with few repetitions and no plots")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for the JSON, the log and the benchmark's results "
                    "(default bench/results)")

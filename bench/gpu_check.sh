@@ -24,7 +24,7 @@ ln -s "$ROOT/bench" "$SITE/ringcomm_bench"
 export RINGCOMM_GPU_SITE="$SITE"
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # in the background, so that a TERM or INT reaches it as a TERM: it then stops its step,
-# and writes gpu.json before it ends
+# stops the MPS daemon it started and writes gpu.json before it ends
 "$PYTHON" -m ringcomm_bench.gpu_check "$@" &
 CHECK=$!
 trap 'kill -TERM "$CHECK" 2>/dev/null' TERM INT

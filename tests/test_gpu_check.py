@@ -4,7 +4,7 @@ The GPU machine is lent for minutes at a time, so the one command run there must
 first time: its ``--fake`` mode runs every step against the strict fake runtime here, and
 the JSON it writes is what the GPU run writes too. The pytest step's streaming and its
 limit run here on small synthetic test folders (a run stopped at its limit keeps what
-finished and names what did not).
+finished and names what did not); the MPS run starts and stops a stand-in control command.
 The device sweep runs over two real ranks on fake device arrays, through each device
 engine, and every result is checked.
 """
@@ -51,7 +51,7 @@ def test_a_reduced_fake_run_writes_every_field_and_says_it_is_fake(tmp_path):
         assert checks[name]["status"] == "pass" and checks[name]["passed"] >= 1, checks[name]
         assert checks[name]["failed"] == 0 and f"=== {name}:" in log
     assert checks["ipc"]["detail"]["exporter_live_allocations"] == 0
-    for name in ("wheels", "host-register", "pytest-gpu", "tune", "bench"):
+    for name in ("wheels", "host-register", "pytest-gpu", "tune", "bench", "bench-mps"):
         assert checks[name]["status"] == "skip" and checks[name]["detail"]["why"] == "not asked for"
     assert result["passed"] is True and result["quick"] is False
     assert not (tmp_path / "gpu_tests_fake.jsonl").exists()  # no tests asked for
@@ -79,9 +79,12 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     result, log = _gpu_check(tmp_path, timeout=560)
     checks = {c["name"]: c for c in result["checks"]}
     assert list(checks) == list(gpu_check.STEPS)
-    # nothing brought here (.whl/ is for the GPU machine): the only step allowed to skip
+    # nothing brought here (.whl/ is for the GPU machine), no MPS on the fake: the only
+    # steps allowed to skip
     assert checks["wheels"]["status"] in ("pass", "skip")
-    for name in gpu_check.STEPS[1:]:
+    assert checks["bench-mps"]["status"] == "skip"
+    assert checks["bench-mps"]["detail"]["why"] == gpu_check.mps_unavailable(fake=True)
+    for name in gpu_check.STEPS[1:-1]:
         assert checks[name]["status"] == "pass", (name, checks[name], log[-3000:])
     tests = checks["pytest-gpu"]
     assert tests["passed"] > 0 and tests["failed"] == 0
@@ -378,32 +381,97 @@ def test_the_plans_fit_their_budgets_and_keep_time_for_the_steps_after(tmp_path)
     assert run.limit("pytest-gpu") == pytest.approx(gpu_check.QUICK_PLAN["pytest-gpu"][1],
                                                     abs=1)
     assert run.limit("bench") == gpu_check.QUICK_PLAN["bench"][1]
-    run.deadline -= 200  # the steps before took most of the budget: bench gets what is left
-    assert run.limit("bench") == pytest.approx(25, abs=1)
+    run.deadline -= 200  # the steps before took most of the budget: bench-mps keeps its 20
+    assert run.limit("bench") == pytest.approx(5, abs=1)
     run.log.close()
     small = gpu_check.Run(ROOT, tmp_path, True, 100, sys.executable)  # a budget cut short
     assert small.limit("wheels") < 100 and sum(k for k, _ in small.plan.values()) < 130
     small.log.close()
     result = gpu_check.check(ROOT, tmp_path, True, python=sys.executable, quick=True,
-                             steps=("tune",))
+                             steps=("tune", "bench-mps"))
     checks = {c["name"]: c for c in result["checks"]}
     assert checks["tune"]["detail"]["why"] == "left out by --quick"
+    assert checks["bench-mps"]["detail"]["why"].startswith("the fake runtime")
     assert result["quick"] is True and result["budget_s"] == gpu_check.QUICK_BUDGET_S
     assert result["command"] == "bench/gpu_check.sh --fake --quick"
-    assert result["passed"] is True
+    assert result["figures_mps"] == {} and result["passed"] is True
 
 
-@pytest.mark.parametrize("quick", [False, True])
-def test_the_bench_step_asks_the_sweep_for_what_it_can_run(quick):
-    args = gpu_check.bench_args("cuda", quick)
+@pytest.mark.parametrize(("quick", "mps"), [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_the_bench_steps_ask_the_sweep_for_what_it_can_run(quick, mps):
+    args = gpu_check.bench_args("cuda", quick, mps)
     parser = sweep.build_parser()
     s, worlds = sweep.settings_from(parser.parse_args(["--device", "cuda", *args]))
     assert worlds == [2, 4] and s.sizes[0] == 8
-    assert s.sizes[-1] == (8 << 20 if quick else 256 << 20)
-    assert [b.name for b in s.backends] == sweep.DEVICE_BACKENDS["cuda"]
+    assert s.sizes[-1] == (8 << 20 if quick else 16 << 20 if mps else 256 << 20)
+    assert [b.name for b in s.backends] == (list(gpu_check.MPS_BACKENDS) if mps else
+                                            sweep.DEVICE_BACKENDS["cuda"])
     fake, _ = sweep.settings_from(parser.parse_args(
-        ["--device", "fake", *gpu_check.bench_args("fake", quick)]))
+        ["--device", "fake", *gpu_check.bench_args("fake", quick, mps)]))
     assert fake.sizes == [8, 256, 8 << 10]
+
+
+def _mps_control(folder: Path, start_exit: int = 0) -> Path:
+    """A stand-in for nvidia-cuda-mps-control on PATH that writes down how it was called."""
+    folder.mkdir()
+    calls = folder / "calls"
+    script = folder / gpu_check.MPS_CONTROL
+    script.write_text(f"#!/bin/sh\nif [ \"$1\" = -d ]; then echo \"start "
+                      f"$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY\" >> {calls}; "
+                      f"exit {start_exit}; fi\nread line\necho \"$line "
+                      f"$CUDA_MPS_PIPE_DIRECTORY\" >> {calls}\n")
+    script.chmod(0o755)
+    return calls
+
+
+def test_the_mps_bench_starts_its_daemon_and_always_stops_it(tmp_path, monkeypatch):
+    calls = _mps_control(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check, "mps_unavailable", lambda fake: None)
+    seen = []
+
+    def bench(self, name="bench", env=None, about=None):
+        seen.append((name, dict(env or {}), about))
+        if len(seen) == 2:
+            raise RuntimeError("the bench broke")
+        return self.record(gpu_check.Check(name)), {"rows": []}
+
+    monkeypatch.setattr(gpu_check.Run, "bench", bench)
+    run = gpu_check.Run(ROOT, tmp_path / "out", False, 60, sys.executable)
+    check, figures = run.bench_mps()
+    assert check.status == "pass" and check.detail["mps_stopped"] is True
+    name, env, about = seen[0]
+    pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+    assert name == "bench-mps" and f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in about
+    assert calls.read_text().splitlines() == [
+        f"start {pipe} {env['CUDA_MPS_LOG_DIRECTORY']}", f"quit {pipe}"]
+    with pytest.raises(RuntimeError, match="the bench broke"):
+        run.bench_mps()
+    assert calls.read_text().splitlines()[-1] == f"quit {seen[1][1]['CUDA_MPS_PIPE_DIRECTORY']}"
+    run.log.close()
+    assert "MPS daemon stopped" in (tmp_path / "out" / "gpu_check.log").read_text()
+
+
+def test_an_mps_daemon_that_does_not_start_fails_the_step_and_is_still_told_to_quit(
+        tmp_path, monkeypatch):
+    calls = _mps_control(tmp_path / "bin", start_exit=1)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check, "mps_unavailable", lambda fake: None)
+    run = gpu_check.Run(ROOT, tmp_path / "out", False, 60, sys.executable)
+    check, figures = run.bench_mps()
+    run.log.close()
+    assert check.status == "fail" and "did not start" in check.detail["why"]
+    assert figures == {} and calls.read_text().splitlines()[-1].startswith("quit ")
+
+
+def test_mps_is_started_only_as_root_with_its_control_command_and_none_running(monkeypatch):
+    assert gpu_check.mps_unavailable(fake=True).startswith("the fake runtime")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert gpu_check.mps_unavailable(fake=False).startswith("not root")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert gpu_check.mps_unavailable(fake=False) == f"{gpu_check.MPS_CONTROL} is not on PATH"
 
 
 def _device_rows(world: int, nbytes: int, copy_us: float, ipc_us: float, gloo_us: float,
