@@ -57,13 +57,15 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(VENV)/bin/ringcomm bench --quick
 
-# The one command for a GPU machine (docs/gpu.md): probes, the tests marked gpu and a short
-# device benchmark into bench/results/gpu.json and gpu_check.log, in under 8 minutes. It
-# installs nothing (brought wheels go to a private folder), so it needs no venv: it uses
-# this one where there is one, else python3. FAKE=1: the same against the fake runtime.
+# The one command for a GPU machine (docs/gpu.md): probes, the tests marked gpu (in parallel
+# workers, each outcome streamed) and a short device benchmark, without and with MPS, into
+# bench/results/gpu.json and gpu_check.log, in under 8 minutes. It installs nothing (brought
+# wheels go to a private folder), so it needs no venv: it uses this one where there is one,
+# else python3. FAKE=1: the same against the fake runtime. QUICK=1: under 4 minutes (the same
+# tests, no tune step, a shorter benchmark).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	PYTHON=$(GPU_PYTHON) bench/gpu_check.sh $(if $(FAKE),--fake)
+	PYTHON=$(GPU_PYTHON) bench/gpu_check.sh $(if $(FAKE),--fake) $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
