@@ -35,9 +35,9 @@ RUNTIME_ARRAYS = "runtime"  # a runner's ``device``: the run's device runtime's 
 def runtime_of(device: str) -> Any:
     """The ringcomm device runtime ``--device`` names (an ``ArgumentError`` saying why it
     cannot be had)."""
-    from ringcomm.core.device import runtime
+    from ringcomm.runtime.devices import named_runtime
 
-    return runtime(RUNTIMES[device])
+    return named_runtime(RUNTIMES[device])
 
 
 def numpy_dtype(dtype: Any) -> np.dtype:

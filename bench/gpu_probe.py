@@ -30,9 +30,9 @@ PROBE_BYTES = 1 << 20
 
 
 def _runtime(device: str) -> Any:
-    from ringcomm.core.device import runtime
+    from ringcomm.runtime.devices import named_runtime
 
-    return runtime(RUNTIMES[device])
+    return named_runtime(RUNTIMES[device])
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:

@@ -98,10 +98,11 @@ def device_report() -> list[str]:
                      "for the host engines")
         return lines
     from .core import device
+    from .runtime.devices import named_runtime
 
     name = "cupy" if mode == "cuda" else "fake"
     try:
-        runtime = device.runtime(name)
+        runtime = named_runtime(name)
         about = runtime.describe()
     except ArgumentError as err:
         return [*lines, f"  runtime {name}: unavailable: {err}"]

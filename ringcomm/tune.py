@@ -274,14 +274,13 @@ def tune_device(device: str, worlds: list[int], *, quick: bool = False,
     samples are priced as the links price them (the default segment size): cuda-ipc moves
     a message in slot-sized pieces, whose per-piece cost the fit folds into alpha and
     beta."""
-    from .core.device import runtime
-    from .runtime.devices import runtime_name
+    from .runtime.devices import named_runtime, runtime_name
 
     profile = profile or cost.Profile()
     profile.source = "ringcomm tune"
     sizes = QUICK_DEVICE_SIZES if quick else DEVICE_SIZES
     reps = 3 if quick else 5
-    gamma = measure_device_gamma(runtime(runtime_name(device) or device))
+    gamma = measure_device_gamma(named_runtime(runtime_name(device) or device))
     log(f"device reduction: {1 / gamma / 1e9:.2f} GB/s")
     for engine in DEVICE_ENGINES:
         samples = []

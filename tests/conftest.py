@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+import ringcomm.testing  # noqa: F401 - registers the fake device runtime for every test
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -15,8 +15,8 @@ import numpy as np
 from what_runs import CALLS, contribution
 
 from ringcomm.core.device import release
-from ringcomm.core.device.fake import FakeDeviceArray
 from ringcomm.plan.collectives import COLLECTIVES
+from ringcomm.testing import FakeDeviceArray
 
 # (collective, block, dtype, op, root, algorithm)
 Case = tuple[str, int, str, str, int, str | None]

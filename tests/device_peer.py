@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+import ringcomm.testing  # noqa: F401 - registers the fake runtime
 from ringcomm.core.device import runtime
 from ringcomm.core.device.runtime import DeviceRuntime
 
@@ -76,13 +77,29 @@ def relay(rt: DeviceRuntime, st: State, memory: bytes, event: bytes,
 
 
 def close(rt: DeviceRuntime, st: State) -> None:
+    """The importer's side of the end: close the peer's memory and event."""
     rt.close_memory(st.pop("peer"))
+    rt.close_event(st.pop("peer_ready"))
 
 
 def free(rt: DeviceRuntime, st: State) -> None:
     rt.synchronize(st["stream"])
     rt.free(st["alloc"])
     del st["alloc"]
+
+
+def destroy(rt: DeviceRuntime, st: State) -> None:
+    """The exporter's last step: destroy its event (once every importer closed it)."""
+    rt.close_event(st["ready"])
+    del st["ready"]
+
+
+def renew(rt: DeviceRuntime, st: State) -> bytes:
+    """Destroy the exported event and make the next one: its handle (CUDA gives the
+    destroyed one's bytes again)."""
+    rt.close_event(st["ready"])
+    st["ready"] = rt.new_event(interprocess=True)
+    return rt.export_event(st["ready"])
 
 
 def live(rt: DeviceRuntime, st: State) -> int:
@@ -95,7 +112,7 @@ def maps(rt: DeviceRuntime, st: State) -> list[str]:
 
 
 STEPS = {f.__name__.rstrip("_"): f for f in (export, produce, open_, relay, consume, close,
-                                              free, live, maps)}
+                                              free, destroy, renew, live, maps)}
 
 
 def serve(conn: Any, name: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+import ringcomm.testing  # noqa: F401 - registers the fake runtime
 from ringcomm.core.device import runtime as device_runtime
 from ringcomm.core.device.runtime import Allocation, DeviceRuntime, Stream
 from ringcomm.core.dtypes import REDUCE_OPS, dtype_code, finish_reduction, reduce_into

@@ -34,16 +34,16 @@ from ringcomm.core.arrays import (
     kinds,
 )
 from ringcomm.core.device import runtime
-from ringcomm.core.device.fake import FakeDeviceArray, FakeRuntime
 from ringcomm.core.device.kinds import (
     CudaInterfaceKind,
     CupyKind,
     DLPackKind,
-    FakeArrayKind,
     TorchCUDAKind,
 )
 from ringcomm.core.dtypes import REDUCE_OPS
 from ringcomm.runtime.local import run_group
+from ringcomm.testing import FakeDeviceArray, FakeRuntime
+from ringcomm.testing.fake_arrays import FakeArrayKind
 
 pytestmark = pytest.mark.timeout(60)
 

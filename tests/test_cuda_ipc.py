@@ -29,7 +29,7 @@ from ringcomm.core.device import runtime
 from ringcomm.errors import ArgumentError, CommTimeout, DesyncError, PeerLostError, RankKilled
 from ringcomm.transport import InMemoryNetwork
 
-pytest.importorskip("ringcomm.core.device.fake")
+pytest.importorskip("ringcomm.testing")
 
 
 def thread_ranks(world: int, **options) -> tuple[list[Rank], InMemoryNetwork]:

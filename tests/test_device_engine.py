@@ -19,13 +19,13 @@ from device_cases import Case, cases_for, check, run_cases, share_gpu, to_device
 from ringcomm import ArgumentError, DesyncError
 from ringcomm.core import device
 from ringcomm.core.arrays import IN_FLIGHT, keep_until_done
-from ringcomm.core.device.fake import FakeDeviceArray
 from ringcomm.errors import CommError
 from ringcomm.observe.steps import TraceEvent
 from ringcomm.plan.cost import DEFAULT_DEVICE_PARAMS
 from ringcomm.plan.settings import _check_match as check_match
 from ringcomm.plan.settings import propose
 from ringcomm.runtime.local import run_group
+from ringcomm.testing import FakeDeviceArray
 
 pytestmark = pytest.mark.timeout(120)
 slow = pytest.mark.slow

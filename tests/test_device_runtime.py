@@ -20,10 +20,10 @@ import pytest
 from device_peer import Peer
 
 from ringcomm.core.device import available_runtimes, runtime
-from ringcomm.core.device.fake import FakeDeviceArray, FakeDeviceFault, FakeRuntime
 from ringcomm.core.device.runtime import Allocation, DeviceRuntime
 from ringcomm.core.dtypes import REDUCE_OPS, finish_reduction, reduce_into
 from ringcomm.errors import ArgumentError
+from ringcomm.testing import FakeDeviceArray, FakeDeviceFault, FakeRuntime
 
 RUNTIMES = available_runtimes()
 
@@ -65,6 +65,21 @@ def test_runtime_registry():
     if "cupy" not in RUNTIMES:
         with pytest.raises(ArgumentError, match="cupy device runtime cannot be used: CuPy"):
             runtime("cupy")
+
+
+def test_a_destroyed_events_handle_comes_back_for_the_next_event(rt):
+    """Measured on an H100 (CUDA 13, 2026-11-27), 4 of 4: a handle names a slot the process
+    reuses, never a lasting identity. Destroyed explicitly or by dropping the event."""
+    first = rt.new_event(interprocess=True)
+    handle = rt.export_event(first)
+    rt.close_event(first)
+    second = rt.new_event(interprocess=True)
+    assert rt.export_event(second) == handle
+    del second
+    gc.collect()
+    third = rt.new_event(interprocess=True)
+    assert rt.export_event(third) == handle
+    rt.close_event(third)
 
 
 def test_copies_and_events_in_order(rt):
@@ -276,6 +291,23 @@ def test_handles_refuse_misuse_in_one_process(fake):
         fake.export_memory(a)
 
 
+def test_a_pending_record_keeps_an_events_slot_until_it_runs(fake):
+    """cudaEventDestroy on an event whose record has not completed returns at once and
+    releases the event once the device is done with it (CUDA runtime docs): until then its
+    handle is not given to a new event."""
+    stream = fake.new_stream()
+    event = fake.new_event(interprocess=True)
+    handle = fake.export_event(event)
+    fake.record(event, stream)  # queued: nothing runs it yet
+    fake.close_event(event)
+    with pytest.raises(FakeDeviceFault, match="closed with close_event"):
+        fake.record(event, stream)
+    other = fake.new_event(interprocess=True)
+    assert fake.export_event(other) != handle
+    fake.synchronize(stream)  # the record runs: now the slot is free
+    assert fake.export_event(fake.new_event(interprocess=True)) == handle
+
+
 def test_host_registration_is_tracked(fake):
     before = fake.live_allocations()
     ring = np.zeros(4096, np.uint8)
@@ -355,11 +387,18 @@ def test_ipc_between_two_processes(name):
         here: dict = {}
         memory, event = peer("export", nbytes=first.nbytes)
         device_peer.open_(rt, here, memory, event)
+        # a handle opened again: the same mapping, counted (cuIpcOpenMemHandle); an event
+        # opened again is an event of its own (measured); each is closed once
+        assert rt.open_memory(memory) == here["peer"]
+        again = rt.open_event(event)
+        assert again is not here["peer_ready"]
+        assert rt.live_allocations() == before + 4
+        rt.close_memory(here["peer"])
+        rt.close_event(again)
+        assert rt.live_allocations() == before + 2
         if strict:
-            with pytest.raises(FakeDeviceFault, match="already open here"):
-                rt.open_memory(memory)
-            with pytest.raises(FakeDeviceFault, match="already open in this process"):
-                rt.open_event(event)
+            with pytest.raises(FakeDeviceFault, match="closed already"):
+                rt.close_event(again)
             with pytest.raises(FakeDeviceFault, match="can be waited on here, not recorded"):
                 rt.record(here["peer_ready"], here["stream"])
         peer("produce", values=first)  # queued there, not run
@@ -375,6 +414,8 @@ def test_ipc_between_two_processes(name):
         if strict:
             status, text = peer.ask("free")
             assert status == "error" and f"process(es) {os.getpid()} still map" in text
+            status, text = peer.ask("destroy")
+            assert status == "error" and f"process(es) {os.getpid()} still have" in text
         mapped_at = here["peer"]
         device_peer.close(rt, here)
         if strict:
@@ -383,6 +424,7 @@ def test_ipc_between_two_processes(name):
             with pytest.raises(FakeDeviceFault, match="no mapping opened"):
                 rt.close_memory(mapped_at)
         peer("free")
+        peer("destroy")
         if strict:
             with pytest.raises(FakeDeviceFault, match="has exited or given it back|is stale"):
                 rt.open_memory(memory)
@@ -396,11 +438,14 @@ def test_ipc_between_two_processes(name):
         if strict:
             with pytest.raises(FakeDeviceFault, match=f"process\\(es\\) {peer.pid} still map"):
                 device_peer.free(rt, mine)
+            with pytest.raises(FakeDeviceFault, match=f"process\\(es\\) {peer.pid} still have"):
+                device_peer.destroy(rt, mine)
             mapped = peer("maps")
             assert any("memfd:ringcomm-fake-device" in m for m in mapped)
             assert not any(m.startswith(SCRATCH_DIRS) and "fake" in m for m in mapped)
         peer("close")
         device_peer.free(rt, mine)
+        device_peer.destroy(rt, mine)
     finally:
         peer.close()
     assert rt.live_allocations() == before
@@ -452,6 +497,33 @@ def test_a_wait_on_a_dead_process_is_a_device_hang(fake):
         device_peer.close(fake, theirs)
     finally:
         fake.hang_timeout = saved
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_a_reused_event_handle_opens_again_in_the_importer(name):
+    """What a second communicator in a process meets: the peer destroys its event and makes
+    the next, whose handle has the same bytes; this process, which opened and closed the
+    old one, opens the new one and waits on it (once refused, as "open already")."""
+    rt = runtime(name)
+    peer = Peer(name)
+    here: dict = {}
+    values = np.arange(256, dtype=np.float32)
+    try:
+        memory, event = peer("export", nbytes=values.nbytes)
+        device_peer.open_(rt, here, memory, event)
+        rt.close_event(here.pop("peer_ready"))
+        again = peer("renew")
+        assert again == event
+        here["peer_ready"] = rt.open_event(again)
+        peer("produce", values=values)
+        np.testing.assert_array_equal(device_peer.consume(rt, here, values, wait=True), values)
+        device_peer.close(rt, here)
+        peer("free")
+        peer("destroy")
+        assert peer("live") == 0
+    finally:
         peer.close()
 
 

@@ -28,21 +28,24 @@ FRONT = "front"  # the package itself, the CLI, the tuner, the torch entry point
 ALLOWED = {
     BASE: set(),
     "core": {BASE},
+    # test doubles of outside libraries (the fake device runtime, a fake of CuPy's NCCL),
+    # beside the core they stand in for; the runtime layer loads them for device="fake"
+    "testing": {BASE, "core"},
     "schedules": {BASE, "core"},
     "transport": {BASE, "core"},
     "engines": {BASE, "core", "schedules", "transport"},
     "observe": {BASE, "core", "schedules", "transport", "engines"},
     "faults": {BASE, "core", "schedules", "transport", "engines"},
     "plan": {BASE, "core", "schedules", "transport"},
-    "runtime": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
-                "plan"},
-    "bootstrap": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
-                  "plan", "runtime"},
-    "torch_backend": {BASE, "core", "schedules", "transport", "engines", "observe", "faults",
-                      "plan", "runtime", "bootstrap"},
+    "runtime": {BASE, "core", "testing", "schedules", "transport", "engines", "observe",
+                "faults", "plan"},
+    "bootstrap": {BASE, "core", "testing", "schedules", "transport", "engines", "observe",
+                  "faults", "plan", "runtime"},
+    "torch_backend": {BASE, "core", "testing", "schedules", "transport", "engines", "observe",
+                      "faults", "plan", "runtime", "bootstrap"},
     # the teaching views run collectives on an in-process group and draw them
-    "teach": {BASE, "core", "schedules", "transport", "engines", "observe", "faults", "plan",
-              "runtime"},
+    "teach": {BASE, "core", "testing", "schedules", "transport", "engines", "observe",
+              "faults", "plan", "runtime"},
 }
 
 

@@ -15,7 +15,6 @@ import pytest
 from device_cases import Case, cases_for, check, run_cases, to_device, to_host
 
 from ringcomm.core import device
-from ringcomm.core.device.fake_nccl import FakeNccl
 from ringcomm.engines.exchange import Table, TableExchange
 from ringcomm.engines.nccl import open_channel
 from ringcomm.errors import CommAborted, CommError, CommTimeout, DesyncError, RemoteError
@@ -24,6 +23,7 @@ from ringcomm.runtime.local import run_group
 
 pytestmark = pytest.mark.timeout(120)
 RUNTIME = device.runtime("fake")
+NCCL = device.nccl_library(RUNTIME)  # ringcomm's CuPy adapter over the fake CuPy module
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_the_unique_id_goes_through_the_exchange() -> None:
     made: list[object] = [None, None]
 
     def rank(r: int) -> None:
-        made[r] = open_channel(RUNTIME, FakeNccl(RUNTIME), TableExchange(table, r), r, 2, 5.0)
+        made[r] = open_channel(RUNTIME, NCCL, TableExchange(table, r), r, 2, 5.0)
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
@@ -105,7 +105,7 @@ def test_the_unique_id_goes_through_the_exchange() -> None:
 def test_a_missing_unique_id_is_a_timeout_naming_rank_0() -> None:
     started = time.monotonic()
     with pytest.raises(CommTimeout) as caught:
-        open_channel(RUNTIME, FakeNccl(RUNTIME), TableExchange(Table(), 1), 1, 2, 0.5)
+        open_channel(RUNTIME, NCCL, TableExchange(Table(), 1), 1, 2, 0.5)
     assert time.monotonic() - started < 3
     assert caught.value.peer == 0 and caught.value.op == "device set-up"
     assert "never published its 'nccl-id'" in str(caught.value)
@@ -113,10 +113,10 @@ def test_a_missing_unique_id_is_a_timeout_naming_rank_0() -> None:
 
 def test_a_rank_that_never_connects_is_a_timeout() -> None:
     table = Table()
-    TableExchange(table, 0).publish("nccl-id", FakeNccl(RUNTIME).unique_id())
+    TableExchange(table, 0).publish("nccl-id", NCCL.unique_id())
     started = time.monotonic()
     with pytest.raises(CommTimeout, match="NCCL waits for every rank"):
-        open_channel(RUNTIME, FakeNccl(RUNTIME), TableExchange(table, 1), 1, 3, 0.5)
+        open_channel(RUNTIME, NCCL, TableExchange(table, 1), 1, 3, 0.5)
     assert time.monotonic() - started < 3
 
 
@@ -178,17 +178,14 @@ def test_a_stuck_nccl_op_times_out_and_the_abort_reaches_every_rank(
     first, aborts its communicator and raises CommTimeout naming the op and a peer of the
     group that waits; rank 1, which started later, hears it over the control plane before
     its own deadline and raises RemoteError naming rank 0. Both communicators are aborted."""
-    from ringcomm.core.device import fake_nccl
+    from ringcomm.testing import fake_nccl
 
-    original = fake_nccl._Comm.group_end
+    original = fake_nccl.FakeNcclCommunicator._launch
 
-    def lost_on_rank_2(self: fake_nccl._Comm) -> None:
-        if self.rank == 2:
-            self._depth -= 1
-            self._calls, self._stream = [], None
-            return
-        original(self)
-    monkeypatch.setattr(fake_nccl._Comm, "group_end", lost_on_rank_2)
+    def lost_on_rank_2(self: fake_nccl.FakeNcclCommunicator, calls: list) -> None:
+        if self.rank != 2:
+            original(self, calls)
+    monkeypatch.setattr(fake_nccl.FakeNcclCommunicator, "_launch", lost_on_rank_2)
     timeout = 1.5
 
     def rank(comm):
@@ -214,13 +211,13 @@ def test_a_stuck_nccl_op_times_out_and_the_abort_reaches_every_rank(
 def test_describe_and_env_say_where_nccl_runs(nccl_engine: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     described = run_group(3, lambda comm: comm.describe(), device="fake")
-    assert "nccl: nccl fake (fake; every pair: 1<->0, 1<->2)" in described[1]
+    assert "nccl: nccl 2.28.9 (fake; every pair: 1<->0, 1<->2)" in described[1]
     from ringcomm.environment import device_report
 
     monkeypatch.setenv("RINGCOMM_DEVICE", "fake")
     report = "\n".join(device_report())
     assert "RINGCOMM_DEVICE_ENGINE=nccl): nccl only" in report
-    assert "nccl: fake (fake; used where RINGCOMM_DEVICE_ENGINE=nccl)" in report
+    assert "nccl: 2.28.9 (fake; used where RINGCOMM_DEVICE_ENGINE=nccl)" in report
 
 
 def test_nccl_own_allreduce_against_the_schedules_bit_for_bit(nccl_engine: None) -> None:

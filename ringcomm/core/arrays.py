@@ -292,6 +292,20 @@ class _InFlight:
                 self._bytes -= oldest[2]
             oldest[0].event_synchronize(oldest[1])
 
+    def let_go_done(self, runtime: DeviceRuntime) -> None:
+        """Let go of what ``runtime``'s finished work held (a communicator's close, once its
+        streams are done): a user's array is not kept alive past the group that used it."""
+        with self._lock:
+            held = list(self._held)
+        finished = {id(entry) for entry in held
+                    if entry[0] is runtime and runtime.event_done(entry[1])}
+        if not finished:
+            return
+        with self._lock:
+            kept = deque(entry for entry in self._held if id(entry) not in finished)
+            self._bytes = sum(entry[2] for entry in kept)
+            self._held = kept
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -11,9 +11,12 @@ Set-up (once per group, on every rank): one ``malloc`` holding, for each peer, `
 outgoing slots of ``slot_bytes`` (this rank writes them, that peer reads them); one
 interprocess ``ready`` event per outgoing slot and one ``done`` event per incoming slot.
 The memory and events are exported once and published through the exchange with this
-process's pid; each peer's are opened once. A peer in this same process (the threads of
-``run_group``) is not opened (CUDA forbids opening one's own handle): its pointers and
-events are found in this process's table of exports.
+process's pid; each peer's are opened once, by this channel, which closes them at its own
+close (CUDA gives a destroyed event's handle bytes to the process's next event, so nothing
+opened outlives the channel, and nothing is kept by handle bytes beyond it). A peer in this
+same process (the threads of ``run_group``) is not opened (CUDA forbids opening one's own
+handle): its pointers and events are found in this process's table of exports, which holds
+them only while their channel is open.
 
 A message from p to q, piece by piece (a message larger than a slot travels in slot-sized
 pieces, in order), with slot ``s`` = p's running count of pieces to q modulo ``slots``:
@@ -28,15 +31,16 @@ pieces, in order), with slot ``s`` = p's running count of pieces to q modulo ``s
    records ``done_q[s]``, and only then sends p a credit (a cumulative count).
 
 Close, in the safe order: every rank lets its own device work on the slots finish, closes
-what it opened and says so ("closed") through the exchange; then it waits, bounded, for
-the "closed" of every peer that maps its memory (a peer that is gone does not hold it) and
-frees.
+what it opened (memory and events) and says so ("closed") through the exchange; then it
+waits, bounded, for the "closed" of every peer that maps its memory (a peer that is gone
+does not hold it), frees its memory and destroys its events.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -49,7 +53,7 @@ import numpy as np
 
 from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
 from ..core.dtypes import ReduceOp
-from ..errors import ArgumentError, CommTimeout, DesyncError
+from ..errors import ArgumentError, CommError, CommTimeout, DesyncError
 from ..transport.base import Transport
 from ..transport.header import Header
 from .context import OpContext
@@ -66,6 +70,7 @@ _HANDLES_KEY = "cuda-ipc/handles"
 _CLOSED_KEY = "cuda-ipc/closed"
 _ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
 _BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
+_SAY_WAITING_AFTER_S = 5.0  # a close that waits longer for a peer's "closed" says so
 
 
 @dataclass(slots=True)
@@ -103,6 +108,9 @@ class _Exports:
 
 
 _EXPORTS = _Exports()
+# what a close could not give back safely (a living peer still maps it): kept referenced so
+# that nothing destroys it before the process exits, when the driver takes all of it back
+_LEFT_FOR_EXIT: list[Any] = []
 
 
 def _alive(pid: int) -> bool:
@@ -144,7 +152,7 @@ class IpcChannel(DeviceChannel):
 
     def __init__(self, runtime: DeviceRuntime, transport: Transport, exchange: Exchange,
                  rank: int, world_size: int, *, slots: int = 4, slot_bytes: int = 4 << 20,
-                 timeout_s: float = 60.0, close_wait_s: float = 5.0) -> None:
+                 timeout_s: float = 60.0, close_wait_s: float = 60.0) -> None:
         if slots < 1:
             raise ArgumentError(f"cuda-ipc slots must be at least 1 (got {slots})")
         if slot_bytes < _ALIGN or slot_bytes % _ALIGN:
@@ -181,6 +189,7 @@ class IpcChannel(DeviceChannel):
         self._spare: list[Allocation] = []
         self._blocks: list[Allocation] = []
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
+        self._opened_events: list[Event] = []  # events open_event returned, closed at close
         if peers:
             try:
                 self._set_up(time.monotonic() + timeout_s)
@@ -231,8 +240,14 @@ class IpcChannel(DeviceChannel):
                                               * self.slot_bytes)
             for table, name in ((self._their_ready, "ready"), (self._their_done, "done")):
                 handles = [bytes.fromhex(h) for h in theirs[name][me]]
-                table[peer] = [_EXPORTS.get(h) if local else runtime.open_event(h)
-                               for h in handles]
+                if local:
+                    table[peer] = [_EXPORTS.get(h) for h in handles]
+                    continue
+                table[peer] = []
+                for h in handles:
+                    event = runtime.open_event(h)
+                    self._opened_events.append(event)
+                    table[peer].append(event)
 
     def _my_slot(self, peer: int, slot: int) -> int:
         assert self._memory is not None
@@ -436,7 +451,15 @@ class IpcChannel(DeviceChannel):
         except Exception as err:  # noqa: BLE001 - the store may be gone with the group
             log.warning("rank %d could not say its cuda-ipc mappings are closed: %s",
                         self.rank, err)
-        self._await_importers(time.monotonic() + self.close_wait_s)
+        mapping = self._await_importers(time.monotonic() + self.close_wait_s)
+        if mapping:  # freeing what a living peer maps is undefined on a GPU: never do it
+            log.warning("rank %d leaves its cuda-ipc slots and events for the process's exit "
+                        "to give back: rank(s) %s, still running, did not say within %g s "
+                        "that they closed their mappings of them", self.rank,
+                        ", ".join(map(str, mapping)), self.close_wait_s)
+            _LEFT_FOR_EXIT.append((self._memory, self._blocks, self._ready, self._done))
+            self._memory, self._blocks, self._spare = None, [], []
+            self._ready, self._done = {}, {}  # kept above: dropping would destroy them
         self._give_back()
 
     def _settle(self, deadline: float) -> bool:
@@ -455,13 +478,22 @@ class IpcChannel(DeviceChannel):
             time.sleep(0.001)
 
     def _close_opened(self) -> None:
+        """Close what this rank opened of its peers' (their slots and events)."""
         opened, self._opened = self._opened, []
         for ptr in opened:
             self.runtime.close_memory(ptr)
+        events, self._opened_events = self._opened_events, []
+        self._their_ready, self._their_done = {}, {}
+        for event in events:
+            self.runtime.close_event(event)
 
-    def _await_importers(self, deadline: float) -> None:
+    def _await_importers(self, deadline: float) -> list[int]:
         """Wait until every peer that maps this rank's slots has said "closed", or is gone,
-        or ``deadline`` has passed."""
+        or ``deadline`` has passed; the peers of other processes still running that have not
+        said it (a peer of this process maps nothing: it is freed from under it, as the
+        process's exit would)."""
+        mapping = []
+        said = time.monotonic() + _SAY_WAITING_AFTER_S
         for peer in self._peers:
             pid = self._pids.get(peer)
             if pid is None:
@@ -471,13 +503,21 @@ class IpcChannel(DeviceChannel):
                     self.exchange.read(_CLOSED_KEY, peer,
                                        min(deadline, time.monotonic() + 0.05))
                     break
-                except TimeoutError:  # CommTimeout or the store's
+                except (TimeoutError, CommError):  # a timeout, or the store is gone
                     if not _alive(pid):
                         break
-                    if time.monotonic() >= deadline:
-                        log.warning("rank %d frees its cuda-ipc slots although rank %d has "
-                                    "not said it closed them", self.rank, peer)
+                    now = time.monotonic()
+                    if now >= deadline:
+                        if pid != os.getpid():
+                            mapping.append(peer)
                         break
+                    if now >= said:
+                        said = math.inf
+                        log.warning("rank %d waits for rank %d to close its mappings of rank "
+                                    "%d's cuda-ipc slots (up to %.0f s more; freeing them "
+                                    "first would be undefined on a GPU)", self.rank, peer,
+                                    self.rank, deadline - now)
+        return mapping
 
     def _give_back(self) -> None:
         """Close what is still open and free this rank's memory (the last step of close, or
@@ -491,5 +531,9 @@ class IpcChannel(DeviceChannel):
             self.runtime.free(block)
         _EXPORTS.drop(self._exported)
         self._exported = []
+        own = [event for table in (self._ready, self._done) for row in table.values()
+               for event in row]
         self._ready, self._done = {}, {}
         self._their_ready, self._their_done, self._their_slots = {}, {}, {}
+        for event in own:  # the importers have closed theirs (or are gone)
+            self.runtime.close_event(event)

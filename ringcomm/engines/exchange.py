@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CommTimeout, StoreError, StoreTimeout
 
-__all__ = ["StoreExchange", "TableExchange", "Table"]
+__all__ = ["MemberExchange", "StoreExchange", "TableExchange", "Table"]
 
 
 class StoreExchange:
@@ -79,3 +79,21 @@ class TableExchange:
                                       op="device set-up", peer=rank)
                 table.changed.wait(left)
             return table.values[(key, rank)]
+
+
+class MemberExchange:
+    """The records of a subgroup (``Communicator.split``) through its parent group's
+    exchange: keys under the subgroup's ``tag``, a member's rank in the subgroup mapped to
+    its rank in the parent (``members``), so the subgroup's device channels are set up as
+    the parent's were, and never read another subgroup's records."""
+
+    def __init__(self, parent: Any, tag: str, members: tuple[int, ...]) -> None:
+        self.parent = parent
+        self.tag = tag
+        self.members = members
+
+    def publish(self, key: str, value: bytes) -> None:
+        self.parent.publish(f"{self.tag}/{key}", value)
+
+    def read(self, key: str, rank: int, deadline: float) -> bytes:
+        return bytes(self.parent.read(f"{self.tag}/{key}", self.members[rank], deadline))

@@ -37,11 +37,20 @@ import numpy as np
 from ..core import config
 from ..core import tensors as _tensors  # noqa: F401 - registers the kind of CUDA tensors
 from ..core.algorithms import DEVICE_ENGINES
-from ..core.arrays import HOST, HOST_ONLY, Buffer, Concatenated, HostBuffer, as_buffer
+from ..core.arrays import (
+    HOST,
+    HOST_ONLY,
+    IN_FLIGHT,
+    Buffer,
+    Concatenated,
+    HostBuffer,
+    as_buffer,
+)
 from ..core.config import DEFAULT_INLINE_BYTES
 from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
 from ..engines.device_channel import Exchange
+from ..engines.exchange import MemberExchange
 from ..engines.wrapping import Wiring, Wrapper
 from ..errors import ArgumentError, CommAborted, DesyncError
 from ..faults import FaultWrapper, wrappers_for
@@ -135,6 +144,7 @@ class Communicator:
         self._segment_bytes = int(segment_bytes)
         self._on_close = list(on_close)
         self._connect = connect  # (member ranks, tag) -> this rank's transport among them
+        self._exchange = exchange  # how subgroups' device channels swap their records too
         self._split_numbers = itertools.count()
         self._p2p_sent = [0] * self.world_size
         self._closed = False
@@ -213,12 +223,23 @@ class Communicator:
         """Whether nothing is queued or in flight here (see ``OpRunner.idle``)."""
         return self._ops.idle
 
-    def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
+    def choose(self, collective: str, size: Any, itemsize: int = 4, *,
                algorithm: str | None = None, memory: str = HOST) -> Choice:
-        """How this communicator runs ``collective`` on ``nbytes`` in ``memory`` (host, or
-        a device runtime's: ``comm.device.memory``): the engine, algorithm, segment size,
-        and why; the selector's choice, the same on every rank."""
-        return self.selector.choose(collective, nbytes, itemsize, memory=memory,
+        """How this communicator runs ``collective`` on ``size``: a number of bytes (of
+        ``itemsize``-byte elements, in ``memory``: host, or a device runtime's,
+        ``comm.device.memory``), or the array or tensor itself (a CUDA tensor, a CuPy
+        array, a numpy array: its bytes, element size and memory are read from it). The
+        engine, algorithm, segment size, and why; the selector's choice, the same on every
+        rank.
+
+        Example::
+
+            comm.choose("allreduce", torch.ones(1024, device="cuda")).engine  # "cuda-ipc"
+        """
+        if not isinstance(size, (int, np.integer)):
+            data = as_buffer(size, name="x", reads=False)
+            size, itemsize, memory = data.nbytes, data.dtype.itemsize, data.memory
+        return self.selector.choose(collective, int(size), itemsize, memory=memory,
                                     forced=algorithm)
 
     def describe(self) -> str:
@@ -330,10 +351,14 @@ class Communicator:
         pairs = everyone.reshape(-1, 2)
         members = tuple(sorted((r for r in range(self.world_size) if pairs[r][0] == color),
                                key=lambda r: (pairs[r][1], r)))
-        transport = self._connect(members, f"split{number}/{color}")
+        tag = f"split{number}/{color}"
+        transport = self._connect(members, tag)
+        exchange = None if self._exchange is None else MemberExchange(self._exchange, tag,
+                                                                      members)
         sub = Communicator(transport, timeout=self.timeout, settings=self.settings,
                            topology=Topology(tuple(self.topology.ranks[r] for r in members)),
-                           segment_bytes=self.segment_bytes, connect=None, faults_live=False)
+                           segment_bytes=self.segment_bytes, connect=None, faults_live=False,
+                           exchange=exchange)
         sub.barrier()  # every member is connected
         sub.start_faults()
         return sub
@@ -567,6 +592,8 @@ class Communicator:
                                 failed=self._ops.failure is not None)
         except Exception as failed:  # noqa: BLE001 - raised once everything is closed
             lanes_failed = failed
+        if self.device is not None:  # the arrays its finished ops held go with it
+            IN_FLIGHT.let_go_done(self.device)
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()

@@ -37,13 +37,21 @@ def runtime_name(mode: str) -> str | None:
     return _RUNTIME_OF_MODE.get(mode)
 
 
+def named_runtime(name: str) -> DeviceRuntime:
+    """The process-wide runtime ``name`` ("cupy" or "fake"), loading the fake's package
+    (``ringcomm.testing``, which registers it) when it is the one asked for."""
+    if name == "fake":
+        import ringcomm.testing  # noqa: F401 - registers the fake runtime
+    return devices.runtime(name)
+
+
 def device_runtime(settings: Settings) -> DeviceRuntime | None:
     """The runtime the agreed ``settings.device`` names (None for ``off``); an
     ``ArgumentError`` where it cannot be had here (``cuda`` without CuPy or a GPU)."""
     name = runtime_name(settings.device)
     if name is None:
         return None
-    runtime = devices.runtime(name)
+    runtime = named_runtime(name)
     if not runtime.available():
         raise ArgumentError(f"device={settings.device!r} (RINGCOMM_DEVICE or init(device=)) "
                             f"but the {runtime.name} runtime sees no device here; use "
@@ -82,7 +90,8 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
         if serves and exchange is not None:
             channel = IpcChannel(runtime, transport, exchange, transport.rank,
                                  transport.world_size, slots=settings.ipc_slots,
-                                 slot_bytes=settings.ipc_slot_bytes, timeout_s=timeout)
+                                 slot_bytes=settings.ipc_slot_bytes, timeout_s=timeout,
+                                 close_wait_s=timeout)
             lanes[CUDA_IPC] = DeviceLane(channel)
         elif serves:
             log.debug("rank %d: no cuda-ipc engine: no way to exchange handles",

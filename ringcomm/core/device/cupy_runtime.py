@@ -59,14 +59,15 @@ class CupyStream(Stream):
 
 
 class CupyEvent(Event):
-    """A CUDA event by its raw handle (ours, or opened from another process's handle)."""
+    """A CUDA event by its raw handle (ours, or opened from another process's handle),
+    destroyed by ``close_event`` or, failing that, when it is dropped."""
 
     def __init__(self, ptr: int, interprocess: bool, imported: bool) -> None:
         self.ptr = ptr
         self.interprocess = interprocess
         self.imported = imported
-        finalizer = weakref.finalize(self, _destroy_event, ptr)
-        finalizer.atexit = False  # the CUDA context may be gone by then
+        self.finalizer = weakref.finalize(self, _destroy_event, ptr)
+        self.finalizer.atexit = False  # the CUDA context may be gone by then
 
     def __repr__(self) -> str:
         return f"<CupyEvent {self.ptr:#x}{' (imported)' if self.imported else ''}>"
@@ -92,8 +93,8 @@ class CupyRuntime(DeviceRuntime):
         self._rt = self._cp.cuda.runtime
         self._lock = threading.Lock()
         self._allocations: dict[int, int] = {}  # ptr -> nbytes, made here by malloc
-        self._opened: dict[bytes, int] = {}  # memory handle -> mapped pointer
-        self._opened_events: set[bytes] = set()
+        self._opened: dict[int, int] = {}  # mapped pointer -> opens not closed yet
+        self._opened_events = 0  # events opened from handles and not closed
         self._registered: dict[int, int] = {}  # host address -> nbytes
 
     # ------------------------------------------------------------------------ devices
@@ -181,18 +182,19 @@ class CupyRuntime(DeviceRuntime):
         return bytes(self._rt.ipcGetEventHandle(ev.ptr))
 
     def open_event(self, handle: bytes) -> CupyEvent:
-        handle = bytes(handle)
+        event = CupyEvent(int(self._rt.ipcOpenEventHandle(bytes(handle))), True, True)
         with self._lock:
-            if handle in self._opened_events:
-                raise ValueError("open_event: this event handle is open in this process "
-                                 "already; open each handle once and keep the event")
-            self._opened_events.add(handle)
-        try:
-            return CupyEvent(int(self._rt.ipcOpenEventHandle(handle)), True, True)
-        except BaseException:
+            self._opened_events += 1
+        return event
+
+    def close_event(self, event: Event) -> None:
+        ev = self._event(event)
+        if not ev.finalizer.alive:
+            raise ValueError(f"close_event({ev!r}): it was closed already")
+        ev.finalizer()  # cudaEventDestroy, once
+        if ev.imported:
             with self._lock:
-                self._opened_events.discard(handle)
-            raise
+                self._opened_events -= 1
 
     # ------------------------------------------------------------------------ memory
     def malloc(self, nbytes: int) -> Allocation:
@@ -216,35 +218,27 @@ class CupyRuntime(DeviceRuntime):
         return bytes(self._rt.ipcGetMemHandle(allocation.ptr))
 
     def open_memory(self, handle: bytes) -> int:
-        handle = bytes(handle)
+        ptr = int(self._rt.ipcOpenMemHandle(bytes(handle), 1))  # lazy peer access
         with self._lock:
-            if handle in self._opened:
-                raise ValueError(f"open_memory: this handle is open here already at "
-                                 f"{self._opened[handle]:#x}; open each handle once per "
-                                 "process")
-            self._opened[handle] = 0
-        try:
-            ptr = int(self._rt.ipcOpenMemHandle(handle, 1))  # lazy peer access
-        except BaseException:
-            with self._lock:
-                del self._opened[handle]
-            raise
-        with self._lock:
-            self._opened[handle] = ptr
+            self._opened[ptr] = self._opened.get(ptr, 0) + 1
         return ptr
 
     def close_memory(self, ptr: int) -> None:
         with self._lock:
-            handle = next((h for h, p in self._opened.items() if p == ptr and p), None)
-            if handle is None:
+            opens = self._opened.get(ptr)
+            if opens is None:
                 raise ValueError(f"close_memory({ptr:#x}): no mapping opened with "
                                  "open_memory starts there")
-            del self._opened[handle]
+            if opens > 1:
+                self._opened[ptr] = opens - 1
+            else:
+                del self._opened[ptr]
         self._rt.ipcCloseMemHandle(ptr)
 
     def live_allocations(self) -> int:
         with self._lock:
-            return len(self._allocations) + len(self._opened) + len(self._registered)
+            return (len(self._allocations) + sum(self._opened.values())
+                    + self._opened_events + len(self._registered))
 
     def host_register(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -280,6 +274,9 @@ class CupyRuntime(DeviceRuntime):
         if not src.flags.c_contiguous:
             raise ValueError("from_host: src must be a contiguous numpy array")
         self._rt.memcpyAsync(dst, src.ctypes.data, src.nbytes, _H2D, stream.handle)
+
+    def zeros(self, count: int, dtype: Any) -> Any:
+        return self._cp.zeros(count, dtype=dtype)
 
     def array_at(self, ptr: int, count: int, dtype: np.dtype) -> Any:
         cuda = self._cp.cuda

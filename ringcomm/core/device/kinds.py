@@ -8,7 +8,6 @@ arrays that are not contiguous, dtypes the core does not know (float16 and bfloa
 known), and arrays on a device other than the runtime's current one (a stream of another
 device cannot order work on this one).
 
-- ``FakeArrayKind``: the fake runtime's ``FakeDeviceArray`` (CI without a GPU).
 - ``CupyKind``: ``cupy.ndarray`` (pointer ``a.data.ptr``, the caller's stream CuPy's current
   one).
 - ``TorchCUDAKind``: torch CUDA tensors through the CuPy runtime (pointer ``data_ptr()``,
@@ -20,9 +19,10 @@ device cannot order work on this one).
 
 Registered with ``ringcomm.core.arrays.register`` when this module is imported (the
 communicator imports it), newest first, so the specific kinds are asked before the
-protocols. Nothing here imports cupy or torch: a type is recognised through
-``sys.modules`` (an array of a library that was never imported cannot exist), and the CuPy
-runtime is made only for an array that needs it.
+protocols. The fake runtime's arrays are a ``RuntimeKind`` too, registered by
+``ringcomm.testing`` when it is imported. Nothing here imports cupy or torch: a type is
+recognised through ``sys.modules`` (an array of a library that was never imported cannot
+exist), and the CuPy runtime is made only for an array that needs it.
 """
 
 from __future__ import annotations
@@ -59,13 +59,19 @@ _INTERFACE_RUNTIME: list[DeviceRuntime] = []  # chosen once per process
 
 def _interface_runtime() -> DeviceRuntime:
     """The runtime that reads memory named only by a pointer (the CUDA array interface):
-    CuPy's where a GPU can be used, else the fake one, whose pointers are the only device
-    pointers a machine without a GPU has. Chosen once per process."""
+    CuPy's where a GPU can be used, else the fake one where ``ringcomm.testing`` registered
+    it (its pointers are the only device pointers a machine without a GPU has). Chosen
+    once per process; an ``ArgumentError`` where there is neither."""
     if not _INTERFACE_RUNTIME:
         try:
             cupy = _runtime("cupy")
-            chosen = cupy if cupy.available() else _runtime("fake")
+            chosen = cupy if cupy.available() else None
         except ArgumentError:
+            chosen = None
+        if chosen is None:
+            if "fake" not in _device_package.registered():
+                raise ArgumentError("device memory named by __cuda_array_interface__, but no "
+                                    "GPU can be used here (CuPy sees none)")
             chosen = _runtime("fake")
         _INTERFACE_RUNTIME.append(chosen)
     return _INTERFACE_RUNTIME[0]
@@ -130,29 +136,6 @@ class RuntimeKind(DeviceKind):
 
 def _contiguity(name: str, call: str) -> ArgumentError:
     return ArgumentError(f"{name} is not contiguous; pass {call} and copy results back")
-
-
-class FakeArrayKind(RuntimeKind):
-    """The fake runtime's arrays (``ringcomm.core.device.fake.FakeDeviceArray``)."""
-
-    noun = "a ringcomm FakeDeviceArray"
-
-    def owns(self, x: Any) -> bool:
-        fake = sys.modules.get("ringcomm.core.device.fake")
-        return fake is not None and isinstance(x, fake.FakeDeviceArray)
-
-    def runtime_of(self, x: Any) -> DeviceRuntime:
-        own = getattr(x, "runtime", None)
-        return own if own is not None else _runtime("fake")
-
-    def device_of(self, x: Any, runtime: DeviceRuntime) -> int | None:
-        return int(x.allocation.device)
-
-    def describe(self, x: Any, name: str, writable: bool) -> tuple[np.dtype, int]:
-        return np.dtype(x.dtype), int(x.size)
-
-    def pointer(self, x: Any) -> int:
-        return int(x.ptr)
 
 
 class CupyKind(RuntimeKind):
@@ -350,7 +333,7 @@ class DLPackKind(RuntimeKind):
 # The kinds of their own go in front (oldest first: ``register`` puts each there); the two
 # protocols are fallbacks, asked after the host kinds, so that a numpy array or a torch CPU
 # tensor (which speak DLPack too) costs nothing more to take.
-KINDS: tuple[RuntimeKind, ...] = (CupyKind(), TorchCUDAKind(), FakeArrayKind())
+KINDS: tuple[RuntimeKind, ...] = (CupyKind(), TorchCUDAKind())
 PROTOCOL_KINDS: tuple[RuntimeKind, ...] = (CudaInterfaceKind(), DLPackKind())
 for _kind in KINDS:
     register(_kind)

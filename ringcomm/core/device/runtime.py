@@ -19,10 +19,18 @@ The model is CUDA's, and every runtime keeps its rules:
   record is done.
 - Device pointers are plain ints that the host must not dereference. An ``Allocation`` is a
   base pointer from the device's own allocator (never a pool block), so it can be
-  exported: ``export_memory`` gives a handle that another *process* opens once
-  (``open_memory``: opening a handle twice in one process, or one's own, is an error), and
-  closes (``close_memory``) before the exporter frees it (``free`` while a peer still maps
-  it is an error). Interprocess events work the same way (``export_event``/``open_event``).
+  exported: ``export_memory`` gives a handle that another *process* opens
+  (``open_memory``; opening it again in the same process only counts, and gives the same
+  pointer, as ``cuIpcOpenMemHandle`` documents; opening one's own handle is an error) and
+  closes (``close_memory``, once per open) before the exporter frees it (freeing memory a
+  peer still maps is undefined behaviour).
+- Interprocess events work the same way (``export_event``/``open_event``), with two facts
+  measured on an H100 (CUDA 13, 2026-11-27): once an interprocess event is destroyed, the
+  next one the process makes gets the *same handle bytes*, and opening one handle twice in
+  a process is allowed (each open is an event of its own). So handle bytes are never a
+  lasting identity: whoever opens or makes an event owns it and ends it (``close_event``),
+  an importer before the exporter (using an imported event after its exporter destroyed it
+  is undefined behaviour, CUDA's ``cudaIpcOpenEventHandle`` docs).
 - Reductions (``reduce``, ``finish``) are elementwise kernels on the stream, with the
   semantics of ``ringcomm.core.dtypes.reduce_into`` and ``finish_reduction``, every dtype
   the core knows (float16 and bfloat16 included).
@@ -132,7 +140,14 @@ class DeviceRuntime(abc.ABC):
 
     @abc.abstractmethod
     def open_event(self, handle: bytes) -> Event:
-        """Another process's interprocess event (waitable here, not recordable)."""
+        """Another process's interprocess event (waitable here, not recordable). Each call
+        opens it anew (a handle may be opened more than once); ``close_event`` ends each."""
+
+    @abc.abstractmethod
+    def close_event(self, event: Event) -> None:
+        """End ``event`` now (``cudaEventDestroy``): one made here, or one opened from another
+        process's handle. Work queued before keeps its waits; the event is dead afterwards.
+        An exporter ends its events only once every importer has closed them."""
 
     # ---------------------------------------------------------------- memory
     @abc.abstractmethod
@@ -151,17 +166,20 @@ class DeviceRuntime(abc.ABC):
 
     @abc.abstractmethod
     def open_memory(self, handle: bytes) -> int:
-        """Map another process's exported allocation; its base pointer here. Once per handle
-        and process (a second open is an error, as is opening one's own)."""
+        """Map another process's exported allocation; its base pointer here. Opening a
+        handle that is open here already gives the same pointer and counts one more open
+        (``cuIpcOpenMemHandle``); opening one's own handle is an error."""
 
     @abc.abstractmethod
     def close_memory(self, ptr: int) -> None:
-        """Unmap what ``open_memory`` returned ``ptr`` for; the pointer is dead afterwards."""
+        """Close one open of the mapping at ``ptr``; the last close unmaps it, and the
+        pointer is dead afterwards."""
 
     @abc.abstractmethod
     def live_allocations(self) -> int:
-        """Allocations made here and not freed, plus handles opened and not closed: 0 once
-        everything is given back (what the tests of ``close()`` look at)."""
+        """Allocations made here and not freed, plus memory and event handles opened and not
+        closed, plus host ranges registered: 0 once everything is given back (what the tests
+        of ``close()`` look at)."""
 
     @abc.abstractmethod
     def host_register(self, address: int, nbytes: int) -> None:
@@ -196,6 +214,11 @@ class DeviceRuntime(abc.ABC):
         (``finish_reduction``'s rule), as one scale at the end."""
 
     # ---------------------------------------------------------------- arrays
+    @abc.abstractmethod
+    def zeros(self, count: int, dtype: Any) -> Any:
+        """``count`` zeros of ``dtype`` as this runtime's own array (a CuPy array for CuPy),
+        queued on the calling thread's current stream."""
+
     def array_at(self, ptr: int, count: int, dtype: np.dtype) -> Any:  # noqa: B027
         """The runtime's own array over ``count`` elements at ``ptr`` (a CuPy array for
         CuPy), for code that needs one; None where the runtime has none."""

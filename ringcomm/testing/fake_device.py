@@ -2,8 +2,8 @@
 
 Why so strict: device code is wrong in ways a CPU hides (a forgotten wait, a record made
 too late, a handle closed twice, memory freed while a peer maps it). This runtime keeps
-CUDA's rules (``runtime.py``'s docstring) and makes breaking one visible at once and
-deterministically:
+CUDA's rules (``ringcomm.core.device.runtime``'s docstring) and makes breaking one visible
+at once and deterministically:
 
 - **Lazy streams.** Copies, reductions and records are only queued. A stream's items run, in
   order, when something needs them: ``synchronize``, ``event_synchronize``/``event_done``
@@ -19,9 +19,47 @@ deterministically:
   the table of processes that map it. Another process opens a handle through
   ``/proc/<pid>/fd/<fd>`` and registers there; ``free`` refuses while a living importer
   still maps the memory. Interprocess events keep their generations (recorded, completed,
-  demanded) in a small memfd too; a stream in another process waiting on one asks for it
-  (``demanded``) and a daemon "device" thread of the recording process runs the recording
-  stream that far.
+  demanded) and their importers in a small memfd too; a stream in another process waiting
+  on one asks for it (``demanded``) and a daemon "device" thread of the recording process
+  runs the recording stream that far.
+
+What the fake refuses, and why (each a ``FakeDeviceFault``; a test breaks each once). A
+refusal is either what CUDA refuses or what its documentation calls undefined behaviour,
+which a GPU would not report but would punish later:
+
+====================================================  ==========================================
+refusal                                               source
+====================================================  ==========================================
+a pointer outside every live allocation and mapping   an illegal address on a GPU (the kernel or
+(freed, closed, out of range, host memory)            copy faults: cudaErrorIllegalAddress)
+``free`` while another living process maps it         undefined (cudaIpcOpenMemHandle docs:
+                                                      importers close before the exporter frees)
+``free``/``close_memory`` of what is not an           cudaErrorInvalidValue /
+allocation/mapping start, or a second free            cudaErrorInvalidDevicePointer
+opening one's own memory or event handle              cudaErrorInvalidContext / DeviceUninitialized
+                                                      (CUDA IPC is between processes; measured
+                                                      reports)
+opening a memory handle whose allocation was freed    the memory is gone (cudaErrorInvalidValue)
+``close_event`` of an exported event that a living    undefined (cudaIpcOpenEventHandle docs: use
+importer still has open                               of an imported event after the exporter
+                                                      destroyed it)
+recording an event opened from another process        cudaErrorInvalidResourceHandle (IPC events
+                                                      can be waited on, not recorded, by importers)
+releasing an array while work queued on another       undefined: the pool (CuPy's, torch's caching
+stream still uses it                                  allocator) hands the memory out again
+a stream or host wait that never ends                 a hang on a GPU (the fake gives up after
+                                                      ``RINGCOMM_FAKE_DEVICE_TIMEOUT``)
+====================================================  ==========================================
+
+And what it allows because CUDA was measured or documented to (never refuse these):
+
+- opening one memory handle twice in a process: the same pointer, counted; each open is
+  closed once (cuIpcOpenMemHandle / cuIpcCloseMemHandle docs);
+- opening one event handle twice in a process: each open is an event of its own (measured
+  on an H100, CUDA 13, 2026-11-27);
+- a destroyed interprocess event's handle bytes come back for the process's next
+  interprocess event (measured there: 4 of 4), so a handle names a slot, not an event;
+  an importer that kept the old one open waits on the new one's records.
 """
 
 from __future__ import annotations
@@ -43,9 +81,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
-from ..dtypes import ReduceOp, finish_reduction, reduce_into
-from .runtime import Allocation, DeviceRuntime, Event, Stream
+from ..core import config
+from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
+from ..core.dtypes import ReduceOp, finish_reduction, reduce_into
 
 PAGE = mmap.PAGESIZE
 #: Fake device pointers lie in 0x7e00_0000_0000 - 0x7f00_0000_0000, a range no host mapping
@@ -160,6 +198,9 @@ class _Record(_Item):
             ev.pending.pop(self.generation, None)
             if int(ev.state[1]) < self.generation:
                 ev.state[1] = self.generation
+            released = ev.closed and not ev.pending
+        if released:
+            rt._release_slot(ev)
         return True
 
 
@@ -173,8 +214,17 @@ class _Wait(_Item):
         self.generation = generation
 
     def run(self, rt: FakeRuntime, block: bool, deadline: float) -> bool:
-        return rt._reach(self.event, self.generation, block, deadline,
-                         f"stream {self.stream.handle:#x}")
+        ev = self.event
+        if not rt._reach(ev, self.generation, block, deadline, f"stream {self.stream.handle:#x}"):
+            return False
+        if ev.imported:
+            with ev.lock:
+                ev.waits -= 1
+                last = ev.closed and not ev.waits
+            if last:  # closed while this wait was queued: the import ends now
+                assert ev.finalizer is not None
+                ev.finalizer()
+        return True
 
 
 class FakeStream(Stream):
@@ -193,6 +243,25 @@ class FakeStream(Stream):
         return f"<FakeStream {self.handle:#x}: {self.queued - self.done} queued>"
 
 
+class _EventSlot:
+    """Where an interprocess event of this process keeps its state: a one-page memfd
+    (magic, slot id, generations recorded / completed / demanded, the importer table).
+    A slot outlives its event: once the event is destroyed (and its pending records have
+    run, as CUDA releases an event's resources only then), the slot goes back to the
+    process's pool and the next interprocess event takes it, handle bytes and all, as
+    CUDA was measured to give a destroyed event's handle to the next event."""
+
+    __slots__ = ("ident", "fd", "mm", "state", "handle")
+
+    def __init__(self, ident: int, pid: int) -> None:
+        self.ident = ident
+        self.fd, self.mm = _memfd(f"ringcomm-fake-event-{ident}", PAGE)
+        self.mm[:8] = _EVENT_MAGIC
+        struct.pack_into("<Q", self.mm, 8, ident)
+        self.state = np.frombuffer(self.mm, np.uint64, 3, 16)
+        self.handle = _EVENT_HANDLE.pack(_EVENT_MAGIC, pid, self.fd, ident)
+
+
 class FakeEvent(Event):
     """An event of the fake runtime. ``state`` holds the generations recorded, completed and
     demanded (in a memfd for interprocess events, so other processes read them);
@@ -208,6 +277,10 @@ class FakeEvent(Event):
         self.lock = threading.Lock()
         self.pending: dict[int, tuple[FakeStream, int]] = {}
         self.export: bytes | None = None
+        self.slot: _EventSlot | None = None  # an interprocess event of this process's
+        self.closed = False  # close_event was called
+        self.waits = 0  # an imported event's queued waits not run yet
+        self.finalizer: weakref.finalize[Any, Any] | None = None  # what dropping it does
 
     def __repr__(self) -> str:
         return (f"<FakeEvent {self.name}: recorded {int(self.state[0])}, completed "
@@ -256,7 +329,9 @@ class FakeRuntime(DeviceRuntime):
         self._dead: dict[int, tuple[int, str]] = {}  # base -> (end, what happened)
         self._dead_bases: list[int] = []
         self._opened: dict[tuple[int, int], int] = {}  # (pid, id) -> mapping base
-        self._opened_events: set[tuple[int, int]] = set()
+        self._opens: dict[int, int] = {}  # mapping base -> opens not closed yet
+        self._imported_events = 0  # events opened from handles and not closed
+        self._free_slots: list[_EventSlot] = []  # interprocess event slots to reuse
         self._registered: dict[int, int] = {}  # host address -> nbytes
         self._streams: dict[int, FakeStream] = {}
         self._next_stream = 0x5000
@@ -265,7 +340,6 @@ class FakeRuntime(DeviceRuntime):
         self._deferred: list[tuple[Allocation, int | None]] = []
         self._exported_events: weakref.WeakSet[FakeEvent] = weakref.WeakSet()
         self._device_thread: threading.Thread | None = None
-        self._event_maps: list[Any] = []  # keeps imported events' mappings for the process
 
     # ------------------------------------------------------------------------ devices
     def available(self) -> bool:
@@ -387,17 +461,20 @@ class FakeRuntime(DeviceRuntime):
         with self._lock:
             ident = self._next_id
             self._next_id += 1
+            slot = self._free_slots.pop() if interprocess and self._free_slots else None
         name = f"e{ident}@{self.pid}"
         if not interprocess:
             return FakeEvent(name, False, np.zeros(3, np.uint64), imported=False,
                              owner=self.pid)
-        fd, mm = _memfd(f"ringcomm-fake-event-{ident}", PAGE)
-        mm[:8] = _EVENT_MAGIC
-        struct.pack_into("<Q", mm, 8, ident)
-        state = np.frombuffer(mm, np.uint64, 3, 16)
-        event = FakeEvent(name, True, state, imported=False, owner=self.pid)
-        event.export = _EVENT_HANDLE.pack(_EVENT_MAGIC, self.pid, fd, ident)
-        weakref.finalize(event, _close_event_map, fd, mm)
+        if slot is None:
+            slot = _EventSlot(ident, self.pid)
+        slot.state[:] = 0
+        event = FakeEvent(name, True, slot.state, imported=False, owner=self.pid)
+        event.slot = slot
+        event.export = slot.handle
+        # dropped without close_event: destroyed then (CuPy's Event does the same), and its
+        # slot goes back to the pool
+        event.finalizer = weakref.finalize(event, self._free_slots.append, slot)
         return event
 
     def _event(self, event: Event) -> FakeEvent:
@@ -407,6 +484,8 @@ class FakeRuntime(DeviceRuntime):
 
     def record(self, event: Event, stream: Stream) -> None:
         ev = self._event(event)
+        if ev.closed:
+            raise FakeDeviceFault(f"record of {ev.name}, which was closed with close_event")
         if ev.imported:
             raise FakeDeviceFault(
                 f"record({ev.name}): an event opened from another process's handle can be "
@@ -422,9 +501,14 @@ class FakeRuntime(DeviceRuntime):
     def wait_event(self, stream: Stream, event: Event) -> None:
         ev = self._event(event)
         s = self._own(stream)
+        if ev.closed:
+            raise FakeDeviceFault(f"wait_event on {ev.name}, which was closed with close_event")
         generation = int(ev.state[0])
         if generation == 0:
             return  # never recorded: no wait, as in CUDA
+        if ev.imported:
+            with ev.lock:
+                ev.waits += 1
         self._queue(s, _Wait(s, ev, generation))
 
     def event_synchronize(self, event: Event) -> None:
@@ -498,24 +582,67 @@ class FakeRuntime(DeviceRuntime):
             raise FakeDeviceFault(
                 f"open_event: the handle is of an event of this process (pid {pid}); use the "
                 "event itself")
-        with self._lock:
-            if (pid, ident) in self._opened_events:
-                raise FakeDeviceFault(
-                    f"open_event: event {ident} of process {pid} is already open in this "
-                    "process; open each handle once and keep the event")
-            self._opened_events.add((pid, ident))
         local = _open_peer_fd(pid, fd, "event")
         try:
             mm = mmap.mmap(local, PAGE)
-        finally:
+            if mm[:8] != _EVENT_MAGIC or struct.unpack_from("<Q", mm, 8)[0] != ident:
+                _close_map(mm)
+                raise FakeDeviceFault(f"open_event: the handle of process {pid} names no "
+                                      "event slot of it")
+            self._register_importer(local, mm, ident, "open_event")
+        except BaseException:
             os.close(local)
-        if mm[:8] != _EVENT_MAGIC or struct.unpack_from("<Q", mm, 8)[0] != ident:
-            _close_map(mm)
-            raise FakeDeviceFault(
-                f"open_event: the handle of process {pid} is stale (its event was given back)")
-        self._event_maps.append(mm)
-        return FakeEvent(f"e{ident}@{pid}", True, np.frombuffer(mm, np.uint64, 3, 16),
-                         imported=True, owner=pid)
+            raise
+        event = FakeEvent(f"e{ident}@{pid}", True, np.frombuffer(mm, np.uint64, 3, 16),
+                          imported=True, owner=pid)
+        with self._lock:
+            self._imported_events += 1
+        # dropped without close_event: closed then, as CuPy's runtime destroys it
+        event.finalizer = weakref.finalize(event, self._close_import, local, mm)
+        return event
+
+    def _close_import(self, fd: int, mm: mmap.mmap) -> None:
+        self._unregister_importer(fd, mm)
+        _close_map(mm)
+        os.close(fd)
+        with self._lock:
+            self._imported_events -= 1
+
+    def close_event(self, event: Event) -> None:
+        ev = self._event(event)
+        if ev.closed:
+            raise FakeDeviceFault(f"close_event({ev.name}): it was closed already")
+        if ev.imported:  # queued waits keep it (CUDA ends an event once its work is done)
+            with ev.lock:
+                ev.closed = True
+                now = not ev.waits
+            if now:
+                assert ev.finalizer is not None
+                ev.finalizer()
+            return
+        if ev.slot is not None:
+            living = self._importers_of(ev.slot.fd, ev.slot.mm)
+            if living:
+                raise FakeDeviceFault(
+                    f"close_event({ev.name}): process(es) {', '.join(map(str, living))} still "
+                    "have this event open; they must close_event it first (an imported event "
+                    "used after its exporter destroyed it is undefined on a GPU)")
+        with ev.lock:
+            ev.closed = True
+            released = not ev.pending
+        self._exported_events.discard(ev)
+        if released:
+            self._release_slot(ev)
+
+    def _release_slot(self, ev: FakeEvent) -> None:
+        """Give a destroyed interprocess event's slot back for the next event to take."""
+        slot, ev.slot = ev.slot, None
+        if slot is not None:
+            ev.state = np.zeros(3, np.uint64)
+            assert ev.finalizer is not None
+            ev.finalizer.detach()
+            with self._lock:
+                self._free_slots.append(slot)
 
     def _start_device_thread(self) -> None:
         with self._lock:
@@ -648,9 +775,14 @@ class FakeRuntime(DeviceRuntime):
                 "queued on it is done (a pool allocator would hand its memory out again)")
 
     def _importers(self, region: _Region) -> list[int]:
-        """Living processes still mapping ``region`` (read under the header's lock)."""
-        table = np.frombuffer(region.mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
-        fcntl.flock(region.fd, fcntl.LOCK_EX)
+        """Living processes still mapping ``region``."""
+        return self._importers_of(region.fd, region.mm)
+
+    @staticmethod
+    def _importers_of(fd: int, mm: mmap.mmap) -> list[int]:
+        """Living processes in the importer table of a memfd header (read under its lock)."""
+        table = np.frombuffer(mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             living = []
             for slot in range(_IMPORTER_SLOTS):
@@ -660,7 +792,38 @@ class FakeRuntime(DeviceRuntime):
             return living
         finally:
             del table
-            fcntl.flock(region.fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _register_importer(self, fd: int, mm: mmap.mmap, ident: int, what: str) -> None:
+        """Add this process to a memfd header's importer table (once per open)."""
+        table = np.frombuffer(mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            for slot in range(_IMPORTER_SLOTS):
+                pid = int(table[2 * slot])
+                if not pid or _start_time(pid) != int(table[2 * slot + 1]):
+                    table[2 * slot] = self.pid
+                    table[2 * slot + 1] = _start_time(self.pid) or 0
+                    return
+            raise FakeDeviceFault(f"{what}: {ident} is open in {_IMPORTER_SLOTS} places "
+                                  "already, the fake's limit")
+        finally:
+            del table
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _unregister_importer(self, fd: int, mm: mmap.mmap) -> None:
+        """Take one entry of this process out of a memfd header's importer table."""
+        table = np.frombuffer(mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            for slot in range(_IMPORTER_SLOTS):
+                if int(table[2 * slot]) == self.pid:
+                    table[2 * slot] = 0
+                    table[2 * slot + 1] = 0
+                    return
+        finally:
+            del table
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def free(self, allocation: Allocation) -> None:
         self._drain_deferred()
@@ -740,10 +903,13 @@ class FakeRuntime(DeviceRuntime):
                 f"{pid}); a process cannot open its own handle, use the allocation")
         key = (pid, ident)
         with self._lock:
-            if key in self._opened:
-                raise FakeDeviceFault(
-                    f"open_memory: allocation {ident} of process {pid} is already open here "
-                    f"at {self._opened[key]:#x}; open each handle once per process")
+            base = self._opened.get(key)
+            if base:  # open here already: the same pointer, one more open (CUDA counts)
+                self._opens[base] += 1
+                return base
+            if base is not None:
+                raise FakeDeviceFault(f"open_memory: allocation {ident} of process {pid} is "
+                                      "being opened on another thread right now")
             self._opened[key] = 0
         try:
             local = _open_peer_fd(pid, fd, "memory")
@@ -756,7 +922,7 @@ class FakeRuntime(DeviceRuntime):
                     raise FakeDeviceFault(
                         f"open_memory: the handle of process {pid} is stale (allocation "
                         f"{ident} was freed)")
-                self._register_importer(local, mm, ident)
+                self._register_importer(local, mm, ident, "open_memory: allocation")
             except BaseException:
                 os.close(local)
                 raise
@@ -769,24 +935,8 @@ class FakeRuntime(DeviceRuntime):
             base = self._place(nbytes)
             self._add(_Region(base, nbytes, "mapping", local, mm, ident, pid, data))
             self._opened[key] = base
+            self._opens[base] = 1
         return base
-
-    def _register_importer(self, fd: int, mm: mmap.mmap, ident: int) -> None:
-        table = np.frombuffer(mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            for slot in range(_IMPORTER_SLOTS):
-                pid = int(table[2 * slot])
-                if not pid or _start_time(pid) != int(table[2 * slot + 1]):
-                    table[2 * slot] = self.pid
-                    table[2 * slot + 1] = _start_time(self.pid) or 0
-                    return
-            raise FakeDeviceFault(
-                f"open_memory: allocation {ident} is mapped by {_IMPORTER_SLOTS} processes "
-                "already, the fake's limit")
-        finally:
-            del table
-            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close_memory(self, ptr: int) -> None:
         self._drain_deferred()
@@ -801,20 +951,17 @@ class FakeRuntime(DeviceRuntime):
             raise FakeDeviceFault(
                 f"close_memory({ptr:#x}): no mapping opened with open_memory starts "
                 f"there{why}")
+        with self._lock:
+            opens = self._opens[ptr]
+            if opens > 1:  # CUDA counts opens: only the last close unmaps
+                self._opens[ptr] = opens - 1
+                return
         self._settle(region)
-        table = np.frombuffer(region.mm, np.uint64, 2 * _IMPORTER_SLOTS, _IMPORTERS_AT)
-        fcntl.flock(region.fd, fcntl.LOCK_EX)
-        try:
-            for slot in range(_IMPORTER_SLOTS):
-                if int(table[2 * slot]) == self.pid:
-                    table[2 * slot] = 0
-                    table[2 * slot + 1] = 0
-        finally:
-            del table
-            fcntl.flock(region.fd, fcntl.LOCK_UN)
+        self._unregister_importer(region.fd, region.mm)
         with self._lock:
             self._remove(region, f"mapping of process {region.owner}'s memory closed earlier")
             del self._opened[(region.owner, region.ident)]
+            del self._opens[ptr]
         region.data = np.empty(0, np.uint8)
         _close_map(region.mm)
         os.close(region.fd)
@@ -822,7 +969,9 @@ class FakeRuntime(DeviceRuntime):
     def live_allocations(self) -> int:
         self._drain_deferred()
         with self._lock:
-            return len(self._regions) + len(self._registered)
+            mapped_again = sum(self._opens.values()) - len(self._opens)
+            return (len(self._regions) + mapped_again + self._imported_events
+                    + len(self._registered))
 
     def host_register(self, address: int, nbytes: int) -> None:
         if address <= 0 or nbytes <= 0:
@@ -912,10 +1061,9 @@ class FakeRuntime(DeviceRuntime):
 
         self._queue(stream, _Work("finish", run, ((ptr, nbytes),)))
 
-
-def _close_event_map(fd: int, mm: mmap.mmap) -> None:
-    _close_map(mm)
-    os.close(fd)
+    # ------------------------------------------------------------------------ arrays
+    def zeros(self, count: int, dtype: Any) -> FakeDeviceArray:
+        return FakeDeviceArray.from_host(np.zeros(count, dtype=dtype), runtime=self)
 
 
 # ----------------------------------------------------------------------------- arrays
@@ -999,7 +1147,7 @@ class FakeDeviceArray:
 
 
 def _default_runtime() -> FakeRuntime:
-    from . import runtime
+    from ..core.device import runtime
 
     rt = runtime("fake")
     assert isinstance(rt, FakeRuntime)
