@@ -302,6 +302,9 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
                 chosen, predicted = adapter.device_choice(
                     handle.comm, collective, world, size, itemsize,
                     b.algorithm if collective == "allreduce" else None)
+        elif ours and RUNNERS[b.library].device == "cuda":  # CUDA tensors through torch:
+            chosen, predicted = adapter.device_choice(  # the group's own device choice
+                handle.comm, collective, world, size, itemsize)
         elif ours and len(comm.hosts) > 1:  # the model for this layout
             chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
                                                             size, itemsize)

@@ -353,6 +353,38 @@ def test_the_engine_waits_for_what_the_caller_queued(engine_env):
     assert [r.tolist() for r in run_group(2, fn, device="fake")] == [[3.0] * 8] * 2
 
 
+@pytest.mark.parametrize("engine", [*ENGINES, "nccl"])
+def test_work_a_buffer_asks_for_runs_on_the_callers_stream_after_the_op(engine_env, engine):
+    """``DeviceBuffer.then`` (how the torch backend copies a joined list of CUDA tensors back
+    into each): queued on the caller's stream once that stream waits for the op, so it sees
+    the result, and its event becomes the buffer's ``done``."""
+    from ringcomm.core.arrays import as_buffer
+
+    engine_env(engine)
+
+    def fn(comm):
+        x = FakeDeviceArray.from_host(np.full(8, comm.rank + 1.0, np.float32))
+        copy = FakeDeviceArray.from_host(np.zeros(8, np.float32))
+        buf = as_buffer(x, name="x")
+        seen = []
+
+        def then(mine):
+            RUNTIME.copy(copy.ptr, x.ptr, x.nbytes, mine.caller_stream)
+            after = RUNTIME.new_event()
+            RUNTIME.record(after, mine.caller_stream)
+            seen.append(after)
+            return after
+        buf.then = then
+        comm.allreduce(buf)
+        out = copy.to_host()
+        assert buf.done is seen[0]
+        x.close()
+        copy.close()
+        return out
+
+    assert [r.tolist() for r in run_group(2, fn, device="fake")] == [[3.0] * 8] * 2
+
+
 # --------------------------------------------------------------------------- processes
 
 

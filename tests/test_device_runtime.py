@@ -331,6 +331,40 @@ def test_streams_and_devices_are_checked(fake):
     assert fake.device_count() == 1 and fake.describe()["device"] == "fake (numpy)"
 
 
+def test_an_array_dropped_while_another_stream_uses_it_is_a_fault(fake):
+    """A pool allocator (CuPy's, torch's caching one) hands a dropped array's memory out again
+    at once, for its own stream; work queued on another stream that still reads it would read
+    whatever comes next. The fake says so at the next safe point; work on the array's own
+    stream is fine (stream order protects it)."""
+    mine, other = fake.current_stream(), fake.new_stream()
+    x = FakeDeviceArray.from_host(np.arange(8.0))
+    scratch = fake.malloc(x.nbytes)
+    fake.copy(scratch.ptr, x.ptr, x.nbytes, mine)
+    del x  # only its own stream has work on it
+    fake.live_allocations()
+    y = FakeDeviceArray.from_host(np.arange(8.0))
+    fake.copy(scratch.ptr, y.ptr, y.nbytes, other)  # queued on another stream, not run
+    del y
+    with pytest.raises(FakeDeviceFault, match="released .* while queued device work still "
+                                              "uses it: copy on stream"):
+        fake.live_allocations()
+    fake.synchronize(other)
+    fake.synchronize(mine)
+    fake.free(scratch)
+
+
+def test_a_closed_event_is_not_waited_on_or_recorded(fake):
+    stream = fake.new_stream()
+    event = fake.new_event()
+    fake.record(event, stream)
+    fake.close_event(event)
+    with pytest.raises(FakeDeviceFault, match="closed with close_event"):
+        fake.wait_event(stream, event)
+    with pytest.raises(FakeDeviceFault, match="closed with close_event"):
+        fake.record(event, stream)
+    fake.synchronize(stream)
+
+
 def test_fake_device_array_refuses_host_access(fake):
     before = fake.live_allocations()
     x = FakeDeviceArray.from_host(np.arange(6.0).reshape(2, 3))

@@ -34,11 +34,17 @@ WORLDS = [1, 2, 3, 4]
 
 
 def _collectives(rank: int, world: int) -> dict[str, bool]:
-    """Every collective on CUDA tensors, each result compared with the CPU's."""
+    """Every collective on CUDA tensors, each result compared with the CPU's, and every one
+    taken by a device engine (never the host board)."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", 0)
     ok: dict[str, bool] = {}
+    comm = dist.group.WORLD.comm
+    for size in (8, 1 << 20):
+        engine = comm.choose("allreduce", torch.ones(size // 4, device=dev)).engine
+        ok[f"a {size} B CUDA tensor goes to a device engine ({engine})"] = \
+            engine in ("cuda-ipc", "staged", "nccl")
 
     def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         ok[name] = bool(got.is_cuda and torch.equal(got.cpu(), want))
@@ -121,6 +127,22 @@ def _ordering(rank: int, world: int) -> dict[str, bool]:
         y = x * 2  # queued on ``side`` after wait: must see the sum
     side.synchronize()
     ok["wait orders the caller's stream"] = bool(torch.all(y == 40.0 * world))
+    # wait() under another stream than the op's orders *that* stream: the op's device work
+    # sits behind long work on the op's stream, so a stream nothing ordered after it would
+    # read the input as it was
+    other = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        x = torch.full((n,), float(rank + 1), device=dev)
+        for _ in range(50):
+            x.mul_(1.0)
+        work = dist.all_reduce(x, async_op=True)
+    with torch.cuda.stream(other):
+        work.wait()
+        y = x.clone()
+    other.synchronize()
+    ok["wait under another stream orders that stream"] = bool(
+        torch.all(y == float(sum(range(1, world + 1)))))
+    side.synchronize()
     with torch.cuda.stream(side):
         x = torch.full((n,), float(rank + 1), device=dev)
         fut = dist.all_reduce(x, async_op=True).get_future()

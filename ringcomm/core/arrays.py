@@ -45,7 +45,7 @@ import abc
 import sys
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,12 +179,16 @@ class DeviceBuffer(Buffer):
     - ``caller_stream``: the stream the caller's work on the array is queued on; whoever
       finishes the op makes it wait for the op's last work on the array, and sets ``done``
       to that point (an event), which the torch backend's ``Work.wait`` uses.
+    - ``then``: work the caller wants queued on ``caller_stream`` once the op is done there
+      (copying a joined list of tensors back into each, say), called by whoever finishes
+      the op with the buffer; it returns the event recorded after that work, which becomes
+      ``done``.
 
     An engine that moves its memory takes it as it is; for the others ``staged_for`` makes
     the host mirror."""
 
     __slots__ = ("array", "runtime", "pointer", "device", "reads", "writes", "producer",
-                 "caller_stream", "done", "_staging")
+                 "caller_stream", "done", "then", "_staging")
 
     def __init__(self, array: Any, layout: DeviceLayout, name: str, *, reads: bool,
                  writes: bool) -> None:
@@ -204,6 +208,7 @@ class DeviceBuffer(Buffer):
         self.producer = runtime.new_event()
         runtime.record(self.producer, stream)
         self.done: Event | None = None
+        self.then: Callable[[DeviceBuffer], Event] | None = None
         # made here, on the caller's thread, whose current device is the array's
         self._staging = staging_stream(runtime, layout.device, stream)
 

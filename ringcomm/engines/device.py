@@ -286,9 +286,9 @@ def stage_in(lane: DeviceLane, buffers: Mapping[str, Buffer], engine: str,
 def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
               lifted: list[tuple[str, Buffer, int]], written: set[str]) -> Any:
     """After an op's last work on the lane's stream: a done event the callers' streams wait
-    on (the host does not), the callers' arrays kept alive until it; the lifted host
-    buffers the op wrote (``written`` roles) copied back, which the host waits for. Returns
-    the done event."""
+    on (the host does not), the callers' arrays kept alive until it, and what a buffer asks
+    to queue after it (``DeviceBuffer.then``); the lifted host buffers the op wrote
+    (``written`` roles) copied back, which the host waits for. Returns the done event."""
     runtime, stream = lane.runtime, lane.stream
     done = runtime.new_event()  # this op's own: a Work may wait on it after later ops
     runtime.record(done, stream)
@@ -297,6 +297,8 @@ def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
         mine.done = done
         # the caller's array outlives the work queued on it, even if the caller drops it
         keep_until_done(runtime, done, 0, mine.array)
+        if mine.then is not None:  # the caller's own work after the op, on its stream
+            mine.done = mine.then(mine)
     if lifted:  # host memory: the host reads it, so the host waits for it
         for role, host, ptr in lifted:
             if role in written and host.count:  # a region is contiguous host memory

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from ..core.arrays import Buffer, Concatenated, DeviceBuffer
+from ..core.arrays import Buffer, Concatenated, DeviceBuffer, keep_until_done
 from ..core.tensors import HostViews, tensor_buffer
 from ..errors import ArgumentError
 
@@ -123,9 +123,58 @@ class CallBuffers:
 
     def joined(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool = False,
                read: bool = True, write: bool = False) -> Buffer:
-        """``tensors`` laid end to end as one buffer (copied back into each if ``write``)."""
+        """``tensors`` laid end to end as one buffer (copied back into each if ``write``):
+        CUDA tensors of one device and dtype into one CUDA tensor, so that a device engine
+        takes them (``_joined_on_device``); anything else into host memory."""
         if not tensors:
             raise ArgumentError(f"{what} is empty")
+        for i, t in enumerate(tensors):
+            check(t, f"{what}[{i}]", reduce=reduce)
+        if _one_cuda_device(tensors):
+            return self._joined_on_device(tensors, what, reduce=reduce, read=read, write=write)
         parts = [self.of(t, f"{what}[{i}]", reduce=reduce, write=write, read=read)
                  for i, t in enumerate(tensors)]
         return Concatenated(parts, what, reads=read, writes=write)
+
+    def _joined_on_device(self, tensors: Sequence[torch.Tensor], what: str, *, reduce: bool,
+                          read: bool, write: bool) -> Buffer:
+        """One CUDA tensor holding ``tensors`` end to end, made on the caller's stream (a
+        ``cat`` where the op reads them), and, where the op writes it, its parts copied back
+        on the caller's stream once the op is done there (``DeviceBuffer.then``)."""
+        first = tensors[0]
+        if read:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype,
+                               device=first.device)
+        buf = self.of(flat, what, reduce=reduce, write=write, read=read)
+        if write and isinstance(buf, DeviceBuffer):
+            buf.then = _copy_back(flat, list(tensors))
+        return buf
+
+
+def _one_cuda_device(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are CUDA tensors of one device and one dtype the core knows (what
+    a device engine can take once they are joined)."""
+    first = tensors[0]
+    return (first.is_cuda and first.dtype in CORE_DTYPES
+            and all(t.is_cuda and t.device == first.device and t.dtype == first.dtype
+                    and not (t.is_conj() or t.is_neg()) for t in tensors))
+
+
+def _copy_back(flat: torch.Tensor, parts: list[torch.Tensor]) -> Any:
+    """``DeviceBuffer.then`` for a joined list: copy each part of ``flat`` back into its
+    tensor on the caller's stream (which waits for the op by then); the event after it."""
+    def then(buf: DeviceBuffer) -> Any:
+        runtime, caller = buf.runtime, buf.caller_stream
+        stream = torch.cuda.ExternalStream(caller.handle, device=flat.device)
+        with torch.cuda.device(flat.device), torch.cuda.stream(stream):
+            offset = 0
+            for part in parts:
+                part.copy_(flat[offset:offset + part.numel()].view(part.shape))
+                offset += part.numel()
+        after = runtime.new_event()
+        runtime.record(after, caller)
+        keep_until_done(runtime, after, 0, flat, parts)
+        return after
+    return then
