@@ -424,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=sorted(device.RUNTIMES), default=None,
                    help="sweep device memory: cuda (CuPy arrays on a GPU) or fake (the strict "
                    "fake runtime's arrays on the CPU: checks the plumbing, its times mean "
-                   "nothing); backends default to ringcomm+cuda-ipc ringcomm+staged, and on "
-                   "cuda also copy gloo+cuda ringcomm/torch+cuda")
+                   "nothing); backends default to "
+                   + "; ".join(f"{name}: {' '.join(backends)}"
+                               for name, backends in DEVICE_BACKENDS.items()))
     p.add_argument("--backends", nargs="+", default=None,
                    help="ringcomm (the Communicator, automatic choice), ringcomm:ALGO (forced; "
                    f"ALGO one of {', '.join(adapter.allreduce_algorithms(board=True))}; "
@@ -434,9 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "ringcomm/curve (the Communicator with an auth token: its tcp links "
                    "authenticate and encrypt; RINGCOMM_TRANSPORT=tcp to measure them), "
                    f"{CHECKSUMMED} (the Communicator with RINGCOMM_CHECKSUM=1), gloo, "
-                   f"nccl (default: ringcomm:all {TORCH} gloo nccl; nccl only with one GPU per "
-                   "rank); with --device: ringcomm+cuda-ipc, ringcomm+staged (an engine "
-                   "forced), copy, gloo+cuda, ringcomm/torch+cuda")
+                   f"nccl (default: {' '.join(HOST_BACKENDS)}; nccl only with one GPU per "
+                   "rank); with --device: ringcomm+cuda-ipc, ringcomm+staged, "
+                   "ringcomm+nccl[:ALGO|:nccl] (an engine forced), "
+                   f"{device.COPY}, {device.GLOO_CUDA}, {device.TORCH_CUDA}, nccl")
     p.add_argument("--peers", nargs="+", default=[], metavar="PEER",
                    choices=[name for name, runner in RUNNERS.items() if runner.peer],
                    help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install "

@@ -164,3 +164,12 @@ def _device_allreduce(group: Any, me: int, size: int, salt: int, device: str) ->
         assert bool((t == size * salt + size * (size - 1) / 2).all())
         return comm.choose("allreduce", t).engine
     return allreduce_checked(comm, me, size, salt)
+
+
+def job_describe(rank: int, world: int, store: str, transport: str, device: str = "fake",
+                 **_: Any) -> str:
+    """What ``describe()`` says of a group on ``device`` whose ranks are this host's
+    processes (every one on device 0)."""
+    with ringcomm.init(rank=rank, world_size=world, store=store, timeout=30,
+                       transport=transport, device=device) as comm:
+        return comm.describe()

@@ -605,3 +605,11 @@ def test_versions_times_each_way_ringcomm_was_timed_apart():
                                   ("ringcomm", "ring", 30.0), ("gloo", None, 100.0))]
     assert versions.times(rows) == {("allreduce", "ringcomm", 2, 8): 7.0,
                                     ("allreduce", "ringcomm/torch", 2, 8): 9.0}
+
+
+def test_the_help_names_the_device_backends_that_run_by_default() -> None:
+    """``--help`` is built from the table the sweep runs, so it cannot fall behind it."""
+    text = " ".join(sweep.build_parser().format_help().split())
+    for runtime, backends in sweep.DEVICE_BACKENDS.items():
+        assert f"{runtime}: {' '.join(backends)}" in text
+    assert f"default: {' '.join(sweep.HOST_BACKENDS)}" in text

@@ -4,10 +4,12 @@
   of the tensor (``TorchCPUKind`` in ``arrays``), or, for a call that runs on the caller's
   thread from start to end, a view made from its address once per address, size and dtype
   (``HostViews``: viewing a tensor as numpy costs more than a small op's exchange).
-- A contiguous CUDA tensor is device memory (``ringcomm.core.device.kinds.TorchCUDAKind``, memory
-  ``cuda``): a device engine takes it as it is; every other engine gets it staged through
-  host memory, ordered after the work the caller's stream had queued when the op was
-  issued, and the caller's stream ordered after the results.
+- A contiguous CUDA tensor is device memory (``ringcomm.core.device.kinds.TorchCUDAKind``,
+  memory ``cuda``): a device engine takes it as it is; every other engine gets it staged
+  through host memory, ordered after the work the caller's stream had queued when the op
+  was issued, and the caller's stream ordered after the results. That needs CuPy (the
+  device runtime); without it a CUDA tensor is copied as below, by torch itself, which the
+  communicator says once when it starts (``ringcomm.runtime.devices``).
 - Any other tensor the host cannot view in place (strided, a conjugate or negated view, on
   another device; a strided CUDA tensor too) is copied once (``CopiedBuffer``): into a
   contiguous host copy when the op is issued, back into the tensor when the op is done.
@@ -125,6 +127,16 @@ class CopiedBuffer(HostBuffer):
 
 
 CUDA_KIND = TorchCUDAKind()
+_USABLE: list[bool] = []  # whether the CuPy runtime can be had here: asked once per process
+
+
+def _device_runtime_usable() -> bool:
+    """Whether CUDA tensors can go as device memory (CuPy imports and sees a GPU)."""
+    if not _USABLE:
+        from .device.cupy_runtime import cupy_problem
+
+        _USABLE.append(not cupy_problem())
+    return _USABLE[0]
 
 
 def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool = True,
@@ -137,7 +149,8 @@ def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool
             return views.of(t)
         return HostBuffer(_flat_host(t), name)
     known = t.dtype in core_dtypes
-    if t.is_cuda and known and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if t.is_cuda and known and t.is_contiguous() and not (t.is_conj() or t.is_neg()) \
+            and _device_runtime_usable():
         return CUDA_KIND.buffer(t, name, writes, reads)
     if known or not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
         return CopiedBuffer(t, name, reads=reads, writes=writes, as_bytes=not known)

@@ -50,27 +50,33 @@ def _affinity() -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """One rank's facts: its host's identity and name, the cores it may run on, its pid, and
-    whether it keeps a timeline (so that rank 0 answers its clock's questions at init)."""
+    """One rank's facts: its host's identity and name, the cores it may run on, its pid,
+    whether it keeps a timeline (so that rank 0 answers its clock's questions at init), and,
+    where it runs on a device, which GPU (``gpu``: its identity on the host) and whether an
+    MPS daemon serves it (``mps``)."""
 
     host: str
     hostname: str
     cpus: tuple[int, ...]
     pid: int
     traces: bool = False
+    gpu: str = ""
+    mps: bool = False
 
     @classmethod
-    def here(cls, *, traces: bool = False) -> RankFacts:
-        return cls(host_identity(), socket.gethostname(), _affinity(), os.getpid(), traces)
+    def here(cls, *, traces: bool = False, gpu: str = "", mps: bool = False) -> RankFacts:
+        return cls(host_identity(), socket.gethostname(), _affinity(), os.getpid(), traces,
+                   gpu, mps)
 
     def to_json(self) -> dict[str, Any]:
         return {"host": self.host, "hostname": self.hostname, "cpus": list(self.cpus),
-                "pid": self.pid, "traces": self.traces}
+                "pid": self.pid, "traces": self.traces, "gpu": self.gpu, "mps": self.mps}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RankFacts:
         return cls(str(raw["host"]), str(raw["hostname"]), tuple(int(c) for c in raw["cpus"]),
-                   int(raw["pid"]), bool(raw.get("traces", False)))
+                   int(raw["pid"]), bool(raw.get("traces", False)), str(raw.get("gpu", "")),
+                   bool(raw.get("mps", False)))
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,35 @@ class Topology:
 
     def same_host(self, a: int, b: int) -> bool:
         return self.ranks[a].host == self.ranks[b].host
+
+    @cached_property
+    def shared_gpus(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of two or more ranks that run on one GPU of one host (by its
+        identity), in the order of their lowest rank: their kernels take turns on it
+        unless an MPS daemon serves them."""
+        by_gpu: dict[tuple[str, str], list[int]] = {}
+        for rank, facts in enumerate(self.ranks):
+            if facts.gpu:
+                by_gpu.setdefault((facts.host, facts.gpu), []).append(rank)
+        return tuple(tuple(ranks) for ranks in by_gpu.values() if len(ranks) > 1)
+
+    def gpu_sharing(self) -> str:
+        """The ranks that share a GPU, and whether MPS serves them, in words ("" where none
+        share one)."""
+        lines = []
+        for ranks in self.shared_gpus:
+            facts = self.ranks[ranks[0]]
+            served = [r for r in ranks if self.ranks[r].mps]
+            if len(served) == len(ranks):
+                how = "MPS serves them: their kernels run at once"
+            else:
+                how = ("no MPS" if not served else f"MPS serves only rank(s) "
+                       f"{', '.join(map(str, served))}") + (
+                    ": their kernels take turns on the GPU (about 250 us a switch on an "
+                    "H100); an MPS daemon lets them run at once (docs/gpu.md)")
+            lines.append(f"ranks {', '.join(map(str, ranks))} share GPU {facts.gpu} on "
+                         f"{facts.hostname}; {how}")
+        return "; ".join(lines)
 
     def host_cores(self, ranks: tuple[int, ...]) -> int:
         """Cores the given ranks of one host may use between them (the union of their

@@ -106,6 +106,10 @@ class Communicator:
     segment size (every rank must pass the same). ``store`` (the group's, as ``init`` passes
     it) is where rank 0 gathers the hang report of an op that times out
     (``ringcomm.runtime.hang_report``); without one each rank logs its own state only.
+    ``store_done`` is called once in close, as soon as this rank has made its last use of
+    the group's store (the device lanes are closed), before the links close; ``on_close``
+    after everything else (``init`` says in the first that the rank leaves the store, and
+    closes it in the second).
 
     Arrays may be numpy arrays or torch CPU tensors, used in place, or of any kind
     registered in ``ringcomm.core.arrays``. Where the settings name a device runtime
@@ -124,6 +128,7 @@ class Communicator:
         topology: Topology | None = None,
         segment_bytes: int | None = None,
         on_close: Sequence[Callable[[], None]] = (),
+        store_done: Callable[[], None] | None = None,
         connect: Callable[[tuple[int, ...], str], Transport] | None = None,
         wrappers: Sequence[Wrapper] = (),
         store: ReportStore | None = None,
@@ -143,6 +148,7 @@ class Communicator:
         self.timeout = float(timeout)
         self._segment_bytes = int(segment_bytes)
         self._on_close = list(on_close)
+        self._store_done = store_done
         self._connect = connect  # (member ranks, tag) -> this rank's transport among them
         self._exchange = exchange  # how subgroups' device channels swap their records too
         self._split_numbers = itertools.count()
@@ -255,6 +261,9 @@ class Communicator:
             about = ", ".join(f"{k} {v}" for k, v in self.device.describe().items())
             lines.append(f"device: {self.settings.device} ({self.device.name} runtime: "
                          f"{about})")
+            sharing = self.topology.gpu_sharing()
+            if sharing:
+                lines.append(f"gpus: {sharing}")
         if self.wiring.wrappers:
             lines.append("wrappers: " + ", ".join(w.name for w in self.wiring.wrappers))
         return "\n".join(lines)
@@ -592,6 +601,8 @@ class Communicator:
                                 failed=self._ops.failure is not None)
         except Exception as failed:  # noqa: BLE001 - raised once everything is closed
             lanes_failed = failed
+        if self._store_done is not None:  # the lanes were the store's last users here
+            self._store_done()
         if self.device is not None:  # the arrays its finished ops held go with it
             IN_FLIGHT.let_go_done(self.device)
         stray = None

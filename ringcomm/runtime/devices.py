@@ -11,10 +11,13 @@ the ranks agreed (settings, every rank's host), so every rank makes the same one
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from typing import Any
 
 from ..core import device as devices
 from ..core.algorithms import CUDA_IPC, NCCL, STAGED
+from ..core.device.mps import mps_state
 from ..core.device.runtime import DeviceRuntime
 from ..engines.cuda_ipc import IpcChannel
 from ..engines.device import DeviceLane
@@ -45,11 +48,59 @@ def named_runtime(name: str) -> DeviceRuntime:
     return devices.runtime(name)
 
 
+def gpu_facts(mode: str | None) -> dict[str, Any]:
+    """This rank's GPU facts for the table every rank agrees on (``RankFacts``): which GPU
+    its current device is (``gpu``) and whether an MPS daemon serves it (``mps``), where
+    ``mode`` (the device it proposes: "cuda", "fake" or "off") names a runtime that can be
+    had here; nothing otherwise (a rank that cannot have it says why at agreement)."""
+    name = runtime_name(mode or "off")
+    if name is None:
+        return {}
+    try:
+        runtime = named_runtime(name)
+        if not runtime.available():
+            return {}
+        return {"gpu": runtime.device_identity(runtime.current_device()),
+                "mps": mps_state().on}
+    except Exception as err:  # noqa: BLE001 - a fact we cannot read is a fact left out
+        log.debug("no GPU facts here: %s", err)
+        return {}
+
+
+_SAID_NO_CUPY: list[bool] = []  # the warning below, once per process
+
+
+def _say_once_without_cupy() -> None:
+    """Where torch sees a GPU but CuPy cannot be had, CUDA tensors are copied through host
+    memory by torch itself, not moved by a device engine: say so, once per process, and
+    what to install."""
+    torch = sys.modules.get("torch")
+    if _SAID_NO_CUPY or torch is None:
+        return
+    try:
+        has_gpu = bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a torch without CUDA, or a broken driver
+        has_gpu = False
+    if not has_gpu:
+        return
+    from ..core.device.cupy_runtime import cupy_problem
+
+    problem = cupy_problem()
+    _SAID_NO_CUPY.append(True)
+    if problem:
+        log.warning("torch sees a GPU but ringcomm's device engines cannot run: %s. CUDA "
+                    "tensors are copied through host memory by torch (correct, slow); "
+                    "install CuPy for them to stay on the GPU", problem)
+
+
 def device_runtime(settings: Settings) -> DeviceRuntime | None:
     """The runtime the agreed ``settings.device`` names (None for ``off``); an
-    ``ArgumentError`` where it cannot be had here (``cuda`` without CuPy or a GPU)."""
+    ``ArgumentError`` where it cannot be had here (``cuda`` without CuPy or a GPU). With
+    ``off`` where torch sees a GPU and CuPy cannot be had, it says once why CUDA tensors
+    go through the host."""
     name = runtime_name(settings.device)
     if name is None:
+        _say_once_without_cupy()
         return None
     runtime = named_runtime(name)
     if not runtime.available():

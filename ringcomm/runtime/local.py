@@ -20,6 +20,7 @@ from ..plan.settings import Settings
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
+from .devices import gpu_facts
 
 
 def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:
@@ -71,6 +72,8 @@ def run_group(
 
     wrapping = [*wrappers, *([StepLog(trace)] if trace is not None else [])]
     settings = Settings.local(segment_bytes=segment_bytes, device=device)
+    if topology is None and settings.device != "off":  # its ranks share this process's GPU
+        topology = Topology((RankFacts.here(**gpu_facts(settings.device)),) * world_size)
     table = Table()
 
     def make(r: int) -> Communicator:

@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from ..core import config
+from ..core.device.mps import mps_state
 from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
 from ..core.dtypes import ReduceOp, finish_reduction, reduce_into
 
@@ -358,9 +359,18 @@ class FakeRuntime(DeviceRuntime):
                 f"0..{self._devices - 1} (RINGCOMM_FAKE_DEVICES sets how many)")
         self._local.device = index
 
+    def device_identity(self, index: int) -> str:
+        """Every process's fake device ``index`` is one device: processes of one host that
+        use the same index share it, as processes on one GPU do."""
+        if not 0 <= index < self._devices:
+            raise FakeDeviceFault(f"device_identity({index}): the fake runtime has "
+                                  f"{self._devices} device(s)")
+        return f"fake:{index}"
+
     def describe(self) -> dict[str, str]:
-        return {"device": "fake (numpy)", "devices": str(self._devices), "driver": "-",
-                "cuda": "-", "library": f"numpy {np.__version__}"}
+        return {"device": "fake (numpy)", "gpu": self.device_identity(self.current_device()),
+                "devices": str(self._devices), "driver": "-", "cuda": "-",
+                "library": f"numpy {np.__version__}", "mps": str(mps_state())}
 
     # ------------------------------------------------------------------------ streams
     def new_stream(self) -> FakeStream:

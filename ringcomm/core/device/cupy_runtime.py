@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import ReduceOp
+from .mps import mps_state
 from .runtime import Allocation, DeviceRuntime, Event, Stream
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -114,11 +115,17 @@ class CupyRuntime(DeviceRuntime):
                              f"0..{count - 1}")
         self._rt.setDevice(index)
 
+    def device_identity(self, index: int) -> str:
+        props = self._rt.getDeviceProperties(index)
+        return (f"{int(props.get('pciDomainID', 0)):04x}:{int(props.get('pciBusID', 0)):02x}:"
+                f"{int(props.get('pciDeviceID', 0)):02x}.0")
+
     def describe(self) -> dict[str, str]:
         props = self._rt.getDeviceProperties(self.current_device())
         name = props["name"]
         described = {
             "device": name.decode() if isinstance(name, bytes) else str(name),
+            "gpu": self.device_identity(self.current_device()),
             "devices": str(self.device_count()),
             "driver": _version(self._rt.driverGetVersion()),
             "cuda": _version(self._rt.runtimeGetVersion()),
@@ -130,6 +137,7 @@ class CupyRuntime(DeviceRuntime):
             described["nccl"] = str(nccl.get_version()) if nccl.available else "-"
         except Exception:
             described["nccl"] = "-"
+        described["mps"] = str(mps_state())
         return described
 
     # ------------------------------------------------------------------------ streams

@@ -93,6 +93,11 @@ class DeviceRuntime(abc.ABC):
         """Make ``index`` the calling thread's current device."""
 
     @abc.abstractmethod
+    def device_identity(self, index: int) -> str:
+        """What names device ``index`` on this machine for every process on it (its PCI
+        address): ranks on one host whose identities match share one GPU."""
+
+    @abc.abstractmethod
     def describe(self) -> dict[str, str]:
         """What ``ringcomm env`` and ``gpu.json`` show: device name, driver, CUDA and library
         versions (strings; "-" where unknown)."""
