@@ -882,7 +882,7 @@ steps, and the same schedules run on each:
 So ring against tree, buckets and overlap work the same way on a GPU; what changes are the
 constants (alpha, beta, gamma), and so where the crossovers fall. ringcomm's defaults for
 the device engines come from documented figures, not from a run; `ringcomm tune --device
-cuda` fits them on a GPU machine. **No GPU figure has been measured for ringcomm yet**, so
+cuda` fits them on a GPU machine. No figure of a GPU run is in `bench/results/` yet, so
 this page shows none; [gpu.md](gpu.md) explains the device path and how it is tested.
 """
 
