@@ -167,7 +167,7 @@ def test_real_notices_decode_and_bounds_hold(seq, sender, text, expected, op):
 
 requests = st.lists(st.one_of(
     st.sampled_from([b"set", b"get", b"wait", b"add", b"check", b"compare_set", b"delete",
-                     b"num_keys", b"ping", b"", b"-1", b"10"]),
+                     b"num_keys", b"ping", b"leave", b"", b"-1", b"10"]),
     st.binary(max_size=40)), max_size=6)
 
 
@@ -181,7 +181,7 @@ def test_the_store_protocol_decoder_refuses_what_is_not_a_request(message):
         return
     assert len(request_id) == 8 and command in (
         b"set", b"get", b"wait", b"add", b"check", b"compare_set", b"delete", b"num_keys",
-        b"ping")
+        b"ping", b"leave")
 
 
 def test_store_requests_of_the_protocol_are_taken_and_their_bounds_hold():
@@ -189,12 +189,15 @@ def test_store_requests_of_the_protocol_are_taken_and_their_bounds_hold():
     assert parse_request([rid, b"set", b"k", b"v"])[1] == b"set"
     assert parse_request([rid, b"wait", b"1000", b"a", b"b"])[2] == [b"1000", b"a", b"b"]
     assert parse_request([rid, b"add", b"k", b"-" + b"9" * 999])
+    assert parse_request([rid, b"leave", b"ringcomm/0/1", b"3"])[2] == [b"ringcomm/0/1", b"3"]
     for bad, why in (([rid, b"set", b"k"], "takes 2"),
                      ([rid, b"get", b"soon", b"k"], "not a number"),
                      ([rid, b"get", b"9" * 21, b"k"], "not a number"),
                      ([rid, b"add", b"k", b"1e9"], "not an integer"),
                      ([rid, b"set", b"k" * (MAX_KEY_BYTES + 1), b"v"], "a key of"),
                      ([rid, b"delete", b""], "a key of 0 B"),
+                     ([rid, b"leave", b"g", b"-1"], "rank .* is not a number"),
+                     ([rid, b"leave", b"", b"0"], "a key of 0 B"),
                      ([b"short", b"ping"], "request id"),
                      ([rid, b"explode"], "unknown command")):
         with pytest.raises(ValueError, match=why):

@@ -22,6 +22,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import zmq
 
 from ringcomm import ArgumentError, StoreError, StoreTimeout
 from ringcomm.bootstrap.store import (
@@ -616,6 +617,131 @@ def test_server_close_is_idempotent_and_frees_the_port():
     with StoreServer(HOST, port) as again, StoreClient(again.address, timeout=5) as client:
         client.set("k", b"v")
         assert client.get("k") == b"v"
+
+
+# --------------------------------------------------------------------------- a store that goes away
+# The store rank 0 serves belongs to its group (``StoreServer.own``): from the first rank's
+# ``leave`` it turns away clients it has never served (a rank's next init on the same address)
+# with a status that client answers by asking again, while the group's own clients are served
+# until ``retire`` closes it, once every rank has left or gone.
+
+GROUP = "ringcomm/0/1"
+
+
+def _ask_once(address: str, command: bytes, *args: bytes) -> list[bytes]:
+    """One request on a new plain ZeroMQ connection (a client the store has never seen):
+    the reply's status and results."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address}")
+        sock.send_multipart([b"\1" * 8, command, *args])
+        assert sock.poll(int(JOIN * 1e3)), f"no answer to {command!r}"
+        reply = sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+    assert reply[0] == b"\1" * 8
+    return reply[1:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [None, "a shared secret"], ids=["plain", "token"])
+def test_a_leaving_store_turns_newcomers_away_until_the_next_store_serves_them(token):
+    port = free_port()
+    server = StoreServer(HOST, port, auth_token=token or "")
+    ranks = [StoreClient(server.address, timeout=10, auth_token=token or "") for _ in range(2)]
+    newcomer = StoreClient(server.address, timeout=15, auth_token=token or "")
+    try:
+        server.own(GROUP, 2)
+        for r, rank in enumerate(ranks):
+            rank.set(f"joined/{r}", b"1")  # the group's clients are known from here on
+        if token is None:  # a stranger is served while the store is not leaving
+            assert _ask_once(server.address, b"ping") == [b"ok"]
+        ranks[0].leave(GROUP, 0)
+        assert server.leaving
+        if token is None:
+            status, why = _ask_once(server.address, b"add", b"generation", b"1")
+            assert status == b"leaving" and b"going away" in why
+        call = Call(newcomer.add, "generation", 1)  # asks again and again
+        time.sleep(0.5)
+        assert call.running()
+        # the group's ranks are still served, from a thread (a socket) they had not used
+        assert Call(ranks[1].get, "joined/0", timeout=5).result() == b"1"
+        ranks[1].set("closed/1", b"1")
+        assert ranks[0].get("closed/1", timeout=5) == b"1"  # after its leave, too
+        assert call.running() and newcomer.turned_away
+        ranks[1].leave(GROUP, 1)
+        started = time.monotonic()
+        assert server.retire(10) is True  # every rank has left
+        assert time.monotonic() - started < SLACK
+        # the next group's store at the address serves the newcomer's add: there, not here
+        with StoreServer(HOST, port, auth_token=token or "") as following:
+            assert call.result() == 1
+            assert newcomer.get("generation", timeout=1) == b"1"
+            assert following.address == server.address
+    finally:
+        for client in (*ranks, newcomer):
+            client.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_retire_waits_for_a_rank_still_using_the_store_but_not_for_one_that_died(processes):
+    server = StoreServer(HOST, 0)
+    try:
+        server.own(GROUP, 3)
+        with StoreClient(server.address, timeout=10) as rank0, \
+                StoreClient(server.address, timeout=10) as rank2:
+            child = processes(_park, server.address, "get", "never", 30.0)  # rank 1
+            rank0.wait(["parked/get"], timeout=45)
+            rank2.ping()
+            rank0.leave(GROUP, 0)
+            rank0.close()
+            retire = Call(server.retire, 20)
+            time.sleep(0.5)
+            assert retire.running()  # ranks 1 and 2 still hold connections
+            rank2.set("last-use", b"1")  # rank 2 still closing, served
+            rank2.leave(GROUP, 2)
+            rank2.close()
+            time.sleep(0.3)
+            assert retire.running()  # rank 1 has not left
+            child.kill()
+            child.join(10)
+            killed = time.monotonic()
+            assert retire.result() is True  # its connection closed with its process
+            assert time.monotonic() - killed < SLACK
+    finally:
+        server.close()
+
+
+def test_retire_gives_up_after_its_timeout(server):
+    server.own(GROUP, 2)
+    with StoreClient(server.address, timeout=10) as rank0, \
+            StoreClient(server.address, timeout=10) as rank1:
+        rank0.ping()
+        rank1.ping()
+        rank0.leave(GROUP, 0)
+        started = time.monotonic()
+        assert server.retire(0.5) is False  # rank 1 neither left nor went
+        assert 0.45 <= time.monotonic() - started < 0.5 + SLACK
+        with pytest.raises(StoreError, match="lost the connection") as info:
+            rank1.set("too-late", b"1")
+        assert not isinstance(info.value, StoreTimeout)
+
+
+def test_a_store_nobody_owns_never_goes_away(server, connect):
+    first = connect()
+    first.set("k", b"v")
+    first.leave(GROUP, 0)  # a group meeting on a stand-alone store says so too
+    assert not server.leaving
+    assert connect().get("k", timeout=1) == b"v"  # a newcomer is served
+    server.own(GROUP, 2)
+    first.leave("another/group", 0)
+    first.leave(GROUP, 2)  # no such rank
+    assert not server.leaving
+    assert connect().get("k", timeout=1) == b"v"
 
 
 # --------------------------------------------------------------------------- PrefixStore

@@ -2,37 +2,30 @@
 
 Ranks publish their addresses under keys and block until their peers' keys appear. The
 interface (``Store``) is the one torch's c10d stores have, so the same code rendezvous
-through our own server (``StoreServer``/``StoreClient``, over ZeroMQ) or through the
-TCPStore that torchrun's agent already serves (``TorchStore``).
+through our own server (``StoreServer``, in ``store_server``, with ``StoreClient`` here,
+over ZeroMQ; the wire protocol is ``store_wire``'s) or through the TCPStore that torchrun's
+agent already serves (``TorchStore``).
 
-Wire protocol (one ZeroMQ multipart message each way, no pickle)::
-
-    request:  [request id (8 B)] [command] [arguments...]
-    reply:    [request id (8 B)] [status: ok | timeout | error] [results...]
-
-Every request is checked before it runs (``parse_request``), and with
-``RINGCOMM_AUTH_TOKEN`` only clients holding the token reach the server at all (CURVE).
-
-Blocking ``get`` and ``wait`` are parked on the server until their keys appear or their
-deadline passes, so a timeout names exactly the keys that are missing. The client keeps its
-own deadline too and watches its connection, so a server that is gone gives an error, not a
-hang. Run one stand-alone with ``python -m ringcomm.bootstrap.store --port P``.
+The client keeps its own deadline and watches its connection, so a server that is gone
+gives an error, not a hang. A server that is going away with the group that served it (the
+store rank 0 serves, in the moments its group closes) tells a client it has never served
+so (``leaving``), and the client asks again on a new connection until its deadline: a
+rank's next ``init`` on the same address reaches the next group's store, never the closing
+one. A client that loses its connection before any server has answered it does the same
+(the closing store went away under its first request). Run a store stand-alone with
+``python -m ringcomm.bootstrap.store --port P``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import heapq
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -42,20 +35,32 @@ from zmq.utils.monitor import parse_monitor_message
 from ..core import config
 from ..errors import ArgumentError, AuthError, StoreError, StoreTimeout
 from ..transport import auth
+from .store_server import LOOPBACK, StoreServer
+from .store_wire import (
+    LEAVING,
+    MAX_FRAME_BYTES,
+    MAX_KEY_BYTES,
+    MAX_KEYS,
+    MAX_VALUE_BYTES,
+    OK,
+    REQUEST_ID,
+    TIMEOUT,
+    new_client_id,
+    parse_request,
+    socket_identity,
+)
+
+__all__ = ["DEFAULT_TIMEOUT", "LOOPBACK", "MAX_KEYS", "MAX_KEY_BYTES", "MAX_VALUE_BYTES",
+           "PrefixStore", "Store", "StoreClient", "StoreServer", "TorchStore", "main",
+           "parse_request"]
 
 log = logging.getLogger("ringcomm.bootstrap.store")
 
-MAX_KEY_BYTES = 4096
-MAX_VALUE_BYTES = 64 << 20
-MAX_KEYS = 1 << 16  # in one wait or check
-MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64  # ZeroMQ drops a connection that sends more in a frame
-_MAX_TIMEOUT_DIGITS = 20  # a timeout in ms, as decimal text
-_MAX_INTEGER_DIGITS = 1000  # an amount to add and the value it adds to (Python ints are big)
 DEFAULT_TIMEOUT = 300.0
-LOOPBACK = "127.0.0.1"
 
-_REQUEST_ID = struct.Struct("<Q")
 _MIN_REACH = 1.0  # s: the least a client waits to connect before "could not reach"
+_RETRY_PAUSE = 0.05  # s: between asking a store that is going away and asking again
+_LOST, _CUT = "lost", "cut"  # why a try of a request ended without an answer (``_attempt``)
 
 
 def _key_bytes(key: str | bytes) -> bytes:
@@ -140,302 +145,6 @@ class Store(ABC):
         self.close()
 
 
-# --------------------------------------------------------------------------- protocol
-
-# command -> (fewest, most arguments)
-_ARITY: dict[bytes, tuple[int, int]] = {
-    b"set": (2, 2), b"get": (2, 2), b"wait": (2, MAX_KEYS + 1), b"add": (2, 2),
-    b"check": (1, MAX_KEYS), b"compare_set": (3, 3), b"delete": (1, 1), b"num_keys": (0, 0),
-    b"ping": (0, 0)}
-
-
-def _is_number(raw: bytes, *, signed: bool = False, most: int = _MAX_TIMEOUT_DIGITS) -> bool:
-    digits = raw[1:] if signed and raw[:1] == b"-" else raw
-    return 0 < len(digits) <= most and digits.isdigit()
-
-
-def parse_request(frames: Sequence[bytes]) -> tuple[bytes, bytes, list[bytes]]:
-    """A request's ``(request id, command, arguments)``, checked against the protocol: a
-    known command with as many arguments as it takes, keys of 1 to ``MAX_KEY_BYTES`` bytes,
-    values of at most ``MAX_VALUE_BYTES``, numbers as short decimal text. Anything else is a
-    ``ValueError`` saying what was wrong (nothing is allocated from what it claims)."""
-    if len(frames) < 2:
-        raise ValueError(f"{len(frames)} frame(s) after the identity (a request has a "
-                         "request id and a command)")
-    request_id, command, args = frames[0], frames[1], list(frames[2:])
-    if len(request_id) != _REQUEST_ID.size:
-        raise ValueError(f"a request id of {len(request_id)} B (it is {_REQUEST_ID.size})")
-    arity = _ARITY.get(command)
-    if arity is None:
-        raise ValueError(f"unknown command {command[:32]!r}")
-    if not arity[0] <= len(args) <= arity[1]:
-        raise ValueError(f"{command.decode()} takes {arity[0]}"
-                         + (f" to {arity[1]}" if arity[1] != arity[0] else "")
-                         + f" argument(s), got {len(args)}")
-    if command in (b"get", b"wait"):
-        if not _is_number(args[0]):
-            raise ValueError(f"timeout {args[0][:32]!r} is not a number of milliseconds")
-        keys = args[1:]
-    elif command == b"check":
-        keys = args
-    else:
-        keys = args[:1]
-    for key in keys:
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise ValueError(f"a key of {len(key)} B (keys are 1 to {MAX_KEY_BYTES} B)")
-    if command == b"add" and not _is_number(args[1], signed=True, most=_MAX_INTEGER_DIGITS):
-        raise ValueError(f"amount {args[1][:32]!r} is not an integer")
-    values = args[1:] if command in (b"set", b"compare_set") else []
-    for value in values:
-        if len(value) > MAX_VALUE_BYTES:
-            raise ValueError(f"a value of {len(value)} B (at most {MAX_VALUE_BYTES} B)")
-    return request_id, command, args
-
-
-# --------------------------------------------------------------------------- server
-
-
-@dataclass(order=True)
-class _Parked:
-    """A ``get`` or ``wait`` waiting on the server for keys to appear."""
-
-    deadline: float
-    serial: int
-    identity: bytes = field(compare=False)
-    request_id: bytes = field(compare=False)
-    command: bytes = field(compare=False)
-    keys: list[bytes] = field(compare=False)
-    done: bool = field(default=False, compare=False)
-
-
-class StoreServer:
-    """Serves a key-value store on ``tcp://host:port`` from a background thread.
-
-    ``port=0`` picks a free port (read it from ``.port``). A port already in use raises
-    ``StoreError`` at once. ``host`` is loopback unless given: other hosts reach the store
-    only where asked to. With ``auth_token`` (default ``RINGCOMM_AUTH_TOKEN``) only clients
-    holding the same token get through, encrypted (``ringcomm.transport.auth``); every
-    request is checked (``parse_request``) and one that is not the protocol's is refused
-    with a logged reason, so no client can crash the server or make it allocate what a
-    request merely claims.
-    """
-
-    def __init__(self, host: str = LOOPBACK, port: int = 0,
-                 auth_token: str | None = None) -> None:
-        keys = auth.keys_for(config.value("auth_token") if auth_token is None else auth_token)
-        self._ctx = zmq.Context(1)
-        self._gatekeeper = (auth.Gatekeeper(self._ctx, keys, f"the store on {host}")
-                            if keys is not None else None)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if keys is not None:
-            keys.serve(self._sock)
-        self._monitor = self._sock.get_monitor_socket(auth.HANDSHAKE_FAILED)
-        try:
-            self._sock.bind(f"tcp://{host}:{port or '*'}")
-        except zmq.ZMQError as err:
-            self._sock.disable_monitor()
-            self._monitor.close()
-            self._sock.close()
-            if self._gatekeeper is not None:
-                self._gatekeeper.close()
-            self._ctx.term()
-            if err.errno == zmq.EADDRINUSE:
-                raise StoreError(
-                    f"cannot serve the store on {host}:{port}: the port is in use; pick "
-                    "another MASTER_PORT or stop the process that holds it") from None
-            raise StoreError(f"cannot serve the store on {host}:{port}: {err}") from None
-        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.host = host
-        self.port = int(endpoint.rsplit(":", 1)[1])
-        self._data: dict[bytes, bytes] = {}
-        self._waiters: dict[bytes, list[_Parked]] = {}
-        self._deadlines: list[_Parked] = []
-        self._serial = itertools.count()
-        self._wake_addr = f"inproc://store-wake-{id(self)}"
-        self._wake = self._ctx.socket(zmq.PAIR)
-        self._wake.bind(self._wake_addr)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name=f"ringcomm-store:{self.port}",
-                                        daemon=True)
-        self._thread.start()
-        log.debug("store serving on %s:%d", host, self.port)
-
-    @property
-    def address(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "*", "") else self.host
-        return f"{host}:{self.port}"
-
-    def close(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        poke = self._ctx.socket(zmq.PAIR)
-        poke.connect(self._wake_addr)
-        poke.send(b"stop")
-        self._thread.join(timeout=10)
-        poke.close(linger=0)
-        if self._gatekeeper is not None:
-            self._gatekeeper.close()
-        self._ctx.term()
-
-    def __enter__(self) -> StoreServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # The loop below is the only code that touches the data, so it needs no locks.
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while True:
-                wait_ms = None
-                if self._deadlines:
-                    wait_ms = int(max(0.0, (self._deadlines[0].deadline - time.monotonic()) * 1e3))
-                events = dict(poller.poll(wait_ms))
-                if self._wake in events:
-                    break
-                if self._monitor in events:
-                    event = parse_monitor_message(self._monitor.recv_multipart())
-                    auth.log_refusal(f"the store on port {self.port}", event["event"],
-                                     int(event["value"]), event["endpoint"].decode())
-                if self._sock in events:
-                    while True:
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(frames)
-                self._expire()
-        finally:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._wake.close(linger=0)
-
-    def _reply(self, identity: bytes, request_id: bytes, status: bytes, *results: bytes) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # the client went away; nothing to tell it
-            self._sock.send_multipart([identity, request_id, status, *results], zmq.NOBLOCK)
-
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        """One message from a client: answered, or refused with a logged reason."""
-        identity = frames[0].bytes
-        request = [f.bytes for f in frames[1:]]
-        try:
-            request_id, command, args = parse_request(request)
-        except ValueError as err:
-            try:
-                peer = frames[0].get("Peer-Address")
-            except zmq.ZMQError:
-                peer = "?"
-            log.warning("the store on port %d refused a request from %s: %s", self.port,
-                        peer, err)
-            if len(request) >= 2 and len(request[0]) == _REQUEST_ID.size:
-                self._reply(identity, request[0], b"error", f"bad request: {err}".encode())
-            return
-        try:
-            self._execute(identity, request_id, command, args)
-        except ValueError as err:
-            self._reply(identity, request_id, b"error", f"bad {command!r} request: {err}".encode())
-
-    def _execute(self, identity: bytes, request_id: bytes, command: bytes,
-                 args: list[bytes]) -> None:
-        """Run a request ``parse_request`` has checked."""
-        data = self._data
-        if command == b"set":
-            key, value = args
-            data[key] = value
-            self._wake_waiters(key)
-            self._reply(identity, request_id, b"ok")
-        elif command in (b"get", b"wait"):
-            timeout_ms = int(args[0])
-            keys = args[1:]
-            if all(k in data for k in keys):
-                self._answer_parked(identity, request_id, command, keys)
-                return
-            parked = _Parked(time.monotonic() + timeout_ms / 1e3, next(self._serial),
-                             identity, request_id, command, keys)
-            heapq.heappush(self._deadlines, parked)
-            for k in keys:
-                if k not in data:
-                    self._waiters.setdefault(k, []).append(parked)
-        elif command == b"add":
-            key, amount = args
-            before = data.get(key, b"0")
-            if not _is_number(before, signed=True, most=_MAX_INTEGER_DIGITS):
-                raise ValueError(f"the value under {key!r} is not an integer")
-            value = str(int(before) + int(amount)).encode()
-            data[key] = value
-            self._wake_waiters(key)
-            self._reply(identity, request_id, b"ok", value)
-        elif command == b"check":
-            self._reply(identity, request_id, b"ok",
-                        b"1" if all(k in data for k in args) else b"0")
-        elif command == b"compare_set":
-            key, expected, desired = args
-            current = data.get(key)
-            if (current is None and expected == b"") or current == expected:
-                data[key] = desired
-                self._wake_waiters(key)
-                current = desired
-            self._reply(identity, request_id, b"ok", current if current is not None else expected)
-        elif command == b"delete":
-            (key,) = args
-            existed = data.pop(key, None) is not None
-            self._reply(identity, request_id, b"ok", b"1" if existed else b"0")
-        elif command == b"num_keys":
-            self._reply(identity, request_id, b"ok", str(len(data)).encode())
-        elif command == b"ping":
-            self._reply(identity, request_id, b"ok")
-        else:
-            raise ValueError("unknown command")
-
-    def _answer_parked(self, identity: bytes, request_id: bytes, command: bytes,
-                       keys: list[bytes]) -> None:
-        if command == b"get":
-            self._reply(identity, request_id, b"ok", self._data[keys[0]])
-        else:
-            self._reply(identity, request_id, b"ok")
-
-    def _wake_waiters(self, key: bytes) -> None:
-        for parked in self._waiters.pop(key, ()):
-            if parked.done:
-                continue
-            missing = [k for k in parked.keys if k not in self._data]
-            if not missing:
-                parked.done = True
-                self._answer_parked(parked.identity, parked.request_id, parked.command,
-                                    parked.keys)
-                continue
-            for k in missing:  # a key it saw set may have been deleted since: watch it again
-                waiting = self._waiters.setdefault(k, [])
-                if parked not in waiting:
-                    waiting.append(parked)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and (self._deadlines[0].deadline <= now or self._deadlines[0].done):
-            parked = heapq.heappop(self._deadlines)
-            if parked.done:
-                continue
-            parked.done = True
-            missing = [k for k in parked.keys if k not in self._data]
-            for k in missing:
-                waiting = self._waiters.get(k)
-                if waiting and parked in waiting:
-                    waiting.remove(parked)
-                    if not waiting:
-                        del self._waiters[k]
-            self._reply(parked.identity, parked.request_id, b"timeout", *missing)
-
-
 # --------------------------------------------------------------------------- client
 
 
@@ -443,8 +152,9 @@ class StoreClient(Store):
     """Talks to a ``StoreServer`` at ``"host:port"``. Safe to share between threads.
 
     Each thread gets its own socket, so a thread blocked in ``get`` never delays another
-    thread's ``set``. ``timeout`` (seconds) is the default for blocking calls and also how
-    long to wait for a server that does not answer.
+    thread's ``set``; every socket carries this client's id (``store_wire.socket_identity``),
+    so a store that is going away still serves all of them. ``timeout`` (seconds) is the
+    default for blocking calls and also how long to wait for a server that does not answer.
     """
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT,
@@ -464,6 +174,10 @@ class StoreClient(Store):
         self._sockets: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
         self._sockets_lock = threading.Lock()
         self._request_ids = itertools.count(1)
+        self._client_id = new_client_id()
+        self._socket_numbers = itertools.count()
+        self._answered = False  # whether any store has answered this client yet
+        self.turned_away = False  # whether a store going away has turned it away (once)
         self._closed = False
 
     # -- plumbing
@@ -478,6 +192,8 @@ class StoreClient(Store):
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            sock.setsockopt(zmq.ROUTING_ID,
+                            socket_identity(self._client_id, next(self._socket_numbers)))
             if self._keys is not None:
                 self._keys.dial(sock)
             # connected means handshake done: a server that refuses this client's token
@@ -495,11 +211,12 @@ class StoreClient(Store):
                  timeout: float | None = None, server_wait: float | None = None) -> list[bytes]:
         """Send one request and return the reply's status and results.
 
-        ``server_wait`` is how long the server may park the request; we allow a little
-        more before deciding the server itself is gone.
+        ``server_wait`` is how long the server may park the request (it goes first among
+        the arguments, in ms, written here); we allow a little more before deciding the
+        server itself is gone. A store that is going away (``leaving``), or a connection
+        lost before any store has answered this client, is asked again on a new connection
+        after a pause, until the deadline: the next store at the address answers then.
         """
-        sock, monitor = self._socket()
-        request_id = _REQUEST_ID.pack(next(self._request_ids))
         limit = timeout if timeout is not None else self.timeout
         if server_wait is not None:
             limit = server_wait + max(2.0, 0.1 * server_wait)
@@ -509,8 +226,47 @@ class StoreClient(Store):
         # still get the server's answer, not "could not reach".
         reach_deadline = start + (max(server_wait, _MIN_REACH) if server_wait is not None
                                   else limit)
+        turned_away = cut = False
+        while True:
+            sent = list(args)
+            if server_wait is not None:  # what is left of it, when asked again
+                left = max(0.0, server_wait - (time.monotonic() - start))
+                sent.insert(0, str(int(left * 1e3)).encode())
+            reply = self._attempt(command, sent, what, start, deadline, reach_deadline,
+                                  turned_away, may_be_cut=not cut)
+            if isinstance(reply, list) and reply[0] != LEAVING:
+                self._answered = True
+                return reply
+            cut = reply == _CUT
+            if isinstance(reply, list):  # a store going away; the next one on a new socket
+                turned_away = self.turned_away = True
+                self._forget_socket()
+            if time.monotonic() + _RETRY_PAUSE >= min(deadline, reach_deadline):
+                raise StoreTimeout(
+                    f"the store at {self.address} is going away (the group that served it "
+                    f"is closing) and no other store answered there within "
+                    f"{time.monotonic() - start:.1f} s ({what})" if turned_away else
+                    f"lost the connection to the store at {self.address} before it answered, "
+                    f"and no store answered there within {time.monotonic() - start:.1f} s "
+                    f"({what})")
+            time.sleep(_RETRY_PAUSE)
+
+    def _attempt(self, command: bytes, args: Sequence[bytes], what: str, start: float,
+                 deadline: float, reach_deadline: float, turned_away: bool,
+                 may_be_cut: bool) -> list[bytes] | str:
+        """One try of ``_request`` on this thread's socket: the reply, or, before any store
+        has answered this client, ``_LOST`` where its connection was lost and ``_CUT`` where
+        the store closed it in the handshake (``may_be_cut``: once in a row is a store that
+        was going away as it came, twice is a store that refuses this client's token)."""
+        sock, monitor = self._socket()
+        request_id = REQUEST_ID.pack(next(self._request_ids))
         sock.send_multipart([request_id, command, *args], copy=len(args) == 0 or
                             sum(len(a) for a in args) < 65536)
+        unreachable = (f"could not reach the store at {self.address} within {{:.1f}} s "
+                       f"({what}); check the address and that rank 0 (or `python -m "
+                       "ringcomm.bootstrap.store`) is serving it"
+                       + (" (a store there was going away with its group)" if turned_away
+                          else ""))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -518,18 +274,12 @@ class StoreClient(Store):
             now = time.monotonic()
             remaining = deadline - now
             if not self._local.connected and now >= reach_deadline:
-                raise StoreTimeout(
-                    f"could not reach the store at {self.address} within "
-                    f"{reach_deadline - start:.1f} s ({what}); check the address and that "
-                    "rank 0 (or `python -m ringcomm.bootstrap.store`) is serving it")
+                raise StoreTimeout(unreachable.format(reach_deadline - start))
             if remaining <= 0:
                 if not self._local.connected:
-                    raise StoreTimeout(
-                        f"could not reach the store at {self.address} within {limit:.1f} s "
-                        f"({what}); check the address and that rank 0 (or "
-                        "`python -m ringcomm.bootstrap.store`) is serving it")
-                raise StoreTimeout(
-                    f"the store at {self.address} did not answer within {limit:.1f} s ({what})")
+                    raise StoreTimeout(unreachable.format(deadline - start))
+                raise StoreTimeout(f"the store at {self.address} did not answer within "
+                                   f"{deadline - start:.1f} s ({what})")
             if not self._local.connected:
                 remaining = min(remaining, reach_deadline - now)
             events = dict(poller.poll(int(max(remaining, 0) * 1e3)))
@@ -539,6 +289,9 @@ class StoreClient(Store):
                 refused = auth.handshake_failure(event, int(message["value"]))
                 if refused is not None:
                     self._forget_socket()
+                    if may_be_cut and not self._answered and \
+                            event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                        return _CUT
                     mine = "holds a token" if self._keys is not None else "holds no token"
                     raise AuthError(
                         f"the store at {self.address} refused this client during {what}: "
@@ -549,6 +302,8 @@ class StoreClient(Store):
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._local.connected = False
                     self._forget_socket()
+                    if not self._answered:  # the store it reached went away: ask again
+                        return _LOST
                     raise StoreError(
                         f"lost the connection to the store at {self.address} during {what}; "
                         "the process serving it (rank 0 by default) has probably exited")
@@ -570,9 +325,9 @@ class StoreClient(Store):
 
     def _ok(self, reply: list[bytes], what: str) -> list[bytes]:
         status, results = reply[0], reply[1:]
-        if status == b"ok":
+        if status == OK:
             return results
-        if status == b"timeout":
+        if status == TIMEOUT:
             raise StoreTimeout(f"timed out waiting for key(s) {_names(results)} in the store at "
                                f"{self.address} ({what}); a rank that should set them has not "
                                "arrived or has failed")
@@ -594,7 +349,7 @@ class StoreClient(Store):
     def get(self, key: str, timeout: float | None = None) -> bytes:
         k, t = _key_bytes(key), self._blocking(timeout)
         what = f"get {key!r}"
-        reply = self._request(b"get", [str(int(t * 1e3)).encode(), k], what, server_wait=t)
+        reply = self._request(b"get", [k], what, server_wait=t)
         return self._ok(reply, what)[0]
 
     def add(self, key: str, amount: int) -> int:
@@ -609,8 +364,7 @@ class StoreClient(Store):
         if not ks:
             return
         what = f"wait for {len(ks)} key(s)"  # the timeout names the missing ones
-        self._ok(self._request(b"wait", [str(int(t * 1e3)).encode(), *ks], what, server_wait=t),
-                 what)
+        self._ok(self._request(b"wait", ks, what, server_wait=t), what)
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = _key_list(keys)
@@ -631,6 +385,15 @@ class StoreClient(Store):
     def ping(self, timeout: float | None = None) -> None:
         """Raise ``StoreTimeout`` unless the server answers within ``timeout`` s."""
         self._ok(self._request(b"ping", [], "ping", timeout=timeout), "ping")
+
+    def leave(self, group: str, rank: int, timeout: float | None = None) -> None:
+        """Say that rank ``rank`` of ``group`` is done with the store: this client sends
+        nothing more for that group. The store the group's rank 0 serves goes away once
+        its ranks have all left (``StoreServer.own``); a store nobody owns notes nothing.
+        ``timeout`` bounds the wait for the answer (default: the client's)."""
+        what = f"leave {group!r} (rank {rank})"
+        self._ok(self._request(b"leave", [_key_bytes(group), str(int(rank)).encode()], what,
+                               timeout=timeout), what)
 
     def close(self) -> None:
         if self._closed:
