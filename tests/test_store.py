@@ -21,6 +21,7 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import zmq
 
@@ -742,6 +743,36 @@ def test_a_store_nobody_owns_never_goes_away(server, connect):
     first.leave(GROUP, 2)  # no such rank
     assert not server.leaving
     assert connect().get("k", timeout=1) == b"v"
+
+
+@pytest.mark.timeout(60)
+def test_init_waits_out_a_store_still_leaving_on_its_address():
+    """A rank 0 whose address still has the store of a group that is closing (another
+    process was that group's rank 0) serves the port once that store has gone."""
+    import ringcomm
+
+    port = free_port()
+    old = StoreServer(HOST, port)
+    try:
+        old.own(GROUP, 2)
+        with StoreClient(old.address, timeout=10) as rank0, \
+                StoreClient(old.address, timeout=10) as rank1:
+            rank1.ping()
+            rank0.leave(GROUP, 0)
+            call = Call(ringcomm.init, rank=0, world_size=1, store=old.address, timeout=15)
+            time.sleep(0.8)
+            assert call.running()  # neither served by the leaving store nor failed
+            rank1.leave(GROUP, 1)
+        assert old.retire(5)
+        comm = call.result()
+        try:
+            x = np.ones(3)
+            comm.allreduce(x)
+            assert x.tolist() == [1.0] * 3
+        finally:
+            comm.close()
+    finally:
+        old.close()
 
 
 # --------------------------------------------------------------------------- PrefixStore

@@ -8,6 +8,14 @@ Where the store comes from:
 - otherwise ``"host:port"`` (or ``MASTER_ADDR``/``MASTER_PORT``): rank 0 serves a ringcomm
   store there and every rank, rank 0 included, connects to it.
 
+The store rank 0 serves belongs to its group and lives as long as any rank of the group
+still uses it (``_StoreUse``): each rank's close says ``leave`` after its last use of the
+store (the device lanes' close is the last), and rank 0's close waits, for a few seconds at
+most, until every rank has left or gone before it closes the server. Meanwhile that store
+turns away clients it has never seen, which ask again until the next group's store answers
+(``store_server``), so a process may init and close on one address any number of times,
+whichever of its ranks is quickest to come back.
+
 Every communicator made on one store gets its own key prefix, so re-initialising in the
 same job (or under a torchrun restart) never reads stale addresses.
 
@@ -25,6 +33,8 @@ import os
 import platform
 import socket
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -93,8 +103,9 @@ def init(
     elif not isinstance(auth_token, str):
         raise ArgumentError(f"auth_token must be a str, got {type(auth_token).__name__}")
 
-    closers = []
+    closers: list[Callable[[], None]] = []  # run in this order, at close or on a failure
     address = None
+    use = None
     if store is None:
         address = _master_address()
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
@@ -104,12 +115,16 @@ def init(
         address = address or store
         assert address is not None  # no store: the master's address was read above
         store_host, port = _split_address(address)  # not `host`: that is this rank's address
-        if rank == 0:
-            server = _serve_unless_served(store_host, port, auth_token)
+        server = _serve_unless_served(store_host, port, auth_token, timeout) if rank == 0 \
+            else None
+        try:
+            store = StoreClient(f"{store_host}:{port}", timeout=timeout, auth_token=auth_token)
+        except BaseException:
             if server is not None:
-                closers.append(server.close)
-        store = StoreClient(f"{store_host}:{port}", timeout=timeout, auth_token=auth_token)
-        closers.insert(0, store.close)
+                server.close()
+            raise
+        use = _StoreUse(store, server, rank, timeout)
+        closers.append(use.close)
     elif not isinstance(store, Store):
         raise ArgumentError(
             f"store must be a ringcomm Store or 'host:port', got {type(store).__name__}")
@@ -119,7 +134,10 @@ def init(
         # Count communicators per rank *on this store*, not per process: a process that made
         # more (or fewer) communicators before must still agree with its peers on the prefix.
         generation = store.add(f"ringcomm/{restart}/generation/{rank}", 1)
-        scoped = PrefixStore(f"ringcomm/{restart}/{generation}", store)
+        group = f"ringcomm/{restart}/{generation}"
+        if use is not None:
+            use.joined(group, world_size)
+        scoped = PrefixStore(group, store)
         try:  # this rank's own settings and address; a mistake here is told to every rank
             config.check_all()  # every setting this rank reads later, read now
             proposal, failure = propose(segment_bytes=segment_bytes, transport=transport,
@@ -147,8 +165,9 @@ def init(
 
     try:
         comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,
-                            on_close=list(reversed(closers)), connect=connect, store=scoped,
-                            faults_live=False, exchange=StoreExchange(scoped, "device", rank))
+                            on_close=closers, store_done=None if use is None else use.leave,
+                            connect=connect, store=scoped, faults_live=False,
+                            exchange=StoreExchange(scoped, "device", rank))
     except BaseException:  # the device set-up failed: nothing of the group stays open
         chans.close()
         for close in closers:
@@ -198,22 +217,88 @@ def summary(comm: Communicator) -> str:
             + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
-def _serve_unless_served(host: str, port: int, auth_token: str | None) -> StoreServer | None:
+_LEAVE_WAIT = 10.0  # s: the most rank 0's close waits for its group to leave its store
+_LEAVE_ANSWER = 2.0  # s: the most a rank's close waits for the store to hear it leave
+
+
+class _StoreUse:
+    """This rank's use of the store ``init`` reached by address: its client, and on rank 0
+    the server it serves (None where a store served apart answered there).
+
+    It ends in the order that lets the store outlive every rank's last use of it. ``leave``
+    comes first, from the communicator's close as soon as the device lanes (the last users
+    of the store) are closed: the rank says ``leave`` to the store (from then on the store
+    rank 0 serves turns newcomers away; one that does not answer within ``_LEAVE_ANSWER`` s
+    is taken to be gone). ``close`` comes last, once the links are closed too (or from
+    ``init`` on a failure, saying ``leave`` first if that has not been said): the rank
+    closes its client, and rank 0 waits until every rank has left or gone, for
+    ``_LEAVE_WAIT`` s at most (never longer than the group's timeout), and closes the server
+    (``StoreServer.retire``)."""
+
+    def __init__(self, client: StoreClient, server: StoreServer | None, rank: int,
+                 timeout: float) -> None:
+        self.client = client
+        self.server = server
+        self.rank = rank
+        self.wait = min(timeout, _LEAVE_WAIT)
+        self.group: str | None = None
+        self._left = self._closed = False
+
+    def joined(self, group: str, world_size: int) -> None:
+        """The group this rank joins on the store is ``group``, of ``world_size`` ranks:
+        rank 0's server belongs to it from now on."""
+        self.group = group
+        if self.server is not None:
+            self.server.own(group, world_size)
+
+    def leave(self) -> None:
+        """Tell the store that this rank is done with it (once; nothing before a group met)."""
+        if self._left or self.group is None:
+            return
+        self._left = True
+        try:
+            self.client.leave(self.group, self.rank, timeout=min(self.wait, _LEAVE_ANSWER))
+        except StoreError as err:  # the store is gone already: nothing to tell it
+            log.debug("rank %d could not say it leaves the store: %s", self.rank, err)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.leave()
+        finally:
+            self.client.close()
+            if self.server is not None:
+                if self.group is None:  # no group has met on it
+                    self.server.close()
+                else:
+                    self.server.retire(self.wait)
+
+
+def _serve_unless_served(host: str, port: int, auth_token: str | None,
+                         timeout: float) -> StoreServer | None:
     """Rank 0 serves the store, unless one already answers at ``host:port`` (``ringcomm
     store`` started apart from the ranks): then every rank, rank 0 included, uses that one.
-    A port held by something that is not a store stays an error."""
-    try:
-        return StoreServer(_bind_host(host), port, auth_token=auth_token)
-    except StoreError as err:
+    A port held by something that is not a store stays an error. A store there that is
+    going away with its own group (rank 0 of that one is still closing) is waited out, up
+    to ``timeout`` s, and then this rank serves the port."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return StoreServer(_bind_host(host), port, auth_token=auth_token)
+        except StoreError as err:
+            refused = err
         probe = StoreClient(f"{host}:{port}", timeout=0.5,  # a store answers in ms
                             auth_token=auth_token)
         try:
             probe.ping()
+            return None
         except StoreError:
-            raise err from None
+            if not probe.turned_away or time.monotonic() >= deadline:
+                raise refused from None
         finally:
             probe.close()
-        return None
 
 
 def _seconds(timeout: Any) -> float:
