@@ -747,6 +747,29 @@ def job_uneven_history(rank: int, world: int, store: str, stores: list, transpor
         return float(x[0])
 
 
+def job_reinit_one_address(rank: int, world: int, store: str, transport: str, cycles: int,
+                           jitter: float = 0.0, seed: int = 0, **_: Any) -> list[float]:
+    """init -> allreduce (checked) -> close, ``cycles`` times, always on the same address:
+    rank 0 serves the store afresh each cycle, while a fast rank's next init may already be
+    knocking at the store of the cycle that is still closing. With ``jitter``, every rank
+    sleeps a random time (up to ``jitter`` s, its own draw each cycle) before it closes, so
+    that fast and slow ranks interleave in every order. Returns each cycle's init-to-close
+    time on this rank."""
+    rng = np.random.default_rng([seed, rank])
+    took = []
+    for cycle in range(cycles):
+        started = time.monotonic()
+        with init(rank, world, store, transport, timeout=20.0) as comm:
+            x = np.full(4, float(rank + cycle))
+            comm.allreduce(x)
+            want = world * cycle + world * (world - 1) / 2
+            assert x.tolist() == [want] * 4, (cycle, x.tolist(), want)
+            if jitter:
+                time.sleep(float(rng.uniform(0.0, jitter)))
+        took.append(time.monotonic() - started)
+    return took
+
+
 # --------------------------------------------------------------------------- jobs: the hunt
 
 

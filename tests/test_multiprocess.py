@@ -369,3 +369,27 @@ def test_split_makes_working_sub_communicators(cluster, transport, world):
         assert x["sub_size"] == len(part)
         assert x["sub_rank"] == sorted(part, reverse=True).index(r)  # ranked by key
         assert x["sum"] == sum(part) and x["parent"] == world and x["none"]
+
+
+# --------------------------------------------------------------------------- one address again
+# A process may init and close any number of times on one store address: rank 0 serves the
+# store afresh each time, and the store of a group that is closing lives until every rank
+# has left it, while telling a newcomer (a fast rank's next init) to come back to the next.
+# Without that, a cycle failed within its first three (a rank's next init reached the store
+# of the group still closing, and lost it, or met there a group its rank 0 never joined).
+
+
+@pytest.mark.timeout(90)
+def test_ranks_closing_at_random_times_init_again_and_again_on_one_address(cluster):
+    took = cluster.run(2, "job_reinit_one_address", cycles=10, jitter=0.05, seed=0, timeout=80)
+    assert [len(t) for t in took] == [10] * 2
+
+
+@slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("jitter", [0.0, 0.05], ids=["at-once", "random-times"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_twenty_groups_in_a_row_on_one_address(cluster, world, jitter):
+    took = cluster.run(world, "job_reinit_one_address", cycles=20, jitter=jitter, seed=world,
+                       timeout=140)
+    assert [len(t) for t in took] == [20] * world
