@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from device_cases import to_device, to_host
+from device_cases import share_gpu, to_device, to_host
 
 import ringcomm
 from ringcomm.runtime.devices import named_runtime
@@ -39,11 +39,14 @@ def engine_forced(engine: str) -> Iterator[None]:
 
 
 def device_used(device: str) -> int | None:
-    """Bytes in use on the current GPU (CuPy), None on the fake."""
+    """Bytes in use on the current GPU (CuPy), once CuPy's pool has given back what it
+    caches; None on the fake."""
     if device != "cuda":
         return None
     import cupy
 
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
     free, total = cupy.cuda.runtime.memGetInfo()
     return int(total - free)
 
@@ -64,6 +67,7 @@ def job_cycles(rank: int, world: int, store: str, transport: str, engine: str, c
     forced, a checked device allreduce and a host one, close. What the device holds comes
     back to where it was."""
     rt = named_runtime(RUNTIME_OF[device])
+    share_gpu(engine, device, rank, world)
     live, used = rt.live_allocations(), device_used(device)
     engines = []
     with engine_forced(engine):
@@ -84,6 +88,7 @@ def job_several_at_once(rank: int, world: int, store: str, stores: list, transpo
     store while both live, and a split of the first: each runs checked device allreduces,
     interleaved, then they close in another order than they opened."""
     rt = named_runtime(RUNTIME_OF[device])
+    share_gpu(engine, device, rank, world)
     live = rt.live_allocations()
     engines = []
     with engine_forced(engine):
@@ -118,6 +123,7 @@ def job_torch_groups(rank: int, world: int, store: str, transport: str, engine: 
     import torch.distributed as dist
 
     rt = named_runtime(RUNTIME_OF[device])
+    share_gpu(engine, device, rank, world)
     live = rt.live_allocations()
     host, port = store.rsplit(":", 1)
     engines: list[str] = []

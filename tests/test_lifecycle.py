@@ -15,64 +15,70 @@ import pytest
 from conftest import TEST_RUNTIME
 
 ENGINES = ["cuda-ipc", "staged", "nccl"]
+# what a GPU may hold more after a job's cycles than before, all of ringcomm's given back:
+# the CUDA context's and libraries' lazy allocations (a cycle's own slots are 16-48 MiB, so
+# a leak of them shows within a few cycles)
+SLACK_BYTES = 64 << 20
+
+
+def check_given_back(rank: int, got: dict) -> None:
+    """What the job's process holds on the device is where it was before it: ringcomm's
+    allocations, mappings and events, and on a GPU the device's used bytes."""
+    assert got["live"][0] == got["live"][1], (rank, got)
+    before, after = got.get("used", (None, None))
+    if before is not None:
+        assert after - before <= SLACK_BYTES, (rank, got)
 # the device runtime of each run: the fake everywhere; CuPy's where the gpu tests run
 DEVICES = ["fake"] + [pytest.param("cuda", marks=pytest.mark.gpu)
                       for _ in [1] if TEST_RUNTIME == "cupy"]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world", [2, 3])
-def test_twenty_cycles_on_one_address_on_cuda_ipc(cluster, device, world):
-    """init -> device allreduce (checked) -> close, 20 times on one store address, every
-    rank a process: each cycle's channel opens its peers' events afresh (the same handle
-    bytes as the cycle before) and gives everything back."""
-    results = cluster.run(world, "lifecycle_jobs.job_cycles", engine="cuda-ipc", cycles=20,
-                          device=device, timeout=110)
-    for rank, got in enumerate(results):
-        assert got["engines"] == ["cuda-ipc"], (rank, got)
-        assert got["live"][0] == got["live"][1], (rank, got)
+slow = pytest.mark.slow
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_init_and_close_again_on_every_engine(cluster, device, engine, world):
-    results = cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=3,
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=slow)])
+def test_twenty_cycles_on_one_address(cluster, device, engine, world):
+    """init -> device allreduce (checked) -> close, 20 times on one store address, every
+    rank a process: each cycle opens its peers' events (on cuda-ipc: the same handle bytes
+    as the cycle before) or a new NCCL communicator afresh, and gives everything back."""
+    results = cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=20,
                           device=device, timeout=110)
     for rank, got in enumerate(results):
         assert got["engines"] == [engine], (rank, got)
-        assert got["live"][0] == got["live"][1], (rank, got)
+        check_given_back(rank, got)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_twenty_cycles_on_every_engine(cluster, device, engine, world):
+@pytest.mark.parametrize("world", [1, 4])
+def test_twenty_cycles_at_other_worlds(cluster, device, engine, world):
     results = cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=20,
                           device=device, timeout=560)
     for rank, got in enumerate(results):
         assert got["engines"] == [engine], (rank, got)
-        assert got["live"][0] == got["live"][1], (rank, got)
+        check_given_back(rank, got)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("staged", marks=slow),
+                                    pytest.param("nccl", marks=slow)])
 def test_several_communicators_at_once(cluster, device, engine):
     results = cluster.run(4, "lifecycle_jobs.job_several_at_once", engine=engine,
                           device=device, timeout=110)
     for rank, got in enumerate(results):
         assert got["engines"] == [engine], (rank, got)
-        assert got["live"][0] == got["live"][1], (rank, got)
+        check_given_back(rank, got)
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("engine", ["cuda-ipc", "nccl"])
+@pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("nccl", marks=slow)])
 def test_a_torch_group_with_two_new_groups(cluster, device, engine):
     """torch's default group and two new_groups (one of the even ranks), live at once, on
     device memory and CPU tensors; every group's device engine is the forced one."""
@@ -80,4 +86,15 @@ def test_a_torch_group_with_two_new_groups(cluster, device, engine):
                           timeout=140)
     for rank, got in enumerate(results):
         assert got["engines"] == [engine], (rank, got)
-        assert got["live"][0] == got["live"][1], (rank, got)
+        check_given_back(rank, got)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_processes_on_one_gpu_says_so(cluster) -> None:
+    """Every rank's GPU and MPS state is agreed at init: each rank's describe() names the
+    ranks that share its GPU, and whether MPS serves them (here, no daemon runs)."""
+    said = cluster.run(2, "lifecycle_jobs.job_describe", device="fake")
+    for text in said:
+        line = next(ln for ln in text.splitlines() if ln.startswith("gpus: "))
+        assert line.startswith("gpus: ranks 0, 1 share GPU fake:0 on "), line
+        assert "no MPS: their kernels take turns" in line, line

@@ -251,6 +251,7 @@ class Transport:
         took, if there is one: at close, proof that the ranks disagreed about an op (a rank
         whose part of an op only sends cannot tell during it). Reads what is waiting, so it
         is only for a transport about to close."""
+        self.control.closing()  # a peer that has closed already is no news to wait on
         for peer, link in enumerate(self.links):
             if link is None:
                 continue

@@ -179,5 +179,9 @@ class ControlPlane(abc.ABC):
         """Tell ``peer`` which op this rank has been waiting in, and what it expects of it,
         so a peer in another op can raise ``DesyncError`` at once. Optional."""
 
+    def closing(self) -> None:  # noqa: B027 - optional hook
+        """The transport is about to close: a peer found gone from now on needs no abort to
+        explain it (its group is ending too), so nothing waits for one."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the control plane holds. Called once, after the links."""

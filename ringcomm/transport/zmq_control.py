@@ -88,6 +88,7 @@ class ZmqControl(ControlPlane):
         socket.bind(WAKE_ENDPOINT)  # inproc: one per ZeroMQ context, so one per transport
         self._wake: zmq.Socket | None = None  # used by whichever thread aborts, one at a time
         self._wake_lock = threading.Lock()
+        self._grace_ms = _ABORT_GRACE_MS  # how long a lost peer waits for an abort to explain it
 
     def _to(self, peer: int) -> zmq.Socket:
         sock = self._push.get(peer)
@@ -153,10 +154,13 @@ class ZmqControl(ControlPlane):
         """Before reporting a lost peer: an abort from some rank, arriving within a grace
         period, explains it better (a peer may close because another rank failed and
         aborted it), and is raised instead."""
-        grace_end = time.monotonic() + _ABORT_GRACE_MS / 1000
+        grace_end = time.monotonic() + self._grace_ms / 1000
         wait = Wait(op, grace_end)
         while self.socket.poll(max(0, int((grace_end - time.monotonic()) * 1000))):
             self.handle(wait)
+
+    def closing(self) -> None:
+        self._grace_ms = 0
 
     def close(self) -> None:
         for sock in self._push.values():
