@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,3 +180,23 @@ def job_describe(rank: int, world: int, store: str, transport: str, device: str 
     with ringcomm.init(rank=rank, world_size=world, store=store, timeout=30,
                        transport=transport, device=device) as comm:
         return comm.describe()
+
+
+def job_late_closer(rank: int, world: int, store: str, transport: str, late: int,
+                    delay: float, device: str = "fake", **_: Any) -> dict:
+    """A device allreduce over cuda-ipc, then rank ``late`` closes ``delay`` s after the
+    others: they wait for it to close its mappings of their slots before they free them.
+    What each rank holds on the device afterwards, and how long its close took."""
+    rt = named_runtime(RUNTIME_OF[device])
+    live = rt.live_allocations()
+    with engine_forced("cuda-ipc"):
+        comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30,
+                             transport=transport, device=device)
+        try:
+            allreduce_checked(comm, rank, world, 1)
+            if rank == late:
+                time.sleep(delay)
+        finally:
+            started = time.monotonic()
+            comm.close()
+    return {"live": (live, rt.live_allocations()), "took": time.monotonic() - started}

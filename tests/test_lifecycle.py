@@ -98,3 +98,14 @@ def test_a_group_of_processes_on_one_gpu_says_so(cluster) -> None:
         line = next(ln for ln in text.splitlines() if ln.startswith("gpus: "))
         assert line.startswith("gpus: ranks 0, 1 share GPU fake:0 on "), line
         assert "no MPS: their kernels take turns" in line, line
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_closes_late_is_waited_for_before_anything_is_freed(cluster) -> None:
+    """Rank 2 closes 6 s after the others (longer than a close once waited): ranks 0 and 1
+    wait for it to close its mappings of their slots, then free them (the fake refuses to
+    free memory a living process maps), and everything is given back."""
+    results = cluster.run(3, "lifecycle_jobs.job_late_closer", late=2, delay=6.0, timeout=80)
+    for rank, got in enumerate(results):
+        check_given_back(rank, got)
+    assert results[0]["took"] > 4 and results[1]["took"] > 4, results  # they waited
