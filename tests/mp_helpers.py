@@ -770,6 +770,33 @@ def job_reinit_one_address(rank: int, world: int, store: str, transport: str, cy
     return took
 
 
+def job_next_group_while_the_first_lives(rank: int, world: int, store: str, transport: str,
+                                         **_: Any) -> list[float]:
+    """Rank 0 makes its next group on the address while its first one still lives there;
+    the other ranks close the first one before they make the next. The store stays up for
+    the next group after rank 0 closes the first (a split, which sets up through the store,
+    works), and goes when the last closes. Returns each allreduce's first value."""
+    seen = []
+    first = init(rank, world, store, transport, timeout=20.0)
+    x = np.full(3, float(rank))
+    first.allreduce(x)
+    seen.append(float(x[0]))
+    if rank != 0:
+        first.close()
+    with init(rank, world, store, transport, timeout=20.0) as second:
+        if rank == 0:
+            first.close()
+        y = np.ones(3)
+        second.allreduce(y)
+        seen.append(float(y[0]))
+        sub = second.split(0)  # both ranks: it meets through the store
+        z = np.ones(3)
+        sub.allreduce(z)
+        seen.append(float(z[0]))
+        sub.close()
+    return seen
+
+
 # --------------------------------------------------------------------------- jobs: the hunt
 
 

@@ -385,6 +385,12 @@ def test_ranks_closing_at_random_times_init_again_and_again_on_one_address(clust
     assert [len(t) for t in took] == [10] * 2
 
 
+@pytest.mark.timeout(60)
+def test_a_group_made_while_another_lives_on_its_address_keeps_the_store(cluster):
+    seen = cluster.run(2, "job_next_group_while_the_first_lives", timeout=50)
+    assert seen == [[1.0, 2.0, 2.0]] * 2
+
+
 @slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("jitter", [0.0, 0.05], ids=["at-once", "random-times"])

@@ -655,7 +655,8 @@ def test_a_leaving_store_turns_newcomers_away_until_the_next_store_serves_them(t
     ranks = [StoreClient(server.address, timeout=10, auth_token=token or "") for _ in range(2)]
     newcomer = StoreClient(server.address, timeout=15, auth_token=token or "")
     try:
-        server.own(GROUP, 2)
+        hold = server.hold()
+        server.own(hold, GROUP, 2)
         for r, rank in enumerate(ranks):
             rank.set(f"joined/{r}", b"1")  # the group's clients are known from here on
         if token is None:  # a stranger is served while the store is not leaving
@@ -675,7 +676,8 @@ def test_a_leaving_store_turns_newcomers_away_until_the_next_store_serves_them(t
         assert call.running() and newcomer.turned_away
         ranks[1].leave(GROUP, 1)
         started = time.monotonic()
-        assert server.retire(10) is True  # every rank has left
+        assert server.retire(hold, 10) is True  # every rank has left
+        assert server.closed and server.hold() is None
         assert time.monotonic() - started < SLACK
         # the next group's store at the address serves the newcomer's add: there, not here
         with StoreServer(HOST, port, auth_token=token or "") as following:
@@ -692,7 +694,8 @@ def test_a_leaving_store_turns_newcomers_away_until_the_next_store_serves_them(t
 def test_retire_waits_for_a_rank_still_using_the_store_but_not_for_one_that_died(processes):
     server = StoreServer(HOST, 0)
     try:
-        server.own(GROUP, 3)
+        hold = server.hold()
+        server.own(hold, GROUP, 3)
         with StoreClient(server.address, timeout=10) as rank0, \
                 StoreClient(server.address, timeout=10) as rank2:
             child = processes(_park, server.address, "get", "never", 30.0)  # rank 1
@@ -700,7 +703,7 @@ def test_retire_waits_for_a_rank_still_using_the_store_but_not_for_one_that_died
             rank2.ping()
             rank0.leave(GROUP, 0)
             rank0.close()
-            retire = Call(server.retire, 20)
+            retire = Call(server.retire, hold, 20)
             time.sleep(0.5)
             assert retire.running()  # ranks 1 and 2 still hold connections
             rank2.set("last-use", b"1")  # rank 2 still closing, served
@@ -718,27 +721,48 @@ def test_retire_waits_for_a_rank_still_using_the_store_but_not_for_one_that_died
 
 
 def test_retire_gives_up_after_its_timeout(server):
-    server.own(GROUP, 2)
+    hold = server.hold()
+    server.own(hold, GROUP, 2)
     with StoreClient(server.address, timeout=10) as rank0, \
             StoreClient(server.address, timeout=10) as rank1:
         rank0.ping()
         rank1.ping()
         rank0.leave(GROUP, 0)
         started = time.monotonic()
-        assert server.retire(0.5) is False  # rank 1 neither left nor went
+        assert server.retire(hold, 0.5) is False  # rank 1 neither left nor went
         assert 0.45 <= time.monotonic() - started < 0.5 + SLACK
         with pytest.raises(StoreError, match="lost the connection") as info:
             rank1.set("too-late", b"1")
         assert not isinstance(info.value, StoreTimeout)
 
 
-def test_a_store_nobody_owns_never_goes_away(server, connect):
+def test_a_store_two_groups_hold_goes_away_with_the_last(server, connect):
+    first, second = server.hold(), server.hold()
+    server.own(first, "ringcomm/0/1", 1)
+    server.own(second, "ringcomm/0/2", 1)
+    member = connect()
+    member.set("k", b"v")
+    member.leave("ringcomm/0/1", 0)
+    assert not server.leaving  # the second group still holds it
+    assert connect().get("k", timeout=1) == b"v"  # a newcomer is served
+    assert server.retire(first, 5) is True and not server.closed
+    member.leave("ringcomm/0/2", 0)
+    assert server.leaving
+    third = server.hold()  # a group of rank 0's process meets on it while it is leaving
+    assert third is not None and not server.leaving
+    assert connect().get("k", timeout=1) == b"v"
+    assert server.retire(third, 5) is True and not server.closed  # (it never met)
+    member.close()
+    assert server.retire(second, 5) is True and server.closed
+
+
+def test_a_store_nobody_holds_never_goes_away(server, connect):
     first = connect()
     first.set("k", b"v")
     first.leave(GROUP, 0)  # a group meeting on a stand-alone store says so too
     assert not server.leaving
     assert connect().get("k", timeout=1) == b"v"  # a newcomer is served
-    server.own(GROUP, 2)
+    server.own(server.hold(), GROUP, 2)
     first.leave("another/group", 0)
     first.leave(GROUP, 2)  # no such rank
     assert not server.leaving
@@ -754,7 +778,8 @@ def test_init_waits_out_a_store_still_leaving_on_its_address():
     port = free_port()
     old = StoreServer(HOST, port)
     try:
-        old.own(GROUP, 2)
+        hold = old.hold()
+        old.own(hold, GROUP, 2)
         with StoreClient(old.address, timeout=10) as rank0, \
                 StoreClient(old.address, timeout=10) as rank1:
             rank1.ping()
@@ -763,7 +788,7 @@ def test_init_waits_out_a_store_still_leaving_on_its_address():
             time.sleep(0.8)
             assert call.running()  # neither served by the leaving store nor failed
             rank1.leave(GROUP, 1)
-        assert old.retire(5)
+        assert old.retire(hold, 5)
         comm = call.result()
         try:
             x = np.ones(3)

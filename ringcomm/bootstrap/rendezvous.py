@@ -33,6 +33,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -115,15 +116,15 @@ def init(
         address = address or store
         assert address is not None  # no store: the master's address was read above
         store_host, port = _split_address(address)  # not `host`: that is this rank's address
-        server = _serve_unless_served(store_host, port, auth_token, timeout) if rank == 0 \
+        served = _serve_unless_served(store_host, port, auth_token, timeout) if rank == 0 \
             else None
         try:
             store = StoreClient(f"{store_host}:{port}", timeout=timeout, auth_token=auth_token)
         except BaseException:
-            if server is not None:
-                server.close()
+            if served is not None:
+                _retire(*served, 0)
             raise
-        use = _StoreUse(store, server, rank, timeout)
+        use = _StoreUse(store, served, rank, timeout)
         closers.append(use.close)
     elif not isinstance(store, Store):
         raise ArgumentError(
@@ -223,33 +224,35 @@ _LEAVE_ANSWER = 2.0  # s: the most a rank's close waits for the store to hear it
 
 class _StoreUse:
     """This rank's use of the store ``init`` reached by address: its client, and on rank 0
-    the server it serves (None where a store served apart answered there).
+    the server it serves and its hold on it (``StoreServer.hold``; no server where a store
+    served apart answered there).
 
     It ends in the order that lets the store outlive every rank's last use of it. ``leave``
     comes first, from the communicator's close as soon as the device lanes (the last users
     of the store) are closed: the rank says ``leave`` to the store (from then on the store
-    rank 0 serves turns newcomers away; one that does not answer within ``_LEAVE_ANSWER`` s
-    is taken to be gone). ``close`` comes last, once the links are closed too (or from
-    ``init`` on a failure, saying ``leave`` first if that has not been said): the rank
-    closes its client, and rank 0 waits until every rank has left or gone, for
-    ``_LEAVE_WAIT`` s at most (never longer than the group's timeout), and closes the server
-    (``StoreServer.retire``)."""
+    rank 0 serves turns newcomers away, unless another group holds it; one that does not
+    answer within ``_LEAVE_ANSWER`` s is taken to be gone). ``close`` comes last, once the
+    links are closed too (or from ``init`` on a failure, saying ``leave`` first if that has
+    not been said): the rank closes its client, and rank 0 retires its hold: where no other
+    group of this process holds the store, it waits until every rank has left or gone, for
+    ``_LEAVE_WAIT`` s at most (never longer than the group's timeout), and closes it."""
 
-    def __init__(self, client: StoreClient, server: StoreServer | None, rank: int,
-                 timeout: float) -> None:
+    def __init__(self, client: StoreClient, served: tuple[StoreServer, int] | None,
+                 rank: int, timeout: float) -> None:
         self.client = client
-        self.server = server
+        self.served = served
         self.rank = rank
         self.wait = min(timeout, _LEAVE_WAIT)
         self.group: str | None = None
         self._left = self._closed = False
 
     def joined(self, group: str, world_size: int) -> None:
-        """The group this rank joins on the store is ``group``, of ``world_size`` ranks:
-        rank 0's server belongs to it from now on."""
+        """The group this rank joins on the store is ``group``, of ``world_size`` ranks
+        (rank 0's hold on the server it serves is that group's from now on)."""
         self.group = group
-        if self.server is not None:
-            self.server.own(group, world_size)
+        if self.served is not None:
+            server, hold = self.served
+            server.own(hold, group, world_size)
 
     def leave(self) -> None:
         """Tell the store that this rank is done with it (once; nothing before a group met)."""
@@ -269,26 +272,53 @@ class _StoreUse:
             self.leave()
         finally:
             self.client.close()
-            if self.server is not None:
-                if self.group is None:  # no group has met on it
-                    self.server.close()
-                else:
-                    self.server.retire(self.wait)
+            if self.served is not None:
+                _retire(*self.served, self.wait)
+
+
+# The stores this process serves, by port and token: a later group of this process on the
+# same address while an earlier one lives holds the same store (``StoreServer.hold``).
+_SERVED: dict[tuple[int, str], StoreServer] = {}
+_SERVED_LOCK = threading.Lock()
+
+
+def _retire(server: StoreServer, hold: int, wait: float) -> None:
+    """Give back ``hold`` on ``server`` (``StoreServer.retire``), and forget a server that
+    has closed."""
+    server.retire(hold, wait)
+    if server.closed:
+        with _SERVED_LOCK:
+            for key in [k for k, v in _SERVED.items() if v is server]:
+                del _SERVED[key]
 
 
 def _serve_unless_served(host: str, port: int, auth_token: str | None,
-                         timeout: float) -> StoreServer | None:
-    """Rank 0 serves the store, unless one already answers at ``host:port`` (``ringcomm
-    store`` started apart from the ranks): then every rank, rank 0 included, uses that one.
-    A port held by something that is not a store stays an error. A store there that is
-    going away with its own group (rank 0 of that one is still closing) is waited out, up
-    to ``timeout`` s, and then this rank serves the port."""
+                         timeout: float) -> tuple[StoreServer, int] | None:
+    """Rank 0 serves the store, and holds it for its group, unless one already answers at
+    ``host:port``. Where this process serves it already (for another group that still
+    lives), the new group holds that one too. Where another serves it (``ringcomm store``
+    started apart from the ranks), every rank, rank 0 included, uses that one (None). A
+    port held by something that is not a store stays an error. A store there that is going
+    away with its own group (its rank 0, another process, is still closing) is waited out,
+    up to ``timeout`` s, and then this rank serves the port."""
+    key = (port, auth_token or "")
+    with _SERVED_LOCK:
+        mine = _SERVED.get(key)
+        hold = mine.hold() if mine is not None else None
+        if mine is not None and hold is not None:
+            return mine, hold
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return StoreServer(_bind_host(host), port, auth_token=auth_token)
+            server = StoreServer(_bind_host(host), port, auth_token=auth_token)
         except StoreError as err:
             refused = err
+        else:
+            hold = server.hold()
+            assert hold is not None  # a new server is not closing
+            with _SERVED_LOCK:
+                _SERVED[key] = server
+            return server, hold
         probe = StoreClient(f"{host}:{port}", timeout=0.5,  # a store answers in ms
                             auth_token=auth_token)
         try:

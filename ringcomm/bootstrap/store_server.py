@@ -7,22 +7,25 @@ only clients holding the token reach the server at all (CURVE).
 
 **Lifetime.** A stand-alone store (``ringcomm store``, ``python -m ringcomm.bootstrap.store``)
 serves until it is stopped. The store that rank 0 serves for its group (``ringcomm.init`` on
-an address) belongs to that group (``own``), and its life has to cover every rank's last
-use of it, while a rank that has closed may already be back at the same address for its
-next group, whose store rank 0 has not served yet. So it goes away in three steps:
+an address) is *held* by that group (``hold``, ``own``; a later group of the same rank 0 on
+the same address while the first lives holds it too), and its life has to cover every
+rank's last use of it, while a rank that has closed may already be back at the same
+address for its next group, whose store rank 0 has not served yet. So it goes away in
+three steps:
 
 1. *serving*: everyone is served. Each client that sends a request is *known* from then
    on, every socket of it (each thread of a client has its own), by the client id its
    sockets carry (``store_wire.client_of``).
-2. *leaving*, from the first ``leave`` of a rank of the owning group (each rank's close
-   says it after its last use of the store): known clients are still served, so ranks
-   still closing finish their work; a client never seen before (a rank's next init) gets
-   the status ``leaving``, which its ``StoreClient`` answers by asking again on a new
-   connection until its own deadline, by when the next group's store answers there.
-3. *closed*, by rank 0's close (``retire``): once every rank of the group has said
-   ``leave``, or no known client holds a connection any more (they closed, or their
-   processes died: the kernel closes a dead process's sockets), or a few seconds have
-   passed, whichever comes first.
+2. *leaving*, once every group holding it has begun to leave (its first rank's ``leave``:
+   each rank's close says it after its last use of the store): known clients are still
+   served, so ranks still closing finish their work; a client never seen before (a rank's
+   next init) gets the status ``leaving``, which its ``StoreClient`` answers by asking
+   again on a new connection until its own deadline, by when the next group's store
+   answers there. (A new ``hold`` ends this: the store stays for the new group.)
+3. *closed*, by the last holding group's rank 0 (``retire``): once every rank of its
+   groups has said ``leave``, or no known client holds a connection any more (they closed,
+   or their processes died: the kernel closes a dead process's sockets), or a few seconds
+   have passed, whichever comes first.
 
 Which connection carries which client's requests is read from each message (the socket
 it came in on) and forgotten when the socket's monitor reports that connection closed.
@@ -75,6 +78,17 @@ class _Parked:
     done: bool = field(default=False, compare=False)
 
 
+@dataclass
+class _Hold:
+    """A group that holds a store (``StoreServer.hold``): its name and size once known, the
+    ranks that have said ``leave``, and whether its rank 0 is done with the store."""
+
+    group: bytes | None = None
+    world: int = 0
+    left: set[int] = field(default_factory=set)
+    retired: bool = False
+
+
 class StoreServer:
     """Serves a key-value store on ``tcp://host:port`` from a background thread.
 
@@ -84,8 +98,8 @@ class StoreServer:
     holding the same token get through, encrypted (``ringcomm.transport.auth``); every
     request is checked (``parse_request``) and one that is not the protocol's is refused
     with a logged reason, so no client can crash the server or make it allocate what a
-    request merely claims. It serves until ``close``, or, once a group owns it (``own``),
-    until that group has left (``retire``; see the module docstring).
+    request merely claims. It serves until ``close``, or, once groups hold it (``hold``),
+    until they have left (``retire``; see the module docstring).
     """
 
     def __init__(self, host: str = LOOPBACK, port: int = 0,
@@ -123,10 +137,10 @@ class StoreServer:
         self._waiters: dict[bytes, list[_Parked]] = {}
         self._deadlines: list[_Parked] = []
         self._serial = itertools.count()
-        # its lifetime (the module docstring): shared with the owner's thread, under _life
+        # its lifetime (the module docstring): shared with the holders' threads, under _life
         self._life = threading.Condition()
-        self._owner: tuple[bytes, int] | None = None  # (group, world)
-        self._left: set[int] = set()  # ranks of the owning group that said leave
+        self._holds: dict[int, _Hold] = {}
+        self._hold_numbers = itertools.count(1)
         self._leaving = False
         self._known: dict[bytes, set[int]] = {}  # client -> its open connections (fds)
         self._carrier: dict[int, bytes] = {}  # connection (fd) -> the client it carries
@@ -146,45 +160,80 @@ class StoreServer:
 
     # -- lifetime
 
-    def own(self, group: str, world: int) -> None:
-        """Belong to ``group`` (the name its ranks ``leave`` with), of ``world`` ranks: from
-        the first ``leave`` of one of them, serve only clients already known (see the module
-        docstring), and let ``retire`` close once they have all gone."""
+    def hold(self) -> int | None:
+        """A group is about to meet on this store (``ringcomm.init``'s rank 0 holds the
+        store it serves for every group it makes there): the store neither turns newcomers
+        away nor closes until that group has left. Returns the hold's number for ``own`` and
+        ``retire``; None where the store is closing already (serve a new one once it has
+        gone)."""
+        with self._life:
+            if self._stopping:
+                return None
+            number = next(self._hold_numbers)
+            self._holds[number] = _Hold()
+            self._update_leaving()
+            return number
+
+    def own(self, hold: int, group: str, world: int) -> None:
+        """The group of ``hold`` is ``group`` (the name its ranks ``leave`` with), of
+        ``world`` ranks."""
         if world < 1:
             raise ArgumentError(f"a group has at least one rank, got world={world}")
         with self._life:
-            self._owner = (group.encode(), world)
+            self._holds[hold].group, self._holds[hold].world = group.encode(), world
 
     @property
     def leaving(self) -> bool:
-        """Whether the owning group has begun to leave (new clients are turned away)."""
+        """Whether every group holding the store has begun to leave it: new clients are
+        turned away."""
         with self._life:
             return self._leaving
 
-    def retire(self, timeout: float) -> bool:
-        """Close once the owning group is done with the store: every rank has said
-        ``leave``, or no known client holds a connection, or ``timeout`` s have passed.
-        True if the group was done, False if the wait ran out first (a rank still closing
-        that uses the store afterwards gets a ``StoreError``)."""
+    @property
+    def closed(self) -> bool:
+        """Whether the store has closed (or is closing)."""
+        with self._life:
+            return self._stopping
+
+    def retire(self, hold: int, timeout: float) -> bool:
+        """The group of ``hold`` is done with the store (its rank 0 closes). Where another
+        group still holds the store, it stays for that one and this returns True at once.
+        Where none does, the store closes once every rank of its groups has said ``leave``,
+        or no known client holds a connection, or ``timeout`` s have passed: True if the
+        groups were done, False if the wait ran out (a rank still closing that uses the
+        store afterwards gets a ``StoreError``)."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._life:
-            while not self._group_gone():
+            self._holds[hold].retired = True
+            self._update_leaving()
+            while True:
+                if self._stopping or any(not h.retired for h in self._holds.values()):
+                    return True  # closed by someone else, or held by another group
+                done = self._groups_gone()
                 left = deadline - time.monotonic()
-                if left <= 0 or self._stopping:
+                if done or left <= 0:
                     break
                 self._life.wait(left)
-            done = self._group_gone()
+            self._stopping = True
             if not done:
-                missing = sorted(set(range(self._owner[1] if self._owner else 0)) - self._left)
-                log.warning("the store on port %d closes although rank(s) %s of its group "
-                            "may still use it: they did not leave within %g s", self.port,
-                            ", ".join(map(str, missing)) or "?", timeout)
-        self.close()
+                missing = [f"rank {r} of {h.group.decode(errors='replace')}"
+                           for h in self._holds.values() if h.group is not None
+                           for r in range(h.world) if r not in h.left]
+                log.warning("the store on port %d closes although %s may still use it: they "
+                            "did not leave within %g s", self.port,
+                            ", ".join(missing) or "some client", timeout)
+        self._shut_down()
         return done
 
-    def _group_gone(self) -> bool:
-        """(Under ``_life``.) Whether every rank has left or no known client is connected."""
-        if self._owner is not None and len(self._left) >= self._owner[1]:
+    def _update_leaving(self) -> None:
+        """(Under ``_life``.) Leaving: every hold's group is retired or has begun to leave."""
+        holds = self._holds.values()
+        self._leaving = bool(holds) and all(h.retired or h.left for h in holds)
+
+    def _groups_gone(self) -> bool:
+        """(Under ``_life``.) Whether every rank of the holding groups has left, or no known
+        client holds a connection any more."""
+        if all(h.group is None or len(h.left) >= h.world for h in self._holds.values()):
             return True
         return not any(self._known.values())
 
@@ -193,6 +242,10 @@ class StoreServer:
             if self._stopping:
                 return
             self._stopping = True
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        with self._life:
             self._life.notify_all()
         poke = self._ctx.socket(zmq.PAIR)
         poke.connect(self._wake_addr)
@@ -378,14 +431,14 @@ class StoreServer:
             raise ValueError("unknown command")
 
     def _leave(self, group: bytes, rank: int) -> None:
-        """Rank ``rank`` of ``group`` is done with the store. Only the owning group's ranks
-        count; another group's (or any, on a store nobody owns) change nothing."""
+        """Rank ``rank`` of ``group`` is done with the store. Only the ranks of a group that
+        holds it count; another group's (or any, on a store nobody holds) change nothing."""
         with self._life:
-            if self._owner is None or group != self._owner[0] or rank >= self._owner[1]:
-                return
-            self._left.add(rank)
-            self._leaving = True
-            self._life.notify_all()
+            for held in self._holds.values():
+                if held.group == group and rank < held.world:
+                    held.left.add(rank)
+                    self._update_leaving()
+                    self._life.notify_all()
 
     def _answer_parked(self, identity: bytes, request_id: bytes, command: bytes,
                        keys: list[bytes]) -> None:
