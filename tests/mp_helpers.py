@@ -913,7 +913,7 @@ def job_fake_device_allreduce(rank: int, world: int, store: str, transport: str,
     """Ring allreduces of the fake runtime's device arrays over real channels, staged
     through host memory: a small one, and 1 MiB in 64 KiB segments (payloads that take the
     shared-memory path). Returns the element counts checked."""
-    from ringcomm.core.device.fake import FakeDeviceArray
+    from ringcomm.testing import FakeDeviceArray
 
     done = []
     with init(rank, world, store, transport, segment_bytes=64 * 1024) as comm:

@@ -48,6 +48,7 @@ from ..observe.clock import through_store
 from ..plan.settings import agree, propose
 from ..plan.topology import RankFacts
 from ..runtime.communicator import Communicator
+from ..runtime.devices import gpu_facts
 from ..transport.group import GroupTransport
 from .link_probe import measure_remote
 from .store import PrefixStore, Store, StoreClient, StoreServer, TorchStore
@@ -149,7 +150,8 @@ def init(
             proposal, failure = None, err
         settings, topology = agree(scoped, rank, world_size, timeout, proposal=proposal,
                                    failure=failure,
-                                   facts=RankFacts.here(traces=bool(trace)))
+                                   facts=RankFacts.here(traces=bool(trace), **gpu_facts(
+                                       proposal["match"]["device"] if proposal else None)))
         assert host is not None  # found above, or agree raised the failure on every rank
         chans = GroupTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout,
