@@ -14,7 +14,9 @@ store (the device lanes' close is the last), and rank 0's close waits, for a few
 most, until every rank has left or gone before it closes the server. Meanwhile that store
 turns away clients it has never seen, which ask again until the next group's store answers
 (``store_server``), so a process may init and close on one address any number of times,
-whichever of its ranks is quickest to come back.
+whichever of its ranks is quickest to come back. A group that rank 0 makes on an address
+while an earlier group of its process lives there holds the same store, which then stays
+until the last of them has left (``_serve_unless_served``).
 
 Every communicator made on one store gets its own key prefix, so re-initialising in the
 same job (or under a torchrun restart) never reads stale addresses.
