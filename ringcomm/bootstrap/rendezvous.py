@@ -302,9 +302,10 @@ def _serve_unless_served(host: str, port: int, auth_token: str | None,
     ``host:port``. Where this process serves it already (for another group that still
     lives), the new group holds that one too. Where another serves it (``ringcomm store``
     started apart from the ranks), every rank, rank 0 included, uses that one (None). A
-    port held by something that is not a store stays an error. A store there that is going
-    away with its own group (its rank 0, another process, is still closing) is waited out,
-    up to ``timeout`` s, and then this rank serves the port."""
+    port held by something that is not a store stays an error (after one more try to bind
+    it: a store may have gone between the two looks). A store there that is going away with
+    its own group (its rank 0, another process, is still closing) is waited out, up to
+    ``timeout`` s, and then this rank serves the port."""
     key = (port, auth_token or "")
     with _SERVED_LOCK:
         mine = _SERVED.get(key)
@@ -314,25 +315,34 @@ def _serve_unless_served(host: str, port: int, auth_token: str | None,
     deadline = time.monotonic() + timeout
     while True:
         try:
-            server = StoreServer(_bind_host(host), port, auth_token=auth_token)
+            return _serve(host, port, auth_token, key)
         except StoreError as err:
             refused = err
-        else:
-            hold = server.hold()
-            assert hold is not None  # a new server is not closing
-            with _SERVED_LOCK:
-                _SERVED[key] = server
-            return server, hold
         probe = StoreClient(f"{host}:{port}", timeout=0.5,  # a store answers in ms
                             auth_token=auth_token)
         try:
             probe.ping()
             return None
         except StoreError:
-            if not probe.turned_away or time.monotonic() >= deadline:
-                raise refused from None
+            if probe.turned_away and time.monotonic() < deadline:
+                continue  # a store going away: wait it out
         finally:
             probe.close()
+        try:  # no store answered: the one that held the port may have gone just now
+            return _serve(host, port, auth_token, key)
+        except StoreError:
+            raise refused from None
+
+
+def _serve(host: str, port: int, auth_token: str | None,
+           key: tuple[int, str]) -> tuple[StoreServer, int]:
+    """A new store on ``port``, held for this rank's group and known as this process's."""
+    server = StoreServer(_bind_host(host), port, auth_token=auth_token)
+    hold = server.hold()
+    assert hold is not None  # a new server is not closing
+    with _SERVED_LOCK:
+        _SERVED[key] = server
+    return server, hold
 
 
 def _seconds(timeout: Any) -> float:
