@@ -36,32 +36,24 @@ DEVICES = ["fake"] + [pytest.param("cuda", marks=pytest.mark.gpu)
 slow = pytest.mark.slow
 
 
-@pytest.mark.timeout(120)
+def check_every_rank(results: list[dict], engine: str) -> None:
+    """Every rank ran on the engine asked for and gave back what it held."""
+    for rank, got in enumerate(results):
+        assert got["engines"] == [engine], (rank, got)
+        check_given_back(rank, got)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=slow)])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=slow), 2, pytest.param(3, marks=slow),
+                                   pytest.param(4, marks=slow)])
 def test_twenty_cycles_on_one_address(cluster, device, engine, world):
     """init -> device allreduce (checked) -> close, 20 times on one store address, every
     rank a process: each cycle opens its peers' events (on cuda-ipc: the same handle bytes
     as the cycle before) or a new NCCL communicator afresh, and gives everything back."""
-    results = cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=20,
-                          device=device, timeout=110)
-    for rank, got in enumerate(results):
-        assert got["engines"] == [engine], (rank, got)
-        check_given_back(rank, got)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 4])
-def test_twenty_cycles_at_other_worlds(cluster, device, engine, world):
-    results = cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=20,
-                          device=device, timeout=560)
-    for rank, got in enumerate(results):
-        assert got["engines"] == [engine], (rank, got)
-        check_given_back(rank, got)
+    check_every_rank(cluster.run(world, "lifecycle_jobs.job_cycles", engine=engine, cycles=20,
+                                 device=device, timeout=560), engine)
 
 
 @pytest.mark.timeout(120)
@@ -69,11 +61,8 @@ def test_twenty_cycles_at_other_worlds(cluster, device, engine, world):
 @pytest.mark.parametrize("engine", ["cuda-ipc", pytest.param("staged", marks=slow),
                                     pytest.param("nccl", marks=slow)])
 def test_several_communicators_at_once(cluster, device, engine):
-    results = cluster.run(4, "lifecycle_jobs.job_several_at_once", engine=engine,
-                          device=device, timeout=110)
-    for rank, got in enumerate(results):
-        assert got["engines"] == [engine], (rank, got)
-        check_given_back(rank, got)
+    check_every_rank(cluster.run(4, "lifecycle_jobs.job_several_at_once", engine=engine,
+                                 device=device, timeout=110), engine)
 
 
 @pytest.mark.timeout(150)
@@ -82,11 +71,8 @@ def test_several_communicators_at_once(cluster, device, engine):
 def test_a_torch_group_with_two_new_groups(cluster, device, engine):
     """torch's default group and two new_groups (one of the even ranks), live at once, on
     device memory and CPU tensors; every group's device engine is the forced one."""
-    results = cluster.run(4, "lifecycle_jobs.job_torch_groups", engine=engine, device=device,
-                          timeout=140)
-    for rank, got in enumerate(results):
-        assert got["engines"] == [engine], (rank, got)
-        check_given_back(rank, got)
+    check_every_rank(cluster.run(4, "lifecycle_jobs.job_torch_groups", engine=engine,
+                                 device=device, timeout=140), engine)
 
 
 @pytest.mark.timeout(60)
