@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import struct
 import tempfile
 import threading
 
@@ -23,7 +24,7 @@ from ringcomm.core.device import available_runtimes, runtime
 from ringcomm.core.device.runtime import Allocation, DeviceRuntime
 from ringcomm.core.dtypes import REDUCE_OPS, finish_reduction, reduce_into
 from ringcomm.errors import ArgumentError
-from ringcomm.testing import FakeDeviceArray, FakeDeviceFault, FakeRuntime
+from ringcomm.testing import FakeDeviceArray, FakeDeviceFault, FakeRuntime, fake_device
 
 RUNTIMES = available_runtimes()
 
@@ -576,5 +577,131 @@ def test_a_killed_importer_does_not_block_the_free(name):
         peer.kill()
         peer.proc.join(10)  # reaped: no process of that pid any more
         device_peer.free(rt, mine)
+    finally:
+        peer.close()
+
+
+# ----------------------------------------------------------------------------- the fake's refusals
+# each refusal of the fake (``ringcomm/testing/fake_device.py`` lists them with their sources)
+# has a test that fails once the refusal is taken out
+
+
+def test_streams_and_events_of_no_runtime_here_are_refused(fake):
+    """A stream of another runtime object (a second library's, a stale one) is no stream of
+    this process's runtime; an object that is no fake event is no event."""
+    with pytest.raises(FakeDeviceFault, match="is not a stream of this process's fake runtime"):
+        fake.synchronize(FakeRuntime().new_stream())
+    with pytest.raises(FakeDeviceFault, match="is not an event of the fake runtime"):
+        fake.record(object(), fake.new_stream())
+
+
+def test_a_stream_whose_work_failed_runs_nothing_more(fake):
+    """As a CUDA error is sticky: once an item failed as it ran, the stream runs nothing
+    queued after it, and every later wait for it says so."""
+    stream = fake.new_stream()
+    a = put(fake, np.ones(4), stream)
+    # numpy has no bitwise and of floats: the item fails when it runs, not when it is queued
+    fake.reduce(a.ptr, a.ptr, a.ptr, 4, np.dtype(np.float64), REDUCE_OPS["band"], stream)
+    with pytest.raises(TypeError):
+        fake.synchronize(stream)
+    after = fake.new_event()
+    fake.record(after, stream)
+    with pytest.raises(FakeDeviceFault, match="faulted earlier and runs nothing more"):
+        fake.event_synchronize(after)
+    fake.free(a)
+
+
+def test_arguments_a_gpu_would_refuse_are_refused_at_the_call(fake):
+    """A negative size, a pointer that is not an allocation's base, a null host range, a
+    host buffer a device copy cannot use, a handle that is no fake event handle."""
+    stream = fake.new_stream()
+    a = fake.malloc(64)
+    with pytest.raises(FakeDeviceFault, match="give a number of bytes, 0 or more"):
+        fake.malloc(-1)
+    with pytest.raises(FakeDeviceFault, match="not the base of an allocation made here"):
+        fake.free(Allocation(a.ptr + 8, 56, 0))
+    with pytest.raises(FakeDeviceFault, match="give a mapped host address and a positive"):
+        fake.host_register(np.zeros(8).ctypes.data, 0)
+    read_only = np.zeros(8)
+    read_only.flags.writeable = False
+    with pytest.raises(FakeDeviceFault, match="dst must be a writable, contiguous"):
+        fake.to_host(read_only, a.ptr, stream)
+    with pytest.raises(FakeDeviceFault, match="src must be a contiguous numpy array"):
+        fake.from_host(a.ptr, np.arange(16.0).reshape(4, 4)[:, :2], stream)
+    with pytest.raises(FakeDeviceFault, match="not a fake event handle"):
+        fake.open_event(b"junk")
+    fake.synchronize(stream)
+    fake.free(a)
+
+
+@pytest.mark.timeout(60)
+def test_a_handle_naming_another_allocation_or_event_is_refused(fake):
+    """A handle whose memfd is live but holds another allocation or event (the exporter
+    freed the one named and its fd number went to the next) is refused, not mapped as if it
+    were the one named; the refusal leaves no importer behind."""
+    before = fake.live_allocations()
+    peer = Peer("fake")
+    try:
+        memory, event = peer("export", nbytes=64)
+        magic, pid, fd, ident, nbytes = struct.unpack("<8sQQQQ", memory)
+        with pytest.raises(FakeDeviceFault, match="is stale"):
+            fake.open_memory(struct.pack("<8sQQQQ", magic, pid, fd, ident + 1000, nbytes))
+        magic, pid, fd, ident = struct.unpack("<8sQQQ", event)
+        with pytest.raises(FakeDeviceFault, match="names no event slot"):
+            fake.open_event(struct.pack("<8sQQQ", magic, pid, fd, ident + 1000))
+        assert fake.live_allocations() == before
+        peer("free")  # nobody maps it: the refusals registered no importer
+        peer("destroy")
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_handle_opened_on_two_threads_at_once_is_refused_on_the_second(fake, monkeypatch):
+    peer = Peer("fake")
+    inside, go_on = threading.Event(), threading.Event()
+    real, calls = fake_device._open_peer_fd, []
+
+    def slow(*args):  # the first open stops inside, before its mapping is registered
+        calls.append(args)
+        if len(calls) == 1:
+            inside.set()
+            go_on.wait(10)
+        return real(*args)
+    monkeypatch.setattr(fake_device, "_open_peer_fd", slow)
+    try:
+        memory, _ = peer("export", nbytes=64)
+        first: list[int] = []
+        t = threading.Thread(target=lambda: first.append(fake.open_memory(memory)))
+        t.start()
+        assert inside.wait(10)
+        with pytest.raises(FakeDeviceFault, match="being opened on another thread right now"):
+            fake.open_memory(memory)
+        go_on.set()
+        t.join(10)
+        fake.close_memory(first[0])
+        peer("free")
+        peer("destroy")
+    finally:
+        go_on.set()
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_importer_table_holds_128_opens(fake):
+    """Each open of an event handle is an importer of its own (measured); the fake's table
+    has 128 places, and the 129th open is refused rather than left untracked (an untracked
+    importer would let the exporter destroy the event under it)."""
+    peer = Peer("fake")
+    try:
+        _, event = peer("export", nbytes=64)
+        opened = [fake.open_event(event) for _ in range(128)]
+        with pytest.raises(FakeDeviceFault, match="is open in 128 places already"):
+            fake.open_event(event)
+        for ev in opened:
+            fake.close_event(ev)
+        fake.close_event(fake.open_event(event))  # a place is free again
+        peer("free")
+        peer("destroy")
     finally:
         peer.close()

@@ -5,6 +5,7 @@ threads of this process, each with a communicator of its own."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,13 @@ import pytest
 
 from ringcomm.core.device import nccl_library, runtime
 from ringcomm.core.device.nccl import NCCL_DTYPES, NCCL_OPS
-from ringcomm.testing import FakeCupyNccl, FakeDeviceArray, FakeDeviceFault, FakeNcclError
+from ringcomm.testing import (
+    FakeCupyNccl,
+    FakeDeviceArray,
+    FakeDeviceFault,
+    FakeNcclError,
+    fake_nccl,
+)
 
 pytestmark = pytest.mark.timeout(60)
 RT = runtime("fake")
@@ -31,8 +38,8 @@ def ranks(world: int, fn: Callable[[Any, int], Any]) -> list[Any]:
         comm = NCCL.NcclCommunicator(world, uid, rank)
         try:
             out[rank] = fn(comm, rank)
-        except Exception as err:  # noqa: BLE001 - the test looks at it
-            out[rank] = err
+        except BaseException as err:  # noqa: BLE001 - the test looks at it (a failed
+            out[rank] = err  # pytest.raises is a BaseException too: it must not vanish)
         finally:
             comm.destroy()
     threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
@@ -94,6 +101,155 @@ def test_a_peer_out_of_range_and_a_group_end_without_start_are_refused() -> None
         with pytest.raises(FakeNcclError, match="INVALID_USAGE"):
             NCCL.groupEnd()
     assert ranks(2, run) == [None, None]
+
+
+def test_refusals_of_one_thread_are_refused_on_it() -> None:
+    with pytest.raises(FakeNcclError, match="INVALID_USAGE"):
+        NCCL.groupEnd()
+    x = FakeDeviceArray.from_host(np.ones(4, np.float32))
+    stream = RT.current_stream().handle
+    RT.synchronize(RT.current_stream())
+    comm = NCCL.NcclCommunicator(1, NCCL.get_unique_id(), 0)
+    try:
+        with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT.*peer 1"):
+            comm.send(x.ptr, 16, UINT8, 1, stream)
+        with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT: datatype 99"):
+            comm.allReduce(x.ptr, x.ptr, 4, 99, SUM, stream)
+        with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT: reduction 99"):
+            comm.allReduce(x.ptr, x.ptr, 4, FLOAT32, 99, stream)
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.timeout(20)
+def test_ids_and_ranks_a_communicator_cannot_be_made_of() -> None:
+    uid = NCCL.get_unique_id()
+    with pytest.raises(FakeDeviceFault, match="not a fake NCCL unique id"):
+        NCCL.NcclCommunicator(1, bytes(128), 0)
+    saved, RT.hang_timeout = RT.hang_timeout, 1.0  # a fake without the check waits this long
+    try:
+        with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT: rank 2 of a communicator "
+                                                "of 2"):
+            NCCL.NcclCommunicator(2, NCCL.get_unique_id(), 2)
+    finally:
+        RT.hang_timeout = saved
+    comm = NCCL.NcclCommunicator(1, uid, 0)
+    try:
+        with pytest.raises(FakeDeviceFault, match="rank 0 connects twice with one NCCL id"):
+            NCCL.NcclCommunicator(1, uid, 0)
+        with pytest.raises(FakeDeviceFault, match="connects with 2 ranks to an NCCL id others "
+                                                  "used with 1"):
+            NCCL.NcclCommunicator(2, uid, 1)
+    finally:
+        comm.destroy()
+    with pytest.raises(FakeDeviceFault, match="the id's broker cannot be reached"):
+        NCCL.NcclCommunicator(1, uid, 0)  # every rank of that id ended: its broker is gone
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_that_never_joins_is_an_init_hang() -> None:
+    saved, RT.hang_timeout = RT.hang_timeout, 0.3
+    try:
+        with pytest.raises(FakeDeviceFault, match="NCCL init hang: rank 0 waited 0.3 s for 1 "
+                                                  "more ranks"):
+            NCCL.NcclCommunicator(2, NCCL.get_unique_id(), 0)
+    finally:
+        RT.hang_timeout = saved
+
+
+def test_work_queued_before_destroy_faults_when_it_runs() -> None:
+    x = FakeDeviceArray.from_host(np.ones(4, np.float32))
+    stream = RT.new_stream()
+    RT.synchronize(RT.current_stream())
+    comm = NCCL.NcclCommunicator(1, NCCL.get_unique_id(), 0)
+    comm.allReduce(x.ptr, x.ptr, 4, FLOAT32, SUM, stream.handle)  # queued, not run
+    comm.destroy()
+    with pytest.raises(FakeDeviceFault, match="rank 0: NCCL used after it ended"):
+        RT.synchronize(stream)
+
+
+@pytest.mark.parametrize("call", ["send", "allReduce"])
+def test_a_call_its_peer_never_matches_is_a_device_hang(call: str) -> None:
+    """Rank 1 never launches the receive or the collective: rank 0's wait for it ends in a
+    FakeDeviceFault after the hang timeout, not never (a rescue abort ends it if not)."""
+    def run(comm: Any, rank: int) -> str | None:
+        if rank == 1:
+            return None
+        x = FakeDeviceArray.from_host(np.ones(4, np.float32))
+        stream = RT.current_stream()
+        RT.synchronize(stream)
+        if call == "send":
+            comm.send(x.ptr, 16, UINT8, 1, stream.handle)
+        else:
+            comm.allReduce(x.ptr, x.ptr, 4, FLOAT32, SUM, stream.handle)
+        saved, RT.hang_timeout = RT.hang_timeout, 0.5
+        rescue = threading.Timer(10, comm.abort)
+        rescue.start()
+        try:
+            RT.synchronize(stream)
+        except FakeDeviceFault as err:
+            return str(err)
+        finally:
+            rescue.cancel()
+            RT.hang_timeout = saved
+        return "no fault"
+    results = ranks(2, run)
+    expect = ("device hang: rank 0's NCCL group waits for rank 1's receive" if call == "send"
+              else "device hang: rank 0's NCCL all_reduce #0 waits for other ranks")
+    assert results[0] == expect, results
+
+
+def test_a_host_wait_behind_a_stuck_stream_is_a_device_hang() -> None:
+    """Another thread runs the stream and is stuck in it (a send nobody receives): a host
+    wait for the same stream gives up after the hang timeout, not when the other thread
+    does."""
+    def run(comm: Any, rank: int) -> str | None:
+        if rank == 1:
+            return None  # never receives
+        x = FakeDeviceArray.from_host(np.ones(4, np.uint8))
+        RT.synchronize(RT.current_stream())
+        stream = RT.new_stream()
+        comm.send(x.ptr, 4, UINT8, 1, stream.handle)
+        stuck = threading.Thread(target=RT.synchronize, args=(stream,))
+        stuck.start()
+        while stream.runner is None:  # the other thread is inside the send
+            time.sleep(0.001)
+        saved, RT.hang_timeout = RT.hang_timeout, 0.3
+        rescue = threading.Timer(10, comm.abort)
+        rescue.start()
+        try:
+            RT.synchronize(stream)
+        except FakeDeviceFault as err:
+            return str(err)
+        finally:
+            RT.hang_timeout = saved
+            rescue.cancel()
+            comm.abort()  # ends the stuck send
+            stuck.join(10)
+        return "no fault"
+    results = ranks(2, run)
+    assert results[0] is not None and results[0].startswith("device hang: stream ") and \
+        "did not get past item 1 within 0.3 s" in results[0], results
+
+
+def test_an_id_whose_address_does_not_fit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fake_nccl, "UNIQUE_ID_BYTES", 48)
+    with pytest.raises(FakeDeviceFault, match="bytes is too long"):
+        NCCL.get_unique_id()
+
+
+def test_ranks_that_launch_a_collective_with_different_ops_get_a_fault() -> None:
+    """Same kind, count and type, a different op: the sizes agree, so only the check sees
+    it."""
+    def run(comm: Any, rank: int) -> None:
+        x = FakeDeviceArray.from_host(np.ones(8, np.float32))
+        stream = RT.current_stream()
+        comm.allReduce(x.ptr, x.ptr, 8, FLOAT32, SUM if rank == 0 else NCCL_OPS["max"],
+                       stream.handle)
+        RT.synchronize(stream)
+    results = ranks(2, run)
+    assert all(isinstance(r, FakeDeviceFault) and "differs between ranks" in str(r)
+               for r in results), results
 
 
 def test_a_receive_of_another_size_than_its_send_is_a_fault() -> None:

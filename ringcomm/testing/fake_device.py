@@ -49,6 +49,19 @@ releasing an array while work queued on another       undefined: the pool (CuPy'
 stream still uses it                                  allocator) hands the memory out again
 a stream or host wait that never ends                 a hang on a GPU (the fake gives up after
                                                       ``RINGCOMM_FAKE_DEVICE_TIMEOUT``)
+any work on a stream after an item of it faulted      CUDA errors are sticky: after an illegal
+                                                      address every later call of the context
+                                                      fails
+a stream or event of another runtime (or none)        cudaErrorInvalidResourceHandle
+a negative size; a null or empty host range to        cudaErrorInvalidValue
+register; a range overlapping a registered one;       cudaErrorHostMemoryAlreadyRegistered;
+unregistering a range never registered                cudaErrorHostMemoryNotRegistered
+a host array a copy cannot use as it is (not          the seam's contract: a copy moves one
+contiguous; read-only as a destination)               contiguous range of bytes
+an IPC handle that is not one, or names no live       cudaErrorInvalidResourceHandle
+allocation or event of its process
+a handle opened on two threads at once; a 129th       the fake's own bookkeeping (not CUDA's):
+open of one exported allocation or event              it refuses rather than lose track
 ====================================================  ==========================================
 
 And what it allows because CUDA was measured or documented to (never refuse these):
