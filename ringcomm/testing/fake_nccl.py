@@ -37,8 +37,11 @@ refusal                                                    source
                                                            len(commId) == NCCL_UNIQUE_ID_BYTES``
 a call on a communicator after ``destroy``/``abort``        CuPy sets its handle to NULL; NCCL's
 (``check_async_error`` included)                            argument check: ncclInvalidArgument
-a peer outside ``0..ndev-1``                               NCCL's argument check:
-                                                           ncclInvalidArgument
+a peer outside ``0..ndev-1``, a rank outside it at init,  NCCL's argument check:
+a datatype or reduction NCCL does not have                  ncclInvalidArgument
+an id no fake drew; an id whose drawer is gone; a rank      NCCL's bootstrap fails or hangs there
+that joins twice or with another world size                 (the id names a root that must live;
+                                                           each rank joins once)
 ``groupEnd`` without ``groupStart``                        NCCL: ncclInvalidUsage
 a receive whose size differs from its send's; ranks that   undefined in NCCL (a send and its
 launch different collectives (kind, count, type, op,       receive, and every rank's collective,
