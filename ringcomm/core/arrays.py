@@ -362,6 +362,8 @@ class StagedBuffer(HostBuffer):
         runtime.wait_event(device.caller_stream, done)
         device.done = done
         keep_until_done(runtime, done, device.nbytes, self._host, device.array)
+        if device.then is not None:  # the caller's own work after the op, as on a device
+            device.done = device.then(device)
 
 
 # --------------------------------------------------------------------------- kinds

@@ -130,7 +130,7 @@ CUDA_KIND = TorchCUDAKind()
 _USABLE: list[bool] = []  # whether the CuPy runtime can be had here: asked once per process
 
 
-def _device_runtime_usable() -> bool:
+def device_runtime_usable() -> bool:
     """Whether CUDA tensors can go as device memory (CuPy imports and sees a GPU)."""
     if not _USABLE:
         from .device.cupy_runtime import cupy_problem
@@ -150,7 +150,7 @@ def tensor_buffer(t: Any, name: str, core_dtypes: frozenset[Any], *, reads: bool
         return HostBuffer(_flat_host(t), name)
     known = t.dtype in core_dtypes
     if t.is_cuda and known and t.is_contiguous() and not (t.is_conj() or t.is_neg()) \
-            and _device_runtime_usable():
+            and device_runtime_usable():
         return CUDA_KIND.buffer(t, name, writes, reads)
     if known or not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
         return CopiedBuffer(t, name, reads=reads, writes=writes, as_bytes=not known)

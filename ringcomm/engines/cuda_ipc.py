@@ -71,6 +71,7 @@ _CLOSED_KEY = "cuda-ipc/closed"
 _ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
 _BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
 _SAY_WAITING_AFTER_S = 5.0  # a close that waits longer for a peer's "closed" says so
+_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 
 
 @dataclass(slots=True)
@@ -432,18 +433,21 @@ class IpcChannel(DeviceChannel):
     def describe(self) -> str:
         return f"cuda-ipc: {self.slots} slots x {_size(self.slot_bytes)} per peer"
 
-    def close(self) -> None:
-        """Importers close, then exporters free (see the module docstring)."""
+    def close(self, *, failed: bool = False) -> None:
+        """Importers close, then exporters free (see the module docstring). After a failure
+        (``failed``) the peers may be stuck or gone: they are waited for briefly only, and
+        what one may still map is left for the process's exit."""
         if self._closed:
             return
         self._closed = True
         if not self._peers:
             return
-        if not self._settle(time.monotonic() + self.close_wait_s):
+        wait_s = min(self.close_wait_s, _AFTER_FAILURE_S) if failed else self.close_wait_s
+        if not self._settle(time.monotonic() + wait_s):
             log.warning("rank %d's device work on its cuda-ipc slots did not finish within "
                         "%g s (a peer lost in the middle of an op?): its mappings and slots "
-                        "are left for the process's exit to give back", self.rank,
-                        self.close_wait_s)
+                        "are left for the process's exit to give back", self.rank, wait_s)
+            self._leave_for_exit()
             return
         self._close_opened()
         try:
@@ -451,16 +455,36 @@ class IpcChannel(DeviceChannel):
         except Exception as err:  # noqa: BLE001 - the store may be gone with the group
             log.warning("rank %d could not say its cuda-ipc mappings are closed: %s",
                         self.rank, err)
-        mapping = self._await_importers(time.monotonic() + self.close_wait_s)
+        mapping = self._await_importers(time.monotonic() + wait_s)
         if mapping:  # freeing what a living peer maps is undefined on a GPU: never do it
             log.warning("rank %d leaves its cuda-ipc slots and events for the process's exit "
                         "to give back: rank(s) %s, still running, did not say within %g s "
                         "that they closed their mappings of them", self.rank,
-                        ", ".join(map(str, mapping)), self.close_wait_s)
-            _LEFT_FOR_EXIT.append((self._memory, self._blocks, self._ready, self._done))
-            self._memory, self._blocks, self._spare = None, [], []
-            self._ready, self._done = {}, {}  # kept above: dropping would destroy them
+                        ", ".join(map(str, mapping)), wait_s)
+            self._leave_for_exit()
+            return
         self._give_back()
+
+    def abandon(self) -> None:
+        """After a failure, while device work may wait for a lost peer for ever: free and
+        close nothing (a free would wait for that work), keep it all to the process's
+        exit, and let the peers go at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._leave_for_exit()
+
+    def _leave_for_exit(self) -> None:
+        """Keep everything this channel made or opened referenced to the process's exit
+        (dropping an event destroys it, and its handle would go to the next event while a
+        peer may still wait on it), out of this process's table of exports."""
+        _EXPORTS.drop(self._exported)
+        _LEFT_FOR_EXIT.append((self._memory, self._blocks, self._ready, self._done,
+                               self._opened, self._opened_events, self._their_ready,
+                               self._their_done))
+        self._exported, self._memory, self._blocks, self._spare = [], None, [], []
+        self._ready, self._done, self._opened, self._opened_events = {}, {}, [], []
+        self._their_ready, self._their_done, self._their_slots = {}, {}, {}
 
     def _settle(self, deadline: float) -> bool:
         """Let this rank's device work on the slots finish: its copies into its own slots
@@ -523,14 +547,14 @@ class IpcChannel(DeviceChannel):
         """Close what is still open and free this rank's memory (the last step of close, or
         what a failed set-up made)."""
         self._close_opened()
+        _EXPORTS.drop(self._exported)  # first: a channel set up meanwhile may get its handles
+        self._exported = []
         memory, self._memory = self._memory, None
         if memory is not None:
             self.runtime.free(memory)
         blocks, self._blocks, self._spare = self._blocks, [], []
         for block in blocks:
             self.runtime.free(block)
-        _EXPORTS.drop(self._exported)
-        self._exported = []
         own = [event for table in (self._ready, self._done) for row in table.values()
                for event in row]
         self._ready, self._done = {}, {}

@@ -49,7 +49,7 @@ class LaneOwner(Protocol):
     name: str
     runtime: DeviceRuntime
 
-    def close(self) -> None: ...
+    def close(self, *, failed: bool = False) -> None: ...
 
     def abandon(self) -> None: ...
 
@@ -93,7 +93,7 @@ class DeviceLane:
         failure it may wait for a lost peer's event that never comes."""
         return _settles(self.runtime, self.stream, seconds)
 
-    def close(self, settled: bool = True) -> None:
+    def close(self, settled: bool = True, *, failed: bool = False) -> None:
         """Give the scratch back, then close the channel (its memory, mappings and
         registrations, in the safe order). ``settled=False`` (device work still waits, for a
         lost peer, here or on another lane): nothing is freed or unregistered, since a free
@@ -114,7 +114,7 @@ class DeviceLane:
             self._held.clear()
         finally:
             if settled:
-                self.channel.close()
+                self.channel.close(failed=failed)
             else:
                 self.channel.abandon()
 
@@ -295,10 +295,10 @@ def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
     for mine in device:
         runtime.wait_event(mine.caller_stream, done)
         mine.done = done
-        # the caller's array outlives the work queued on it, even if the caller drops it
-        keep_until_done(runtime, done, 0, mine.array)
-        if mine.then is not None:  # the caller's own work after the op, on its stream
-            mine.done = mine.then(mine)
+        if mine.then is not None:  # the caller's own work after the op, on its stream (it
+            mine.done = mine.then(mine)  # keeps what that work and the op's use alive)
+        else:  # the caller's array outlives the work queued on it, even if dropped
+            keep_until_done(runtime, done, 0, mine.array)
     if lifted:  # host memory: the host reads it, so the host waits for it
         for role, host, ptr in lifted:
             if role in written and host.count:  # a region is contiguous host memory

@@ -70,8 +70,10 @@ class DeviceChannel(abc.ABC):
         """This rank's last step of the op is queued: settle what the channel still owes
         (sends not yet out) before the op returns."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Give back device memory, mappings and host registrations, in the safe order."""
+    def close(self, *, failed: bool = False) -> None:  # noqa: B027 - optional hook
+        """Give back device memory, mappings and host registrations, in the safe order.
+        ``failed``: the group failed (its device work has settled all the same), so peers
+        that may be stuck or gone are waited for briefly only."""
 
     def abandon(self) -> None:
         """After a failure, when device work on this channel's memory may never finish (it

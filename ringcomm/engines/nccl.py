@@ -77,7 +77,7 @@ class NcclChannel:
                 self.ended = f"aborted: {why}"
                 self.comm.abort()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         with self._lock:
             if not self.ended:
                 self.ended = "closed"

@@ -220,7 +220,7 @@ class StagedChannel(DeviceChannel):
                 transport.check_delivered(peer, ctx.name)
         self._sent_to.clear()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Unregister the bounce buffers (only copies the host waited for read or wrote
         them) and free the device staging (``free`` waits for the work queued on it)."""
         if self._closed:

@@ -601,10 +601,13 @@ class Communicator:
                                 failed=self._ops.failure is not None)
         except Exception as failed:  # noqa: BLE001 - raised once everything is closed
             lanes_failed = failed
-        if self._store_done is not None:  # the lanes were the store's last users here
-            self._store_done()
-        if self.device is not None:  # the arrays its finished ops held go with it
-            IN_FLIGHT.let_go_done(self.device)
+        try:  # neither may keep the links, the store and the rest below from closing
+            if self._store_done is not None:  # the lanes were the store's last users here
+                self._store_done()
+            if self.device is not None:  # the arrays its finished ops held go with it
+                IN_FLIGHT.let_go_done(self.device)
+        except Exception as err:  # noqa: BLE001 - a lost store, a device in error: said
+            log.warning("rank %d: closing went on past an error: %s", self.rank, err)
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()

@@ -191,7 +191,7 @@ def close_lanes(lanes: dict[str, DeviceLane], *, strict: bool = False,
     for name, lane in list(lanes.items()):
         started = time.monotonic()
         try:
-            lane.close(settled)
+            lane.close(settled, failed=failed)
         except Exception as err:  # noqa: BLE001 - every lane gets closed; see ``strict``
             log.warning("closing the %s device lane failed: %s", name, err)
             first = first or err

@@ -18,7 +18,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..core.arrays import Buffer, Concatenated, DeviceBuffer, keep_until_done
-from ..core.tensors import HostViews, tensor_buffer
+from ..core.tensors import HostViews, device_runtime_usable, tensor_buffer
 from ..errors import ArgumentError
 
 # dtypes the core reduces and moves as they are (see ringcomm.core.dtypes)
@@ -140,7 +140,8 @@ class CallBuffers:
                           read: bool, write: bool) -> Buffer:
         """One CUDA tensor holding ``tensors`` end to end, made on the caller's stream (a
         ``cat`` where the op reads them), and, where the op writes it, its parts copied back
-        on the caller's stream once the op is done there (``DeviceBuffer.then``)."""
+        on the caller's stream once the op is done there (``DeviceBuffer.then``). Where no
+        device buffer comes of it, the tensors go through host memory one by one."""
         first = tensors[0]
         if read:
             flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -148,33 +149,44 @@ class CallBuffers:
             flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype,
                                device=first.device)
         buf = self.of(flat, what, reduce=reduce, write=write, read=read)
-        if write and isinstance(buf, DeviceBuffer):
-            buf.then = _copy_back(flat, list(tensors))
+        if not isinstance(buf, DeviceBuffer):
+            parts = [self.of(t, f"{what}[{i}]", reduce=reduce, write=write, read=read)
+                     for i, t in enumerate(tensors)]
+            return Concatenated(parts, what, reads=read, writes=write)
+        if write:
+            buf.then = _copy_back(flat, list(tensors), torch.cuda.current_stream(first.device))
         return buf
 
 
 def _one_cuda_device(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``tensors`` are CUDA tensors of one device and one dtype the core knows (what
-    a device engine can take once they are joined)."""
+    """Whether ``tensors`` are CUDA tensors of one device and one dtype the core knows, and
+    the device runtime can take them (what a device engine can take once they are
+    joined)."""
     first = tensors[0]
     return (first.is_cuda and first.dtype in CORE_DTYPES
             and all(t.is_cuda and t.device == first.device and t.dtype == first.dtype
-                    and not (t.is_conj() or t.is_neg()) for t in tensors))
+                    and not (t.is_conj() or t.is_neg()) for t in tensors)
+            and device_runtime_usable())
 
 
-def _copy_back(flat: torch.Tensor, parts: list[torch.Tensor]) -> Any:
+def _copy_back(flat: torch.Tensor, parts: list[torch.Tensor], caller: Any) -> Any:
     """``DeviceBuffer.then`` for a joined list: copy each part of ``flat`` back into its
-    tensor on the caller's stream (which waits for the op by then); the event after it."""
+    tensor on ``caller`` (the torch stream the call was made on, which waits for the op by
+    then; held as torch's object, since torch's default stream has no handle of its own to
+    find it by), on the worker's thread; the event after it."""
+    nbytes = flat.numel() * flat.element_size()
+
     def then(buf: DeviceBuffer) -> Any:
-        runtime, caller = buf.runtime, buf.caller_stream
-        stream = torch.cuda.ExternalStream(caller.handle, device=flat.device)
-        with torch.cuda.device(flat.device), torch.cuda.stream(stream):
+        runtime = buf.runtime
+        with torch.cuda.device(flat.device), torch.cuda.stream(caller), torch.no_grad():
             offset = 0
             for part in parts:
                 part.copy_(flat[offset:offset + part.numel()].view(part.shape))
                 offset += part.numel()
-        after = runtime.new_event()
-        runtime.record(after, caller)
-        keep_until_done(runtime, after, 0, flat, parts)
+            after = runtime.new_event()
+            runtime.record(after, buf.caller_stream)
+        # the joined tensor is ringcomm's own: counted, so that no more than a bounded
+        # number of bytes of them wait to be let go
+        keep_until_done(runtime, after, nbytes, flat, parts)
         return after
     return then
