@@ -52,14 +52,28 @@ def device_used(device: str) -> int | None:
     return int(total - free)
 
 
+def ran_on(comm: Any, call: Any) -> str:
+    """The device engine whose lane ran ``call`` (a communicator op) to its end; what the
+    selector says must be the same."""
+    before = {name: lane.ops for name, lane in comm.wiring.lanes.items()}
+    chosen = call()
+    ran = [name for name, lane in comm.wiring.lanes.items() if lane.ops > before[name]]
+    assert ran == [chosen], (ran, chosen)
+    return chosen
+
+
 def allreduce_checked(comm: Any, rank: int, world: int, salt: int, count: int = 1000) -> str:
     """A device allreduce (sum) whose result is checked; the engine that ran it."""
     x = to_device(comm.device, np.full(count, float(rank + salt), np.float32))
-    comm.allreduce(x)
+
+    def call() -> str:
+        comm.allreduce(x)
+        return comm.choose("allreduce", x).engine
+    engine = ran_on(comm, call)
     got = to_host(x)
     want = world * salt + world * (world - 1) / 2
     assert np.all(got == want), (salt, got[:4], want)
-    return comm.choose("allreduce", count * 4, 4, memory=comm.device.memory).engine
+    return engine
 
 
 def job_cycles(rank: int, world: int, store: str, transport: str, engine: str, cycles: int,
@@ -167,9 +181,13 @@ def _device_allreduce(group: Any, me: int, size: int, salt: int, device: str) ->
     comm = group.comm  # the group torch made through the registered "ringcomm" backend
     if device == "cuda":
         t = torch.full((1000,), float(me + salt), device="cuda")
-        dist.all_reduce(t, group=group)
+
+        def call() -> str:
+            dist.all_reduce(t, group=group)
+            return comm.choose("allreduce", t).engine
+        engine = ran_on(comm, call)
         assert bool((t == size * salt + size * (size - 1) / 2).all())
-        return comm.choose("allreduce", t).engine
+        return engine
     return allreduce_checked(comm, me, size, salt)
 
 

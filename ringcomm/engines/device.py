@@ -69,6 +69,7 @@ class DeviceLane:
         self.stream = runtime.new_stream()
         self._held: dict[str, Allocation] = {}
         self._failed_ops: list[Any] = []  # what failed ops' queued work may still use
+        self.ops = 0  # ops that ran to their end here: which engine really ran a call
 
     def scratch(self, use: str, nbytes: int) -> int:
         """A device pointer to at least ``nbytes`` bytes kept for ``use`` (a smaller one
@@ -290,6 +291,7 @@ def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
     to queue after it (``DeviceBuffer.then``); the lifted host buffers the op wrote
     (``written`` roles) copied back, which the host waits for. Returns the done event."""
     runtime, stream = lane.runtime, lane.stream
+    lane.ops += 1
     done = runtime.new_event()  # this op's own: a Work may wait on it after later ops
     runtime.record(done, stream)
     for mine in device:
