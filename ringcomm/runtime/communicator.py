@@ -577,11 +577,14 @@ class Communicator:
         self._close(check=True)
 
     def abort(self, reason: str = "the program aborted this communicator") -> None:
-        """Give up on this communicator at once, from any thread, and release everything it
-        holds: the op in flight ends with ``CommAborted`` (``reason``), queued ones fail, every
-        peer hears that this rank failed (so they raise instead of waiting out their
+        """Give up on this communicator, from any thread, and release everything it holds:
+        the op in flight ends with ``CommAborted`` (``reason``) at once, queued ones fail,
+        every peer hears that this rank failed (so they raise instead of waiting out their
         timeout), then the worker thread stops and links, sockets, shared memory and files
-        are released as ``close`` releases them. Never raises; does nothing once closed.
+        are released as ``close`` releases them. Releasing waits a little, never the
+        timeout: about 2 s at most for device work that may wait on a lost peer (what does
+        not settle is left to the process's exit), and, on rank 0 serving the store, up to
+        10 s for ranks still using it. Never raises; does nothing once closed.
         What ``torch.distributed``'s abort of a ringcomm group calls; after a failure, a new
         communicator (``ringcomm.init``) starts clean in the same process."""
         if self._closed:

@@ -4,8 +4,9 @@
 Each method is one CUDA runtime call through ``cupy.cuda.runtime`` (events and streams by
 their raw handles, so an event opened from another process is handled like one of ours);
 the elementwise reductions are CuPy ufuncs with ``out=`` on the given stream. Memory comes
-from ``cudaMalloc`` itself, never CuPy's pool, so it can be exported; opened IPC handles are
-kept per process by handle bytes (CUDA maps a handle once per process).
+from ``cudaMalloc`` itself, never CuPy's pool, so it can be exported. What is open is
+counted by pointer (a memory handle opened twice maps once, as CUDA counts it); nothing is
+kept by handle bytes, which CUDA gives out again (an event's, once the event is destroyed).
 """
 
 from __future__ import annotations

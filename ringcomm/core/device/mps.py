@@ -12,7 +12,8 @@ an MPS client when an MPS control daemon (``nvidia-cuda-mps-control -d``) listen
 pipe directory the process looks in, ``CUDA_MPS_PIPE_DIRECTORY`` (default
 ``/tmp/nvidia-mps``), through a named pipe ``control`` there. Both must hold: the pipe (a
 daemon that quit leaves none; a crashed one may leave a stale one) and a running control
-daemon (a process whose command is ``nvidia-cuda-mps-control``).
+daemon (a process whose command is ``nvidia-cuda-mps-control``). Where this process cannot
+see other processes (a container's PID namespace, ``hidepid``), the answer is "unknown".
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 CONTROL_COMMAND = "nvidia-cuda-mps-control"
+# the machine's own PID namespace, as /proc/self/ns/pid names it (PROC_PID_INIT_INO,
+# include/linux/proc_ns.h)
+_INIT_PID_NAMESPACE = "pid:[4026531836]"
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,19 @@ def pipe_directory(environ: Mapping[str, str] | None = None) -> str:
     """Where this process's CUDA looks for an MPS daemon."""
     env = os.environ if environ is None else environ
     return env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
+
+
+def sees_every_process(proc: str = "/proc") -> bool:
+    """Whether this process can see every process of the machine in ``proc``: it runs in
+    the machine's own PID namespace (not a container's) and can read pid 1's command line
+    (``hidepid`` hides other users' processes)."""
+    try:
+        if os.readlink(f"{proc}/self/ns/pid") != _INIT_PID_NAMESPACE:
+            return False
+        with open(f"{proc}/1/cmdline", "rb"):
+            return True
+    except OSError:
+        return False
 
 
 def control_daemons(proc: str = "/proc") -> list[int]:
@@ -75,6 +92,10 @@ def mps_state(environ: Mapping[str, str] | None = None, proc: str = "/proc") -> 
     running = f"pid {', '.join(map(str, daemons))}"
     if pipe and daemons:
         return MpsState(True, f"an MPS control daemon ({running}) listens in {folder}")
+    if pipe and not sees_every_process(proc):
+        return MpsState(False, f"unknown: {control} is there, but this process cannot see "
+                               "other processes (a container's own PID namespace, or /proc "
+                               "mounted with hidepid) to tell whether a daemon still serves it")
     if pipe:
         return MpsState(False, f"{control} is there, but no {CONTROL_COMMAND} runs (left by "
                                "a daemon that is gone?)")
