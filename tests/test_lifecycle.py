@@ -95,3 +95,13 @@ def test_a_rank_that_closes_late_is_waited_for_before_anything_is_freed(cluster)
     for rank, got in enumerate(results):
         check_given_back(rank, got)
     assert results[0]["took"] > 4 and results[1]["took"] > 4, results  # they waited
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_rank_on_its_second_device_runs_ops_on_the_worker_thread_too(cluster, engine):
+    """A rank whose device is not the first (LOCAL_RANK 1 under torchrun): its async ops run
+    on the worker thread with the rank's device made current there, as CUDA requires for
+    kernels and event records."""
+    results = cluster.run(2, "lifecycle_jobs.job_on_a_second_device", engine=engine, timeout=80)
+    assert results == [{"engine": engine, "device": 1}] * 2

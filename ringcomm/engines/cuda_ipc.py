@@ -463,7 +463,7 @@ class IpcChannel(DeviceChannel):
                         ", ".join(map(str, mapping)), wait_s)
             self._leave_for_exit()
             return
-        self._give_back()
+        self._give_back(keep_events=failed)
 
     def abandon(self) -> None:
         """After a failure, while device work may wait for a lost peer for ever: free and
@@ -543,9 +543,12 @@ class IpcChannel(DeviceChannel):
                                     self.rank, deadline - now)
         return mapping
 
-    def _give_back(self) -> None:
+    def _give_back(self, *, keep_events: bool = False) -> None:
         """Close what is still open and free this rank's memory (the last step of close, or
-        what a failed set-up made)."""
+        what a failed set-up made). ``keep_events``: after a failed op a peer's stream may
+        still hold a wait on one of this rank's events that never ends, though the peer has
+        closed its mappings; the events (small) are then kept to the process's exit rather
+        than destroyed under that wait."""
         self._close_opened()
         _EXPORTS.drop(self._exported)  # first: a channel set up meanwhile may get its handles
         self._exported = []
@@ -559,5 +562,8 @@ class IpcChannel(DeviceChannel):
                for event in row]
         self._ready, self._done = {}, {}
         self._their_ready, self._their_done, self._their_slots = {}, {}, {}
+        if keep_events:
+            _LEFT_FOR_EXIT.append(own)
+            return
         for event in own:  # the importers have closed theirs (or are gone)
             self.runtime.close_event(event)

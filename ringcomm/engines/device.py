@@ -66,6 +66,10 @@ class DeviceLane:
     def __init__(self, channel: LaneOwner) -> None:
         self.channel = channel
         self.runtime = runtime = channel.runtime
+        # the rank's device: its ops run with it current, on whichever thread (the worker's
+        # starts on device 0, and CUDA launches kernels and records events only on streams
+        # of the current device)
+        self.device = runtime.current_device()
         self.stream = runtime.new_stream()
         self._held: dict[str, Allocation] = {}
         self._failed_ops: list[Any] = []  # what failed ops' queued work may still use
@@ -92,7 +96,8 @@ class DeviceLane:
     def settles(self, seconds: float) -> bool:
         """Whether the work queued on the lane's stream finishes within ``seconds``: after a
         failure it may wait for a lost peer's event that never comes."""
-        return _settles(self.runtime, self.stream, seconds)
+        with on_device(self.runtime, self.device):
+            return _settles(self.runtime, self.stream, seconds)
 
     def close(self, settled: bool = True, *, failed: bool = False) -> None:
         """Give the scratch back, then close the channel (its memory, mappings and
@@ -101,6 +106,11 @@ class DeviceLane:
         waits for the device (cudaFree waits for every stream of it) and would wait for
         ever; the scratch and the channel's own staging stay allocated to the process's
         end, and the channel is told only to let its peers go."""
+        runtime = self.runtime
+        with on_device(runtime, self.device):
+            self._close(settled, failed)
+
+    def _close(self, settled: bool, failed: bool) -> None:
         runtime = self.runtime
         try:
             if settled:  # free waits for the queued work that uses it
@@ -244,19 +254,36 @@ class DeviceEngine(Engine):
 
 
 @contextmanager
+def on_device(runtime: DeviceRuntime, device: int) -> Iterator[None]:
+    """``device`` current on the calling thread for the block, as it was afterwards."""
+    before = runtime.current_device()
+    if before == device:
+        yield
+        return
+    runtime.set_device(device)
+    try:
+        yield
+    finally:
+        runtime.set_device(before)
+
+
+@contextmanager
 def held(lane: DeviceLane) -> Iterator[tuple[list[DeviceBuffer],
                                              list[tuple[str, Buffer, int]]]]:
     """One op's buffers as ``stage_in`` fills them in: the caller's device buffers (their
-    producers and streams) and the host buffers lifted to the device. If the op fails, the
+    producers and streams) and the host buffers lifted to the device, with the lane's
+    device current meanwhile (an op may run on the worker thread). If the op fails, the
     lane keeps them to its close: a failed op records no done event, and its queued work
     may still use them."""
     device: list[DeviceBuffer] = []
     lifted: list[tuple[str, Buffer, int]] = []
-    try:
-        yield device, lifted
-    except BaseException:
-        lane.keep_after_failure(*(buf.array for buf in device), *(buf for _, buf, _ in lifted))
-        raise
+    with on_device(lane.runtime, lane.device):
+        try:
+            yield device, lifted
+        except BaseException:
+            lane.keep_after_failure(*(buf.array for buf in device),
+                                    *(buf for _, buf, _ in lifted))
+            raise
 
 
 def stage_in(lane: DeviceLane, buffers: Mapping[str, Buffer], engine: str,

@@ -609,8 +609,8 @@ class Communicator:
                 self._store_done()
             if self.device is not None:  # the arrays its finished ops held go with it
                 IN_FLIGHT.let_go_done(self.device)
-        except Exception as err:  # noqa: BLE001 - a lost store, a device in error: said
-            log.warning("rank %d: closing went on past an error: %s", self.rank, err)
+        except Exception as passed_over:  # noqa: BLE001 - a lost store, a device in error
+            log.warning("rank %d: closing went on past an error: %s", self.rank, passed_over)
         stray = None
         if self._ops.failure is None:
             stray = self.transport.leftover()

@@ -53,6 +53,9 @@ any work on a stream after an item of it faulted      CUDA errors are sticky: af
                                                       address every later call of the context
                                                       fails
 a stream or event of another runtime (or none)        cudaErrorInvalidResourceHandle
+a kernel (a reduction) on a stream of a device that   CUDA C Programming Guide, "Stream and
+is not the thread's current one; recording an event   Event Behavior" (copies and waits across
+on a stream of another device                         devices are allowed, and are here)
 a negative size; a null or empty host range to        cudaErrorInvalidValue
 register; a range overlapping a registered one;       cudaErrorHostMemoryAlreadyRegistered;
 unregistering a range never registered                cudaErrorHostMemoryNotRegistered
@@ -244,8 +247,9 @@ class _Wait(_Item):
 class FakeStream(Stream):
     """An in-order queue of fake device work (see the module docstring)."""
 
-    def __init__(self, handle: int) -> None:
+    def __init__(self, handle: int, device: int = 0) -> None:
         self.handle = handle
+        self.device = device  # the device current when it was made, as CUDA ties it
         self.cond = threading.Condition(threading.Lock())
         self.queue: collections.deque[_Item] = collections.deque()
         self.queued = 0  # items ever queued; an item's number is the count when it came
@@ -294,6 +298,7 @@ class FakeEvent(Event):
         self.slot: _EventSlot | None = None  # an interprocess event of this process's
         self.closed = False  # close_event was called
         self.waits = 0  # an imported event's queued waits not run yet
+        self.device = 0  # the device current when it was made or opened
         self.finalizer: weakref.finalize[Any, Any] | None = None  # what dropping it does
 
     def __repr__(self) -> str:
@@ -387,22 +392,46 @@ class FakeRuntime(DeviceRuntime):
 
     # ------------------------------------------------------------------------ streams
     def new_stream(self) -> FakeStream:
+        device = self.current_device()
         with self._lock:
             handle = self._next_stream
             self._next_stream += 0x10
-            stream = FakeStream(handle)
+            stream = FakeStream(handle, device)
             self._streams[handle] = stream
         return stream
 
     def current_stream(self) -> FakeStream:
-        stream: FakeStream | None = getattr(self._local, "stream", None)
+        """The calling thread's current stream of its current device (each device has its
+        own, as in CUDA)."""
+        streams: dict[int, FakeStream] | None = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        device = self.current_device()
+        stream = streams.get(device)
         if stream is None:
-            stream = self._local.stream = self.new_stream()
+            stream = streams[device] = self.new_stream()
         return stream
 
     def set_current_stream(self, stream: Stream) -> None:
-        """Make ``stream`` the calling thread's current stream (CuPy's ``with stream:``)."""
-        self._local.stream = self._own(stream)
+        """Make ``stream`` the calling thread's current stream of its device (CuPy's ``with
+        stream:``)."""
+        own = self._own(stream)
+        if not hasattr(self._local, "streams"):
+            self._local.streams = {}
+        self._local.streams[own.device] = own
+
+    def _kernel_on(self, stream: Stream, what: str) -> FakeStream:
+        """``stream``, checked for a kernel launch: CUDA launches a kernel only on a stream
+        of the calling thread's current device (CUDA C Programming Guide, "Stream and Event
+        Behavior": the launch fails otherwise). Copies have no such rule."""
+        s = self._own(stream)
+        current = self.current_device()
+        if s.device != current:
+            raise FakeDeviceFault(
+                f"{what}: a kernel on stream {s.handle:#x} of device {s.device} while this "
+                f"thread's current device is {current}; CUDA refuses the launch (make the "
+                "stream's device current first: set_device)")
+        return s
 
     def external_stream(self, handle: int) -> FakeStream:
         with self._lock:
@@ -487,12 +516,15 @@ class FakeRuntime(DeviceRuntime):
             slot = self._free_slots.pop() if interprocess and self._free_slots else None
         name = f"e{ident}@{self.pid}"
         if not interprocess:
-            return FakeEvent(name, False, np.zeros(3, np.uint64), imported=False,
-                             owner=self.pid)
+            plain = FakeEvent(name, False, np.zeros(3, np.uint64), imported=False,
+                              owner=self.pid)
+            plain.device = self.current_device()
+            return plain
         if slot is None:
             slot = _EventSlot(ident, self.pid)
         slot.state[:] = 0
         event = FakeEvent(name, True, slot.state, imported=False, owner=self.pid)
+        event.device = self.current_device()
         event.slot = slot
         event.export = slot.handle
         # dropped without close_event: destroyed then (CuPy's Event does the same), and its
@@ -514,6 +546,11 @@ class FakeRuntime(DeviceRuntime):
                 f"record({ev.name}): an event opened from another process's handle can be "
                 "waited on here, not recorded (record it in the process that made it)")
         s = self._own(stream)
+        if s.device != ev.device:  # CUDA C Programming Guide, "Stream and Event Behavior"
+            raise FakeDeviceFault(
+                f"record({ev.name}): the event is of device {ev.device} and stream "
+                f"{s.handle:#x} of device {s.device}; CUDA refuses to record an event on a "
+                "stream of another device (make the event with that device current)")
         with s.cond, ev.lock:
             generation = int(ev.state[0]) + 1
             s.queue.append(_Record(ev, generation))
@@ -618,6 +655,7 @@ class FakeRuntime(DeviceRuntime):
             raise
         event = FakeEvent(f"e{ident}@{pid}", True, np.frombuffer(mm, np.uint64, 3, 16),
                           imported=True, owner=pid)
+        event.device = self.current_device()
         with self._lock:
             self._imported_events += 1
         # dropped without close_event: closed then, as CuPy's runtime destroys it
@@ -1063,6 +1101,7 @@ class FakeRuntime(DeviceRuntime):
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
         what = f"reduce ({op.name}, {count} x {dtype}) into {dst:#x}"
+        self._kernel_on(stream, what)
         for ptr in (dst, a, b):
             self._find(ptr, nbytes, what)
 
@@ -1077,6 +1116,7 @@ class FakeRuntime(DeviceRuntime):
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
         what = f"finish ({op.name}, {count} x {dtype}) at {ptr:#x}"
+        self._kernel_on(stream, what)
         self._find(ptr, nbytes, what)
 
         def run() -> None:
