@@ -225,6 +225,31 @@ def iters_per_backend(libraries: list[str], paces: list[float], iters: int) -> l
     return [shared[lib] for lib in libraries]
 
 
+def row_choice(b: Backend, handle: Any, comm: Any, collective: str, world: int, size: int,
+               itemsize: int) -> tuple[str | None, float | None]:
+    """What a row's ``algo`` column says ran, and the cost model's time for it: asked of the
+    communicator that ran it, about the memory it ran on (a device engine's own group, a
+    torch group on CUDA tensors about device memory; ``comm``, the host group every rank
+    joins, for the host backends of ringcomm); nothing for the other libraries."""
+    runner = RUNNERS[b.library]
+    if isinstance(handle, DeviceHandle):  # the device engine's own choice and price
+        if handle.comm is None:  # the copy has neither
+            return None, None
+        return adapter.device_choice(handle.comm, collective, world, size, itemsize,
+                                     b.algorithm if collective == "allreduce" else None)
+    if runner.owner != "ringcomm":
+        return None, None
+    if runner.device == "cuda":  # CUDA tensors through torch: the group's own device choice
+        return adapter.device_choice(handle.comm, collective, world, size, itemsize)
+    if len(comm.hosts) > 1:  # the model for this layout
+        return multihost.modelled_on_hosts(collective, b.algorithm, comm, size, itemsize)
+    chosen = None
+    if collective == "allreduce":  # the torch path makes the Communicator's choice
+        chosen = b.algorithm or adapter.chosen_algorithm(comm, size, itemsize)
+    return chosen, adapter.predicted_seconds(collective, chosen, world, size, itemsize,
+                                             comm.segment_bytes)
+
+
 def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank: int,
              world: int, s: Settings, handles: dict[str, Any]) -> list[dict] | None:
     """Check, warm up, time interleaved and check again every backend at one size.
@@ -293,26 +318,8 @@ def _measure(collective: str, nbytes: int, dtype_name: str, op: str | None, rank
     for i, b in enumerate(backends):
         reps = slowest[i].tolist()
         median, best = statistics.median(reps), min(reps)
-        chosen = None
-        predicted = None
-        ours = RUNNERS[b.library].owner == "ringcomm"  # the torch path makes the same choice
-        handle = handles[b.library]
-        if isinstance(handle, DeviceHandle):  # the device engine's own choice and price
-            if handle.comm is not None:  # (the copy has neither)
-                chosen, predicted = adapter.device_choice(
-                    handle.comm, collective, world, size, itemsize,
-                    b.algorithm if collective == "allreduce" else None)
-        elif ours and RUNNERS[b.library].device == "cuda":  # CUDA tensors through torch:
-            chosen, predicted = adapter.device_choice(  # the group's own device choice
-                handle.comm, collective, world, size, itemsize)
-        elif ours and len(comm.hosts) > 1:  # the model for this layout
-            chosen, predicted = multihost.modelled_on_hosts(collective, b.algorithm, comm,
-                                                            size, itemsize)
-        elif ours:
-            if collective == "allreduce":
-                chosen = b.algorithm or adapter.chosen_algorithm(comm, size, itemsize)
-            predicted = adapter.predicted_seconds(collective, chosen, world, size, itemsize,
-                                                  comm.segment_bytes)
+        chosen, predicted = row_choice(b, handles[b.library], comm, collective, world, size,
+                                       itemsize)
         rows.append({
             "collective": collective, "world_size": world, "backend": b.name,
             "library": b.library, "algorithm": b.algorithm or ("auto" if chosen else None),
