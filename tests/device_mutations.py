@@ -73,7 +73,7 @@ SITES: tuple[Site, ...] = (
     # the device engine and its lane
     Site("engines/device.py", "self.runtime.free(held)", (_every("cuda-ipc", 3),)),
     Site("engines/device.py", "runtime.free(held)", (_every("cuda-ipc", 1),)),
-    Site("engines/device.py", "self.channel.close()", (_every("cuda-ipc", 2),)),
+    Site("engines/device.py", "self.channel.close(failed=failed)", (_every("cuda-ipc", 2),)),
     Site("engines/device.py", "runtime.record(mark, stream)",
          (f"{ENGINE}test_a_stream_stuck_behind_a_lost_peer_does_not_settle",)),
     Site("engines/device.py", "runtime.wait_event(stream, buf.producer)",
@@ -130,7 +130,7 @@ SITES: tuple[Site, ...] = (
     Site("torch_backend/work.py", "buf.runtime.event_synchronize(buf.done)",
          (CAUGHT_BY_TORCH_CUDA,), gpu=True),
     # the group's lanes
-    Site("runtime/devices.py", "lane.close(settled)", (_every("cuda-ipc", 1),)),
+    Site("runtime/devices.py", "lane.close(settled, failed=failed)", (_every("cuda-ipc", 1),)),
 )
 
 

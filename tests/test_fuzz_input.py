@@ -255,10 +255,15 @@ def _zmq(endpoint: str, kind: int, frames: list[bytes]) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(kind)
     sock.linger = 100
+    # a DEALER or PUSH waits to send until a handshake completes: one the endpoint refuses
+    # (or a busy machine delays) must not hang the stranger
+    sock.sndtimeo = 2000
     sock.connect(endpoint)
     try:
         sock.send_multipart(frames)
         time.sleep(0.02)
+    except zmq.Again:
+        pass  # never let in: that is the point too
     finally:
         sock.close()
         ctx.term()
