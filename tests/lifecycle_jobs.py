@@ -220,26 +220,32 @@ def job_late_closer(rank: int, world: int, store: str, transport: str, late: int
     return {"live": (live, rt.live_allocations()), "took": time.monotonic() - started}
 
 
-def job_on_a_second_device(rank: int, world: int, store: str, transport: str, engine: str,
-                           **_: Any) -> dict:
+def job_on_a_second_device(rank: int, world: int, store: str, transport: str, **_: Any
+                           ) -> list[str]:
     """The rank's device is its second one (torchrun's LOCAL_RANK 1): async ops run on the
     communicator's worker thread, whose current device is the first until the op makes the
     rank's current (the fake, like CUDA, refuses a kernel or an event record on a stream of
-    another device than the current one). Checked results, sync and async."""
+    another device than the current one). Checked results, sync and async, on every device
+    engine; the engines that ran."""
     rt = named_runtime("fake")
     devices, rt._devices = rt._devices, max(rt._devices, 2)  # what RINGCOMM_FAKE_DEVICES=2 sets
     rt.set_device(1)
+    ran = []
     try:
-        with engine_forced(engine), ringcomm.init(
-                rank=rank, world_size=world, store=store, timeout=30, transport=transport,
-                device="fake") as comm:
-            comm.inline_bytes = 0  # every async op goes to the worker thread
-            x = to_device(comm.device, np.full(1000, float(rank + 1), np.float32))
-            comm.allreduce(x, async_op=True).wait()
-            comm.allreduce(x)
-            got = to_host(x)
-        assert np.all(got == world * world * (world + 1) / 2), got[:4]
-        return {"engine": engine, "device": rt.current_device()}
+        for engine in ("cuda-ipc", "staged", "nccl"):
+            with engine_forced(engine), ringcomm.init(
+                    rank=rank, world_size=world, store=store, timeout=30,
+                    transport=transport, device="fake") as comm:
+                comm.inline_bytes = 0  # every async op goes to the worker thread
+                x = to_device(comm.device, np.full(1000, float(rank + 1), np.float32))
+                ran.append(ran_on(comm, lambda comm=comm, x=x: (
+                    comm.allreduce(x, async_op=True).wait(),
+                    comm.choose("allreduce", x).engine)[1]))
+                comm.allreduce(x)
+                got = to_host(x)
+            assert np.all(got == world * world * (world + 1) / 2), (engine, got[:4])
+            assert rt.current_device() == 1
+        return ran
     finally:
         rt.set_device(0)
         rt._devices = devices

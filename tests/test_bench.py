@@ -619,25 +619,14 @@ def test_the_algo_column_of_cuda_tensors_through_torch_names_the_device_engine()
     """ringcomm/torch+cuda's column is asked of the torch group that ran the row, about
     device memory: once it was asked of the host group, and said the board ran CUDA
     tensors. Here a one-rank group on the fake device stands for it."""
-    import socket
-
-    import ringcomm
+    from ringcomm.runtime.local import run_group
     from ringcomm.torch_backend.process_group import RingcommProcessGroup
     from ringcomm_bench import device
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    host = ringcomm.init(0, 1, store=f"127.0.0.1:{port}", timeout=30, device="off")
-    on_device = ringcomm.init(0, 1, store=f"127.0.0.1:{port}", timeout=30, device="fake")
-    try:
-        b = sweep.Backend(device.TORCH_CUDA, device.TORCH_CUDA)
-        chosen, _ = sweep.row_choice(b, RingcommProcessGroup(on_device), host, "allreduce", 1,
-                                     8, 4)
-        assert chosen is not None and chosen.split(":")[0] in ("cuda-ipc", "staged", "nccl")
-        host_row = sweep.row_choice(sweep.Backend(sweep.TORCH, sweep.TORCH), None, host,
-                                    "allreduce", 1, 8, 4)
-        assert host_row[0] != chosen  # the host path's choice is not the device's
-    finally:
-        on_device.close()
-        host.close()
+    (host,) = run_group(1, lambda comm: sweep.row_choice(
+        sweep.Backend(sweep.TORCH, sweep.TORCH), None, comm, "allreduce", 1, 8, 4))
+    b = sweep.Backend(device.TORCH_CUDA, device.TORCH_CUDA)
+    (chosen, _), = run_group(1, lambda comm: sweep.row_choice(
+        b, RingcommProcessGroup(comm), comm, "allreduce", 1, 8, 4), device="fake")
+    assert chosen is not None and chosen.split(":")[0] in ("cuda-ipc", "staged", "nccl")
+    assert host[0] != chosen  # the host path's choice is not the device's
