@@ -236,6 +236,45 @@ def test_a_fault_acts_on_the_message_of_the_call_its_rule_names(caplog):
 
 
 @pytest.mark.timeout(30)
+def test_msg_random_picks_one_of_a_point_to_point_sends_messages_whatever_its_dtype(caplog):
+    """A send of 64 KiB of uint8 in 4 KiB segments is 16 messages: msg=random picks one of
+    those for every seed (counting it in 4-byte items would make it 64, and the rule would
+    pick past the end for most seeds and never act)."""
+    def job(comm):
+        x = np.arange(1 << 16, dtype=np.uint8) if comm.rank == 0 else \
+            np.zeros(1 << 16, np.uint8)
+        if comm.rank == 0:
+            comm.send(x, 1)
+        else:
+            comm.recv(x, 0)
+    for seed in range(8):
+        caplog.clear()
+        with ringcomm.faults.inject(f"delay:rank=0,op=send,msg=random,seed={seed},ms=1"):
+            run_group(2, job, timeout=TIMEOUT, segment_bytes=4096)
+        acted = [r.getMessage() for r in caplog.records if "injects" in r.getMessage()]
+        assert len(acted) == 1, (seed, acted)
+        index = int(re.search(r"delay message (\d+) to rank 1", acted[0]).group(1))
+        assert 0 <= index < 16, (seed, acted)
+
+
+@pytest.mark.timeout(30)
+def test_a_nested_inject_holds_over_the_outer_one():
+    """``inject(None)`` inside ``inject("drop:...")`` means no faults, and an inner spec
+    replaces the outer one, until the inner ends."""
+    def job(comm):
+        x = np.ones(100, np.float32)
+        comm.allreduce(x)
+        return float(x[0])
+    with ringcomm.faults.inject("drop:rank=0,op=allreduce,call=1"):
+        with ringcomm.faults.inject(None):
+            assert run_group(2, job, timeout=TIMEOUT) == [2.0, 2.0]
+        with ringcomm.faults.inject("delay:rank=1,op=allreduce,call=1,ms=1"):
+            assert run_group(2, job, timeout=TIMEOUT) == [2.0, 2.0]
+        results = run_group(2, job, timeout=TIMEOUT, return_errors=True)
+    assert any(isinstance(r, CommTimeout) for r in results), results  # the outer, again
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("action", ["kill", "drop", "corrupt"])
 def test_point_to_point_sends_are_ops_of_their_own(action):
     def job(comm):

@@ -172,6 +172,18 @@ def test_a_rank_in_an_earlier_or_another_op_is_behind():
     assert behind == (0,) and "while ranks 1, 2 are in allreduce #5" in findings[0], findings
 
 
+def test_a_tie_between_two_ops_names_the_ranks_of_the_earlier_one_behind():
+    """Two ranks went on to allreduce #6 and wait there for rank 2; two are still in
+    allreduce #5: as many ranks in each, so the furthest op is the one most are in, and the
+    ranks of the earlier one are behind (never the ranks ahead)."""
+    states = {0: state(0, "allreduce #6", 2), 1: state(1, "allreduce #6", 0),
+              2: state(2, "allreduce #5", 3), 3: state(3, "allreduce #5", 2)}
+    behind, findings = analyze(states, 4)
+    assert behind == (2, 3), findings
+    assert findings[0].startswith("rank 2 is behind (in allreduce #5"), findings
+    assert "while ranks 0, 1 are in allreduce #6" in findings[0], findings
+
+
 def test_waits_in_a_cycle_and_ops_the_ranks_disagree_about_are_named():
     cycle = {0: state(0, "allreduce #5", 2), 1: state(1, "allreduce #5", 0),
              2: state(2, "allreduce #5", 1)}
