@@ -43,7 +43,7 @@ from typing import Any
 
 from .._support import check_platform
 from .._version import __version__
-from ..core import config
+from ..core import config, waits
 from ..engines.exchange import StoreExchange
 from ..errors import ArgumentError, CommError, StoreError
 from ..observe.clock import through_store
@@ -75,7 +75,9 @@ def init(
 
     Unset arguments come from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``,
     as torchrun sets them. ``timeout`` (seconds, or a ``timedelta`` as torch takes it)
-    bounds the rendezvous and every op.
+    bounds the rendezvous and every op; one longer than a week, ``inf`` included, is taken
+    as a week (``ringcomm.core.waits.MAX_TIMEOUT``: the OS's and ZeroMQ's waits take at most
+    about 24.8 days), on every rank alike.
     ``transport`` forces ``"ipc"`` or ``"tcp"`` (default: ipc on one host, tcp across).
     ``host`` is the address peers reach this rank at (default: ``RINGCOMM_IFADDR``, else
     the IPv4 address of the interface named by ``RINGCOMM_SOCKET_IFNAME``, else the local
@@ -346,15 +348,18 @@ def _serve(host: str, port: int, auth_token: str | None,
 
 
 def _seconds(timeout: Any) -> float:
-    """``timeout`` as positive seconds: a number or a ``timedelta``, else an error."""
+    """``timeout`` as positive seconds: a number or a ``timedelta``, else an error. Longer
+    than ``waits.MAX_TIMEOUT`` (a week), ``inf`` included, is taken as that: every rank
+    does the same, so ranks given any size of timeout agree (the OS's and ZeroMQ's waits
+    take at most about 24.8 days)."""
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ArgumentError(f"timeout must be seconds (a number) or a datetime.timedelta, got "
                             f"{type(timeout).__name__}")
-    if not timeout > 0:
+    if not timeout > 0:  # (NaN too)
         raise ArgumentError(f"timeout must be positive, got {timeout:g} s")
-    return float(timeout)
+    return waits.clamp(float(timeout))
 
 
 def env_int(name: str) -> int | None:

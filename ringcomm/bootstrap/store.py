@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..core import config
+from ..core import config, waits
 from ..errors import ArgumentError, AuthError, StoreError, StoreTimeout
 from ..transport import auth
 from .store_server import LOOPBACK, StoreServer
@@ -159,13 +159,13 @@ class StoreClient(Store):
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT,
                  auth_token: str | None = None) -> None:
-        if timeout <= 0:
+        if not timeout > 0:
             raise ArgumentError(f"store timeout must be positive, got {timeout}")
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ArgumentError(f"store address {address!r} is not of the form 'host:port'")
         self.address = address
-        self.timeout = float(timeout)
+        self.timeout = waits.clamp(timeout)
         self._endpoint = f"tcp://{host.strip('[]')}:{port}"
         self._keys = auth.keys_for(config.value("auth_token") if auth_token is None
                                    else auth_token)
@@ -282,7 +282,7 @@ class StoreClient(Store):
                                    f"{deadline - start:.1f} s ({what})")
             if not self._local.connected:
                 remaining = min(remaining, reach_deadline - now)
-            events = dict(poller.poll(int(max(remaining, 0) * 1e3)))
+            events = dict(poller.poll(waits.poll_ms(remaining)))
             if monitor in events:
                 message = parse_monitor_message(monitor.recv_multipart())
                 event = message["event"]
@@ -336,9 +336,9 @@ class StoreClient(Store):
 
     def _blocking(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else float(timeout)
-        if t < 0:
+        if not t >= 0:
             raise ArgumentError(f"timeout must not be negative, got {t}")
-        return t
+        return waits.clamp(t)
 
     # -- the Store interface
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..core import config
+from ..core import config, waits
 from ..errors import ArgumentError, StoreError
 from ..transport import auth
 from .store_wire import (
@@ -273,8 +273,8 @@ class StoreServer:
         try:
             while True:
                 wait_ms = None
-                if self._deadlines:
-                    wait_ms = int(max(0.0, (self._deadlines[0].deadline - time.monotonic()) * 1e3))
+                if self._deadlines:  # (a far deadline is waited for in turns)
+                    wait_ms = waits.poll_ms(self._deadlines[0].deadline - time.monotonic())
                 events = dict(poller.poll(wait_ms))
                 if self._wake in events:
                     break
@@ -386,12 +386,12 @@ class StoreServer:
             self._wake_waiters(key)
             self._reply(identity, request_id, OK)
         elif command in (b"get", b"wait"):
-            timeout_ms = int(args[0])
+            timeout = waits.clamp(int(args[0]) / 1e3)  # up to 20 digits of ms: kept to a week
             keys = args[1:]
             if all(k in data for k in keys):
                 self._answer_parked(identity, request_id, command, keys)
                 return
-            parked = _Parked(time.monotonic() + timeout_ms / 1e3, next(self._serial),
+            parked = _Parked(time.monotonic() + timeout, next(self._serial),
                              identity, request_id, command, keys)
             heapq.heappush(self._deadlines, parked)
             for k in keys:
