@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -20,7 +21,10 @@ import pytest
 import zmq
 
 import ringcomm
-from ringcomm.bootstrap.store import StoreClient, StoreServer
+from ringcomm import ArgumentError
+from ringcomm.bootstrap.store import MAX_KEYS, MAX_VALUE_BYTES, StoreClient, StoreServer
+from ringcomm.bootstrap.store_server import MAX_PARKED, MAX_PARKED_KEY_BYTES
+from ringcomm.bootstrap.store_wire import MAX_MESSAGE_BYTES
 from ringcomm.core import waits
 
 HOST = "127.0.0.1"
@@ -84,7 +88,7 @@ def still_serves(address: str) -> None:
         assert got == [b"yes"]
 
 
-# --------------------------------------------------------------------------- timeouts (finding 2)
+# ------------------------------------------------------------------- timeouts (finding 2)
 
 
 @pytest.mark.timeout(30)
@@ -162,3 +166,211 @@ def test_init_takes_a_timeout_of_any_size_on_every_rank(timeout):
     """Longer than ``waits.MAX_TIMEOUT`` is taken as that, the same on every rank (once these
     raised OverflowError on some ranks while others waited)."""
     assert _group(timeout) == {r: ([3.0] * 4, waits.MAX_TIMEOUT) for r in range(2)}
+
+
+# ------------------------------------------------------------- whole messages (finding 3)
+
+
+def _frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    """One ZMTP 3 frame, written here apart from the store's own encoder."""
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) < 256:
+        return bytes([flags, len(body)]) + body
+    return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+
+
+def _ready(socket_type: bytes, identity: bytes = b"") -> bytes:
+    props = b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    if identity:
+        props += b"\x08Identity" + struct.pack(">I", len(identity)) + identity
+    return _frame(b"\x05READY" + props, command=True)
+
+
+GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+
+
+class RawStranger:
+    """A ZeroMQ DEALER written by hand on a TCP socket: it can send a message frame by frame
+    and leave its replies unread, which a libzmq socket would not let it."""
+
+    def __init__(self, address: str, identity: bytes = b"") -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.sendall(GREETING + _ready(b"DEALER", identity))
+        got = b""
+        while len(got) < 64:
+            more = self.sock.recv(64 - len(got))
+            assert more, "the store closed the connection in the handshake"
+            got += more
+        assert got[:1] == b"\xff" and got[10] == 3 and got[12:16] == b"NULL"
+
+    def send(self, data: bytes) -> bool:
+        """Whether ``data`` went out (False: the store had closed the connection)."""
+        try:
+            self.sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+    def closed_by_the_store(self, within: float = 10.0) -> bool:
+        """Whether the store closes the connection within ``within`` s (what comes before
+        that, replies included, is read and dropped)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                if not self.sock.recv(1 << 20):
+                    return True
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _wait_for(check, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_message_of_many_large_frames_is_refused_at_its_bound_not_held(server):
+    """Frames under the frame limit, MORE set on each: once their sum passes the message
+    bound the store closes the connection, having held no more than the bound (once it
+    held 48 frames of 32 MiB)."""
+    stranger = RawStranger(server.address)
+    try:
+        body = bytes(32 << 20)
+        stranger.send(_frame(rid(1), more=True) + _frame(b"set", more=True))
+        sent = 0
+        while sent < 8 and stranger.send(_frame(body, more=True)):  # 256 MiB, if it took it
+            sent += 1
+        assert stranger.closed_by_the_store()
+        assert sent * len(body) <= MAX_MESSAGE_BYTES + 2 * len(body)  # cut off on the way
+    finally:
+        stranger.close()
+    held = server.held()
+    assert 0 < held["most_message_bytes"] <= MAX_MESSAGE_BYTES
+    assert _wait_for(lambda: server.held()["message_bytes"] == 0)
+    still_serves(server.address)
+
+
+@pytest.mark.timeout(30)
+def test_a_message_of_too_many_frames_is_refused_at_its_bound(server):
+    stranger = RawStranger(server.address)
+    try:
+        stranger.send(_frame(rid(1), more=True) + _frame(b"wait", more=True)
+                      + _frame(b"1000", more=True) + _frame(b"", more=True) * (1 << 17))
+        assert stranger.closed_by_the_store()
+    finally:
+        stranger.close()
+    assert server.held()["parked"] == 0
+    still_serves(server.address)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(30)
+def test_a_whole_message_up_to_its_bound_is_served(server):
+    """The largest request the protocol has (a compare_set of two values of the most) is
+    taken whole, from a real client."""
+    value = bytes(MAX_VALUE_BYTES)
+    with StoreClient(server.address, timeout=20, auth_token="") as client:
+        assert client.compare_set("both", b"", value) == value
+        assert client.compare_set("both", value, value[:-1] + b"\1") == value[:-1] + b"\1"
+    assert server.held()["most_message_bytes"] > 2 * MAX_VALUE_BYTES - (1 << 20)
+
+
+# ------------------------------------------------------------ parked requests (finding 3)
+
+
+@pytest.mark.timeout(30)
+def test_the_parked_requests_of_a_client_that_leaves_are_dropped(server):
+    stranger = Stranger(server.address, identity=b"parker")
+    try:
+        for n in range(200):
+            stranger.send(rid(n), b"get", b"9" * 12, f"never/{n}".encode() * 50)
+        assert _wait_for(lambda: server.held()["parked"] == 200)
+        assert server.held()["waited_keys"] == 200
+    finally:
+        stranger.close()  # (once, its 20,000 parked gets kept 100 MB until their deadline)
+    assert _wait_for(lambda: server.held()["parked"] == 0, within=5)
+    held = server.held()
+    assert (held["waited_keys"], held["parked_keys"], held["parking_clients"]) == (0, 0, 0)
+    still_serves(server.address)
+
+
+@pytest.mark.timeout(30)
+def test_a_client_parks_a_bounded_number_of_requests(server):
+    stranger = Stranger(server.address)
+    try:
+        asked = MAX_PARKED + 1000
+        for n in range(asked):
+            stranger.send(rid(n), b"wait", b"60000", f"never/{n}".encode())
+        refused = [stranger.reply() for _ in range(asked - MAX_PARKED)]
+        assert all(r[1] == b"error" and b"requests parked already" in r[2] for r in refused)
+        assert {int.from_bytes(r[0], "little") for r in refused} == set(range(MAX_PARKED, asked))
+        assert server.held()["parked"] == MAX_PARKED
+        still_serves(server.address)  # another client parks as before
+    finally:
+        stranger.close()
+    assert _wait_for(lambda: server.held()["parked"] == 0, within=5)
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_on_too_many_keys_is_refused(server):
+    with StoreClient(server.address, timeout=5, auth_token="") as client:
+        with pytest.raises(ArgumentError, match=f"at most {MAX_KEYS}"):
+            client.wait([f"k{i}" for i in range(MAX_KEYS + 1)])
+        with pytest.raises(ArgumentError, match=f"at most {MAX_KEYS}"):
+            client.check([f"k{i}" for i in range(MAX_KEYS + 1)])
+    # a stranger's wait on 65,536 keys (once it took 880 MB) is cut off as it comes
+    stranger = RawStranger(server.address)
+    try:
+        keys = b"".join(_frame(b"k%05d" % i, more=i < (1 << 16) - 1) for i in range(1 << 16))
+        stranger.send(_frame(rid(1), more=True) + _frame(b"wait", more=True)
+                      + _frame(b"60000", more=True) + keys)
+        assert stranger.closed_by_the_store()
+    finally:
+        stranger.close()
+    # as many keys as a request may name, but more bytes of keys than a client may park
+    stranger = Stranger(server.address)
+    try:
+        long_keys = [b"%05d" % i + bytes(1000) for i in range(MAX_KEYS)]
+        stranger.send(rid(2), b"wait", b"60000", *long_keys)
+        status, why = stranger.reply()[1:]
+        assert status == b"error" and b"B of keys" in why, why
+        assert server.held()["parked"] == 0
+        short = [b"k%05d" % i for i in range(MAX_KEYS)]  # within the bound: parked
+        stranger.send(rid(3), b"wait", b"60000", *short)
+        assert _wait_for(lambda: server.held()["parked"] == 1)
+        assert server.held()["parked_keys"] <= MAX_PARKED_KEY_BYTES
+    finally:
+        stranger.close()
+    assert _wait_for(lambda: server.held()["parked"] == 0, within=5)
+    still_serves(server.address)
+
+
+@pytest.mark.timeout(30)
+def test_replies_a_client_leaves_unread_are_bounded(server):
+    """A client that asks and never reads: its connection is closed once the replies queued
+    for it pass the bound, not kept growing."""
+    value = bytes(1 << 20)
+    with StoreClient(server.address, timeout=5, auth_token="") as client:
+        client.set("mib", value)
+    stranger = RawStranger(server.address)
+    stranger.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    try:
+        ask = b"".join(_frame(rid(n), more=True) + _frame(b"get", more=True)
+                       + _frame(b"0", more=True) + _frame(b"mib") for n in range(2000))
+        stranger.send(ask)  # 2000 replies of 1 MiB, if the store queued them all
+        assert _wait_for(lambda: server.held()["connections"] == 0, within=10)
+    finally:
+        stranger.close()
+    still_serves(server.address)

@@ -90,7 +90,11 @@ def _value_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
 def _key_list(keys: str | bytes | Iterable[str | bytes]) -> list[bytes]:
     if isinstance(keys, (str, bytes)):
         keys = [keys]
-    return [_key_bytes(k) for k in keys]
+    found = [_key_bytes(k) for k in keys]
+    if len(found) > MAX_KEYS:
+        raise ArgumentError(f"{len(found)} keys in one wait or check; the store takes at most "
+                            f"{MAX_KEYS}")
+    return found
 
 
 def _names(keys: Sequence[bytes]) -> str:

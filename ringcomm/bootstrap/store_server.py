@@ -27,31 +27,47 @@ three steps:
    or their processes died: the kernel closes a dead process's sockets), or a few seconds
    have passed, whichever comes first.
 
-Which connection carries which client's requests is read from each message (the socket
-it came in on) and forgotten when the socket's monitor reports that connection closed.
+Which connection carries which client's requests is read from each message (the connection
+it came in on) and forgotten when that connection closes.
+
+**Bounds.** Whatever a client sends, the store holds a bounded amount for it (docs/security.md,
+"The store's bounds"): without a token the store reads ZeroMQ's wire itself
+(``store_zmtp``), so a whole message is bounded (``MAX_MESSAGE_BYTES`` in ``MAX_FRAMES``
+frames), not a frame; each client parks at most ``MAX_PARKED`` requests and
+``MAX_PARKED_KEY_BYTES`` of keys in them, and a connection's parked requests go when it
+closes; replies a client leaves unread are bounded per connection (``MAX_UNREAD_BYTES``,
+``MAX_UNREAD_PIECES``); the data the store holds is bounded as a whole
+(``MAX_STORED_BYTES``). ``held`` says what it holds. Refusals are logged at a bounded rate
+(``RateLimitedLog``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..core import config, waits
+from ..core.rate_limit import RateLimitedLog
 from ..errors import ArgumentError, StoreError
 from ..transport import auth
 from .store_wire import (
     ERROR,
     LEAVING,
     MAX_FRAME_BYTES,
+    MAX_FRAMES,
     MAX_INTEGER_DIGITS,
+    MAX_MESSAGE_BYTES,
     OK,
     REQUEST_ID,
     TIMEOUT,
@@ -59,10 +75,24 @@ from .store_wire import (
     is_number,
     parse_request,
 )
+from .store_zmtp import ProtocolError, Reader, encode, greeting, ready
 
 log = logging.getLogger("ringcomm.bootstrap.store")
 
 LOOPBACK = "127.0.0.1"
+
+# What one client may make the store hold (docs/security.md, "The store's bounds").
+MAX_PARKED = 256  # parked gets and waits, per client
+MAX_PARKED_KEY_BYTES = 8 << 20  # the keys they wait on, per client, each counted as below
+KEY_COST = 256  # B: what the store holds for a parked key besides its bytes (its indexes)
+# replies queued for one connection and not yet written to it (its client does not read):
+MAX_UNREAD_BYTES = MAX_MESSAGE_BYTES  # their bytes, each piece counted as below
+PIECE_COST = 1024  # B: what a queued piece of a reply holds besides its bytes
+MAX_UNREAD_PIECES = 4096  # and how many pieces (a reply is one to three)
+MAX_STORED_BYTES = 1 << 30  # the data, all clients together, each key counted as below
+ENTRY_COST = 128  # B: what the store holds for a key besides its key's and value's bytes
+_TURN = 4096  # pieces of connections' bytes read in one turn of the loop (32 MiB at most)
+_FORGOTTEN = 1024  # connections this end closed, remembered so a late notice is not new
 
 
 @dataclass(order=True)
@@ -71,10 +101,12 @@ class _Parked:
 
     deadline: float
     serial: int
+    conn: Hashable = field(compare=False)  # the connection it came on (its answer goes there)
     identity: bytes = field(compare=False)
     request_id: bytes = field(compare=False)
     command: bytes = field(compare=False)
     keys: list[bytes] = field(compare=False)
+    cost: int = field(default=0, compare=False)  # its keys, as MAX_PARKED_KEY_BYTES counts
     done: bool = field(default=False, compare=False)
 
 
@@ -89,6 +121,248 @@ class _Hold:
     retired: bool = False
 
 
+class _Request(NamedTuple):
+    """A whole message from a client: the connection it came on (what the door names it),
+    the client's routing id, its frames, and the peer's address (for the log)."""
+
+    conn: Hashable
+    identity: bytes
+    frames: list[bytes]
+    peer: str
+
+
+# What a door's ``receive`` reports, in the order the server is to see it.
+_Event = tuple[str, "_Request | Hashable"]  # ("request", _Request) or ("closed", conn)
+
+
+class _CurveDoor:
+    """The store's socket with a token: a ZeroMQ ``ROUTER`` with CURVE (``auth``), whose
+    gatekeeper lets through only clients holding the token. A connection is named by its
+    file descriptor (``SRCFD``); the socket's monitor reports when one closes."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, keys: auth.Keys,
+                 what: str) -> None:
+        self.what = what
+        self.gatekeeper: auth.Gatekeeper | None = auth.Gatekeeper(ctx, keys, what)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        keys.serve(self.sock)
+        self.monitor = self.sock.get_monitor_socket(auth.HANDSHAKE_FAILED |
+                                                    zmq.EVENT_DISCONNECTED)
+        self.sockets = [self.sock, self.monitor]
+        self.message_bytes = self.most_message_bytes = 0  # libzmq's to bound, by frame
+        self.connections = 0
+        self.endpoint = _bind(self, host, port)
+
+    def receive(self, events: dict[zmq.Socket[bytes], int]) -> list[_Event]:
+        """Closed connections first, then the requests that arrived: a connection's close
+        is reported before its descriptor's number can be reused, so a request never lands
+        on a closed one's entry."""
+        arrived = []
+        if self.sock in events:
+            while True:
+                try:
+                    arrived.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+        found: list[_Event] = []
+        while True:
+            try:
+                raw = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            event = parse_monitor_message(raw)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                found.append(("closed", int(event["value"])))
+            else:
+                auth.log_refusal(self.what, event["event"], int(event["value"]),
+                                 event["endpoint"].decode())
+        for frames in arrived:
+            try:
+                fd: Hashable = int(frames[0].get(zmq.SRCFD))
+            except zmq.ZMQError:
+                fd = None
+            try:
+                peer = str(frames[0].get("Peer-Address"))
+            except zmq.ZMQError:
+                peer = "?"
+            found.append(("request", _Request(fd, frames[0].bytes,
+                                              [f.bytes for f in frames[1:]], peer)))
+        return found
+
+    def send(self, conn: Hashable, identity: bytes, frames: list[bytes]) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # the client went away; nothing to tell it
+            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+
+    def drop(self, conn: Hashable, why: str) -> None:
+        """(A ROUTER cannot close one connection; only token holders reach it.)"""
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.close()
+            self.gatekeeper = None
+
+
+class _PlainDoor:
+    """The store's socket without a token: a ZeroMQ ``STREAM`` socket, which hands over each
+    connection's bytes as they come, and ZeroMQ's wire read here (``store_zmtp.Reader``), so
+    that a whole message is bounded: one that passes ``MAX_MESSAGE_BYTES`` or
+    ``MAX_FRAMES`` closes its connection before more of it is read. Clients are ZeroMQ
+    DEALER sockets, which see a ROUTER. A connection is named by the STREAM socket's id for
+    it (never reused); a client that picks no routing id goes by that id too."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, what: str,
+                 refusals: RateLimitedLog) -> None:
+        self.what = what
+        self.refusals = refusals
+        self.gatekeeper = None
+        self.sock = ctx.socket(zmq.STREAM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 2 * MAX_UNREAD_PIECES)  # (ours comes first)
+        self.sock.copy_threshold = 0  # every piece is tracked until libzmq has written it
+        self.sockets = [self.sock]
+        self._readers: dict[bytes, Reader] = {}
+        self._peers: dict[bytes, str] = {}
+        self._unread: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
+        self._forgotten: collections.deque[bytes] = collections.deque(maxlen=_FORGOTTEN)
+        self._dropped: list[bytes] = []  # closed by this end since the last receive
+        self._hello = greeting() + ready()
+        self.message_bytes = 0  # bytes of messages in progress, every connection's
+        self.most_message_bytes = 0  # the most that ever was
+        self.endpoint = _bind(self, host, port)
+
+    @property
+    def connections(self) -> int:
+        return len(self._readers)
+
+    def receive(self, events: dict[zmq.Socket[bytes], int]) -> list[_Event]:
+        """In the order things happened: connections closed by this end (a refusal, a reply
+        that could not be queued) first, then each piece of bytes that arrived."""
+        found = self._take_dropped()
+        if self.sock not in events:
+            return found
+        for _ in range(_TURN):
+            try:
+                conn_frame, data = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            conn = conn_frame.bytes
+            reader = self._readers.get(conn)
+            if len(data) == 0:  # a connection opens or closes
+                if reader is not None:
+                    self._forget(conn)
+                    found.append(("closed", conn))
+                elif conn not in self._forgotten:
+                    self._open(conn, data)
+                continue
+            if reader is None:
+                continue  # the rest of what a connection closed here had sent
+            before = reader.held
+            refused: str | None = None
+            try:
+                messages = reader.feed(data.bytes)
+            except ProtocolError as err:
+                messages, refused = [], str(err)
+            self.message_bytes += reader.held - before
+            self.most_message_bytes = max(self.most_message_bytes, self.message_bytes)
+            identity = reader.identity or conn
+            found.extend(("request", _Request(conn, identity, m, self._peers[conn]))
+                         for m in messages)
+            if refused is not None:
+                self.drop(conn, refused)
+        return found + self._take_dropped()
+
+    def _take_dropped(self) -> list[_Event]:
+        dropped, self._dropped = self._dropped, []
+        return [("closed", conn) for conn in dropped]
+
+    def _open(self, conn: bytes, notice: zmq.Frame) -> None:
+        try:
+            peer = str(notice.get("Peer-Address"))
+        except zmq.ZMQError:
+            peer = "?"
+        self._readers[conn] = Reader(MAX_MESSAGE_BYTES, MAX_FRAMES)
+        self._peers[conn] = peer
+        self._send(conn, [self._hello])
+
+    def _forget(self, conn: bytes) -> None:
+        reader = self._readers.pop(conn, None)
+        if reader is not None:
+            self.message_bytes -= reader.held
+        self._peers.pop(conn, None)
+        self._unread.pop(conn, None)
+        self._forgotten.append(conn)
+
+    def send(self, conn: Hashable, identity: bytes, frames: list[bytes]) -> None:
+        if not isinstance(conn, bytes) or conn not in self._readers:
+            return  # the client went away; nothing to tell it
+        self._send(conn, encode(frames))
+
+    def _send(self, conn: bytes, pieces: list[bytes]) -> None:
+        """Queue ``pieces`` for ``conn`` unless the replies it has left unread would pass
+        ``MAX_UNREAD_BYTES`` or ``MAX_UNREAD_PIECES`` (then it is closed). Each piece is
+        tracked until libzmq has written it (the kernel holds it then, or the peer)."""
+        unread = self._unread.setdefault(conn, collections.deque())
+        while unread and unread[0][0].done:
+            unread.popleft()
+        cost = sum(n for _, n in unread)
+        adding = sum(len(p) + PIECE_COST for p in pieces)
+        if cost + adding > MAX_UNREAD_BYTES or len(unread) + len(pieces) > MAX_UNREAD_PIECES:
+            self.drop(conn, f"it leaves its replies unread ({len(unread)} pieces, "
+                      f"{cost} B, queued for it and not written; at most "
+                      f"{MAX_UNREAD_PIECES} pieces and {MAX_UNREAD_BYTES} B)")
+            return
+        for piece in pieces:
+            try:
+                tracker = self.sock.send_multipart([conn, piece], zmq.NOBLOCK, copy=False,
+                                                   track=True)
+            except zmq.Again:  # (libzmq's own bound, above ours)
+                self.drop(conn, "it leaves its replies unread (its queue is full)")
+                return
+            except zmq.ZMQError:
+                return  # gone meanwhile
+            if tracker is not None:
+                unread.append((tracker, len(piece) + PIECE_COST))
+
+    def drop(self, conn: Hashable, why: str) -> None:
+        """Close connection ``conn`` for ``why`` (logged at a bounded rate); the server
+        hears of it as closed at the next ``receive``."""
+        if not isinstance(conn, bytes) or conn not in self._readers:
+            return
+        self.refusals.warning("refused", "%s closed a connection from %s: %s", self.what,
+                              self._peers.get(conn, "?"), why)
+        self._forget(conn)
+        self._dropped.append(conn)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send_multipart([conn, b""], zmq.NOBLOCK)  # closes it
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _bind(door: _CurveDoor | _PlainDoor, host: str, port: int) -> str:
+    try:
+        door.sock.bind(f"tcp://{host}:{port or '*'}")
+    except zmq.ZMQError as err:
+        door.close()
+        if err.errno == zmq.EADDRINUSE:
+            raise StoreError(
+                f"cannot serve the store on {host}:{port}: the port is in use; pick "
+                "another MASTER_PORT or stop the process that holds it") from None
+        raise StoreError(f"cannot serve the store on {host}:{port}: {err}") from None
+    endpoint: str = door.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return endpoint
+
+
+def _entry_cost(key: bytes, value: bytes | None) -> int:
+    return 0 if value is None else len(key) + len(value) + ENTRY_COST
+
+
 class StoreServer:
     """Serves a key-value store on ``tcp://host:port`` from a background thread.
 
@@ -97,8 +371,9 @@ class StoreServer:
     only where asked to. With ``auth_token`` (default ``RINGCOMM_AUTH_TOKEN``) only clients
     holding the same token get through, encrypted (``ringcomm.transport.auth``); every
     request is checked (``parse_request``) and one that is not the protocol's is refused
-    with a logged reason, so no client can crash the server or make it allocate what a
-    request merely claims. It serves until ``close``, or, once groups hold it (``hold``),
+    with a logged reason (at a bounded rate), so no client can crash the server or make it
+    allocate what a request merely claims, and what one client can make it hold is bounded
+    (the module docstring). It serves until ``close``, or, once groups hold it (``hold``),
     until they have left (``retire``; see the module docstring).
     """
 
@@ -106,44 +381,35 @@ class StoreServer:
                  auth_token: str | None = None) -> None:
         keys = auth.keys_for(config.value("auth_token") if auth_token is None else auth_token)
         self._ctx = zmq.Context(1)
-        self._gatekeeper = (auth.Gatekeeper(self._ctx, keys, f"the store on {host}")
-                            if keys is not None else None)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if keys is not None:
-            keys.serve(self._sock)
-        self._monitor = self._sock.get_monitor_socket(auth.HANDSHAKE_FAILED |
-                                                      zmq.EVENT_DISCONNECTED)
+        what = f"the store on {host}:{port or '*'}"
+        self._refusals = RateLimitedLog(log, per_second=1.0, burst=10)
         try:
-            self._sock.bind(f"tcp://{host}:{port or '*'}")
-        except zmq.ZMQError as err:
-            self._sock.disable_monitor()
-            self._monitor.close()
-            self._sock.close()
-            if self._gatekeeper is not None:
-                self._gatekeeper.close()
+            self._door: _CurveDoor | _PlainDoor = (
+                _CurveDoor(self._ctx, host, port, keys, what) if keys is not None
+                else _PlainDoor(self._ctx, host, port, what, self._refusals))
+        except BaseException:
             self._ctx.term()
-            if err.errno == zmq.EADDRINUSE:
-                raise StoreError(
-                    f"cannot serve the store on {host}:{port}: the port is in use; pick "
-                    "another MASTER_PORT or stop the process that holds it") from None
-            raise StoreError(f"cannot serve the store on {host}:{port}: {err}") from None
-        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            raise
+        endpoint = self._door.endpoint
         self.host = host
         self.port = int(endpoint.rsplit(":", 1)[1])
+        self._door.what = f"the store on port {self.port}"
         self._data: dict[bytes, bytes] = {}
-        self._waiters: dict[bytes, list[_Parked]] = {}
+        self._stored = 0  # bytes of data, as MAX_STORED_BYTES counts them
+        self._waiters: dict[bytes, dict[int, _Parked]] = {}  # key -> parked, by serial
         self._deadlines: list[_Parked] = []
+        self._dead_deadlines = 0  # entries of _deadlines already done
+        self._by_conn: dict[Hashable, dict[int, _Parked]] = {}
+        self._by_client: dict[bytes, list[int]] = {}  # client -> [parked, their key cost]
+        self._parked = 0
         self._serial = itertools.count()
         # its lifetime (the module docstring): shared with the holders' threads, under _life
         self._life = threading.Condition()
         self._holds: dict[int, _Hold] = {}
         self._hold_numbers = itertools.count(1)
         self._leaving = False
-        self._known: dict[bytes, set[int]] = {}  # client -> its open connections (fds)
-        self._carrier: dict[int, bytes] = {}  # connection (fd) -> the client it carries
+        self._known: dict[bytes, set[Hashable]] = {}  # client -> its open connections
+        self._carrier: dict[Hashable, bytes] = {}  # connection -> the client it carries
         self._wake_addr = f"inproc://store-wake-{id(self)}"
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.bind(self._wake_addr)
@@ -157,6 +423,21 @@ class StoreServer:
     def address(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "*", "") else self.host
         return f"{host}:{self.port}"
+
+    def held(self) -> dict[str, int]:
+        """What the store holds now, by the counts its bounds are kept by: ``parked``
+        requests, the ``parked_keys`` cost of their keys, ``waited_keys`` (distinct keys
+        waited on), ``parking_clients``, ``connections`` open, ``message_bytes`` of
+        messages in progress (and ``most_message_bytes`` ever; without a token), ``keys``
+        and ``stored_bytes`` of data. Read from another thread: each number is one the
+        serving thread wrote."""
+        door = self._door
+        return {"parked": self._parked,
+                "parked_keys": sum(cost for _, cost in list(self._by_client.values())),
+                "waited_keys": len(self._waiters), "parking_clients": len(self._by_client),
+                "connections": door.connections, "message_bytes": door.message_bytes,
+                "most_message_bytes": door.most_message_bytes, "keys": len(self._data),
+                "stored_bytes": self._stored}
 
     # -- lifetime
 
@@ -252,8 +533,6 @@ class StoreServer:
         poke.send(b"stop")
         self._thread.join(timeout=10)
         poke.close(linger=0)
-        if self._gatekeeper is not None:
-            self._gatekeeper.close()
         self._ctx.term()
 
     def __enter__(self) -> StoreServer:
@@ -267,166 +546,146 @@ class StoreServer:
 
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        for sock in self._door.sockets:
+            poller.register(sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         try:
             while True:
                 wait_ms = None
                 if self._deadlines:  # (a far deadline is waited for in turns)
                     wait_ms = waits.poll_ms(self._deadlines[0].deadline - time.monotonic())
+                if self._refusals.suppressed:  # say how many were held back, in a while
+                    wait_ms = min(wait_ms if wait_ms is not None else 1000, 1000)
                 events = dict(poller.poll(wait_ms))
                 if self._wake in events:
                     break
-                arrived = []
-                if self._sock in events:
-                    while True:
-                        try:
-                            arrived.append(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                        except zmq.Again:
-                            break
-                # Connections closed so far, before the requests that arrived are put down
-                # to their connections: a connection's close is reported before its socket
-                # number can be reused, so a request never lands on a closed one's entry.
-                self._read_monitor()
-                for frames in arrived:
-                    self._handle(frames)
+                for kind, what in self._door.receive(events):
+                    if kind == "closed":
+                        self._forget_connection(what)
+                    else:
+                        assert isinstance(what, _Request)
+                        self._handle(what)
                 self._expire()
+                self._refusals.flush()
         finally:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            self._door.close()
             self._wake.close(linger=0)
 
-    def _read_monitor(self) -> None:
-        """Every event the socket's monitor holds: failed handshakes are logged, closed
-        connections forgotten."""
-        while True:
-            try:
-                raw = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(raw)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._forget_connection(int(event["value"]))
-            else:
-                auth.log_refusal(f"the store on port {self.port}", event["event"],
-                                 int(event["value"]), event["endpoint"].decode())
-
-    def _forget_connection(self, fd: int) -> None:
+    def _forget_connection(self, conn: Hashable) -> None:
+        """Connection ``conn`` has closed: its parked requests go (nobody is there to hear
+        their answers), and its client, once it holds no connection, is no longer known."""
+        for parked in list(self._by_conn.get(conn, {}).values()):
+            self._unpark(parked)
         with self._life:
-            client = self._carrier.pop(fd, None)
+            client = self._carrier.pop(conn, None)
             if client is None:
                 return
-            fds = self._known.get(client)
-            if fds is not None:
-                fds.discard(fd)
-                if not fds and not self._leaving:  # gone; while leaving, it stays known
+            conns = self._known.get(client)
+            if conns is not None:
+                conns.discard(conn)
+                if not conns and not self._leaving:  # gone; while leaving, it stays known
                     del self._known[client]
             self._life.notify_all()
 
-    def _admit(self, identity: bytes, frame: zmq.Frame) -> bool:
+    def _admit(self, identity: bytes, conn: Hashable) -> bool:
         """Whether the requests of the connection ``identity`` may be served: always while
         serving; while leaving, only a known client's. Notes the connection it came on."""
         client = client_of(identity)
         with self._life:
             if self._leaving and client not in self._known:
                 return False
-            try:
-                fd = int(frame.get(zmq.SRCFD))  # the connection it came in on
-            except zmq.ZMQError:
-                fd = -1
-            fds = self._known.setdefault(client, set())
-            if fd >= 0 and fd not in fds:
-                before = self._carrier.get(fd)
+            conns = self._known.setdefault(client, set())
+            if conn is not None and conn not in conns:
+                before = self._carrier.get(conn)
                 if before is not None and before in self._known:  # (a reused fd number)
-                    self._known[before].discard(fd)
-                self._carrier[fd] = client
-                fds.add(fd)
+                    self._known[before].discard(conn)
+                self._carrier[conn] = client
+                conns.add(conn)
             return True
 
-    def _reply(self, identity: bytes, request_id: bytes, status: bytes, *results: bytes) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # the client went away; nothing to tell it
-            self._sock.send_multipart([identity, request_id, status, *results], zmq.NOBLOCK)
+    def _reply(self, to: _Request | _Parked, request_id: bytes, status: bytes,
+               *results: bytes) -> None:
+        self._door.send(to.conn, to.identity, [request_id, status, *results])
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, request: _Request) -> None:
         """One message from a client: answered, or refused with a logged reason."""
-        identity = frames[0].bytes
-        request = [f.bytes for f in frames[1:]]
+        frames = request.frames
         try:
-            request_id, command, args = parse_request(request)
+            request_id, command, args = parse_request(frames)
         except ValueError as err:
-            try:
-                peer = frames[0].get("Peer-Address")
-            except zmq.ZMQError:
-                peer = "?"
-            log.warning("the store on port %d refused a request from %s: %s", self.port,
-                        peer, err)
-            if len(request) >= 2 and len(request[0]) == REQUEST_ID.size:
-                self._reply(identity, request[0], ERROR, f"bad request: {err}".encode())
+            self._refusals.warning("bad request", "the store on port %d refused a request "
+                                   "from %s: %s", self.port, request.peer, err)
+            if len(frames) >= 2 and len(frames[0]) == REQUEST_ID.size:
+                self._reply(request, frames[0], ERROR, f"bad request: {err}".encode())
             return
-        if not self._admit(identity, frames[0]):
+        if not self._admit(request.identity, request.conn):
             log.debug("the store on port %d is leaving: a new client's %r is turned away",
                       self.port, command)
-            self._reply(identity, request_id, LEAVING, b"this store is going away with the "
+            self._reply(request, request_id, LEAVING, b"this store is going away with the "
                         b"group that serves it; ask the next one at this address")
             return
         try:
-            self._execute(identity, request_id, command, args)
+            self._execute(request, request_id, command, args)
         except ValueError as err:
-            self._reply(identity, request_id, ERROR, f"bad {command!r} request: {err}".encode())
+            self._refusals.warning("refused request", "the store on port %d refused a %r "
+                                   "request from %s: %s", self.port, command, request.peer,
+                                   err)
+            self._reply(request, request_id, ERROR, f"bad {command!r} request: {err}".encode())
 
-    def _execute(self, identity: bytes, request_id: bytes, command: bytes,
+    def _store(self, key: bytes, value: bytes) -> None:
+        """Hold ``value`` under ``key``, within ``MAX_STORED_BYTES``, and wake its waiters."""
+        grows = _entry_cost(key, value) - _entry_cost(key, self._data.get(key))
+        if grows > 0 and self._stored + grows > MAX_STORED_BYTES:
+            raise ValueError(f"the store holds {self._stored} B of data, and this would add "
+                             f"{grows} B; it holds at most {MAX_STORED_BYTES} B")
+        self._data[key] = value
+        self._stored += grows
+        self._wake_waiters(key)
+
+    def _execute(self, request: _Request, request_id: bytes, command: bytes,
                  args: list[bytes]) -> None:
         """Run a request ``parse_request`` has checked."""
         data = self._data
         if command == b"set":
             key, value = args
-            data[key] = value
-            self._wake_waiters(key)
-            self._reply(identity, request_id, OK)
+            self._store(key, value)
+            self._reply(request, request_id, OK)
         elif command in (b"get", b"wait"):
             timeout = waits.clamp(int(args[0]) / 1e3)  # up to 20 digits of ms: kept to a week
             keys = args[1:]
             if all(k in data for k in keys):
-                self._answer_parked(identity, request_id, command, keys)
+                self._answer(request, request_id, command, keys)
                 return
-            parked = _Parked(time.monotonic() + timeout, next(self._serial),
-                             identity, request_id, command, keys)
-            heapq.heappush(self._deadlines, parked)
-            for k in keys:
-                if k not in data:
-                    self._waiters.setdefault(k, []).append(parked)
+            self._park(request, request_id, command, keys, timeout)
         elif command == b"add":
             key, amount = args
             before = data.get(key, b"0")
             if not is_number(before, signed=True, most=MAX_INTEGER_DIGITS):
                 raise ValueError(f"the value under {key!r} is not an integer")
             value = str(int(before) + int(amount)).encode()
-            data[key] = value
-            self._wake_waiters(key)
-            self._reply(identity, request_id, OK, value)
+            self._store(key, value)
+            self._reply(request, request_id, OK, value)
         elif command == b"check":
-            self._reply(identity, request_id, OK, b"1" if all(k in data for k in args) else b"0")
+            self._reply(request, request_id, OK, b"1" if all(k in data for k in args) else b"0")
         elif command == b"compare_set":
             key, expected, desired = args
             current = data.get(key)
             if (current is None and expected == b"") or current == expected:
-                data[key] = desired
-                self._wake_waiters(key)
+                self._store(key, desired)
                 current = desired
-            self._reply(identity, request_id, OK, current if current is not None else expected)
+            self._reply(request, request_id, OK, current if current is not None else expected)
         elif command == b"delete":
             (key,) = args
-            existed = data.pop(key, None) is not None
-            self._reply(identity, request_id, OK, b"1" if existed else b"0")
+            existed = data.pop(key, None)
+            self._stored -= _entry_cost(key, existed)
+            self._reply(request, request_id, OK, b"1" if existed is not None else b"0")
         elif command == b"num_keys":
-            self._reply(identity, request_id, OK, str(len(data)).encode())
+            self._reply(request, request_id, OK, str(len(data)).encode())
         elif command == b"ping":
-            self._reply(identity, request_id, OK)
+            self._reply(request, request_id, OK)
         elif command == b"leave":
             self._leave(args[0], int(args[1]))
-            self._reply(identity, request_id, OK)
+            self._reply(request, request_id, OK)
         else:
             raise ValueError("unknown command")
 
@@ -440,40 +699,90 @@ class StoreServer:
                     self._update_leaving()
                     self._life.notify_all()
 
-    def _answer_parked(self, identity: bytes, request_id: bytes, command: bytes,
-                       keys: list[bytes]) -> None:
+    # -- parked requests: each is in _deadlines, in _by_conn under its connection, under each
+    # key it still waits for in _waiters, and counted for its client in _by_client, until
+    # _unpark takes it out of all of them (answered, expired, or its connection closed)
+
+    def _park(self, request: _Request, request_id: bytes, command: bytes, keys: list[bytes],
+              timeout: float) -> None:
+        client = client_of(request.identity)
+        count, cost = self._by_client.get(client, (0, 0))
+        mine = sum(len(k) for k in keys) + KEY_COST * len(keys)
+        if count >= MAX_PARKED:
+            raise ValueError(f"this client has {count} requests parked already (at most "
+                             f"{MAX_PARKED})")
+        if cost + mine > MAX_PARKED_KEY_BYTES:
+            raise ValueError(f"this client's parked requests would wait on {cost + mine} B of "
+                             f"keys (at most {MAX_PARKED_KEY_BYTES} B, each key counted at its "
+                             f"length plus {KEY_COST} B)")
+        parked = _Parked(time.monotonic() + timeout, next(self._serial), request.conn,
+                         request.identity, request_id, command, keys, mine)
+        heapq.heappush(self._deadlines, parked)
+        self._by_conn.setdefault(request.conn, {})[parked.serial] = parked
+        self._by_client[client] = [count + 1, cost + mine]
+        self._parked += 1
+        for k in keys:
+            if k not in self._data:
+                self._waiters.setdefault(k, {})[parked.serial] = parked
+
+    def _unpark(self, parked: _Parked) -> None:
+        """Take ``parked`` out of every index (it is answered, or nobody waits for it)."""
+        if parked.done:
+            return
+        parked.done = True
+        self._parked -= 1
+        self._dead_deadlines += 1
+        for k in parked.keys:
+            waiting = self._waiters.get(k)
+            if waiting is not None and waiting.pop(parked.serial, None) is not None \
+                    and not waiting:
+                del self._waiters[k]
+        mine = self._by_conn.get(parked.conn)
+        if mine is not None:
+            mine.pop(parked.serial, None)
+            if not mine:
+                del self._by_conn[parked.conn]
+        client = client_of(parked.identity)
+        counts = self._by_client.get(client)
+        if counts is not None:
+            counts[0] -= 1
+            counts[1] -= parked.cost
+            if counts[0] <= 0:
+                del self._by_client[client]
+        if self._dead_deadlines > 64 and self._dead_deadlines * 2 > len(self._deadlines):
+            # (what is done leaves the heap now, not at a deadline a week away)
+            self._deadlines = [p for p in self._deadlines if not p.done]
+            heapq.heapify(self._deadlines)
+            self._dead_deadlines = 0
+
+    def _answer(self, to: _Request | _Parked, request_id: bytes, command: bytes,
+                keys: list[bytes]) -> None:
         if command == b"get":
-            self._reply(identity, request_id, OK, self._data[keys[0]])
+            self._reply(to, request_id, OK, self._data[keys[0]])
         else:
-            self._reply(identity, request_id, OK)
+            self._reply(to, request_id, OK)
 
     def _wake_waiters(self, key: bytes) -> None:
-        for parked in self._waiters.pop(key, ()):
-            if parked.done:
-                continue
+        waiting = self._waiters.pop(key, None)
+        if not waiting:
+            return
+        for parked in list(waiting.values()):
             missing = [k for k in parked.keys if k not in self._data]
             if not missing:
-                parked.done = True
-                self._answer_parked(parked.identity, parked.request_id, parked.command,
-                                    parked.keys)
+                self._unpark(parked)
+                self._answer(parked, parked.request_id, parked.command, parked.keys)
                 continue
             for k in missing:  # a key it saw set may have been deleted since: watch it again
-                waiting = self._waiters.setdefault(k, [])
-                if parked not in waiting:
-                    waiting.append(parked)
+                self._waiters.setdefault(k, {})[parked.serial] = parked
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._deadlines and (self._deadlines[0].deadline <= now or self._deadlines[0].done):
             parked = heapq.heappop(self._deadlines)
             if parked.done:
+                self._dead_deadlines -= 1
                 continue
-            parked.done = True
             missing = [k for k in parked.keys if k not in self._data]
-            for k in missing:
-                waiting = self._waiters.get(k)
-                if waiting and parked in waiting:
-                    waiting.remove(parked)
-                    if not waiting:
-                        del self._waiters[k]
-            self._reply(parked.identity, parked.request_id, TIMEOUT, *missing)
+            self._unpark(parked)
+            self._dead_deadlines -= 1
+            self._reply(parked, parked.request_id, TIMEOUT, *missing)

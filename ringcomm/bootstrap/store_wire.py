@@ -24,8 +24,14 @@ from collections.abc import Sequence
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
-MAX_KEYS = 1 << 16  # in one wait or check
+MAX_KEYS = 1 << 14  # in one wait or check
 MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64  # ZeroMQ drops a connection that sends more in a frame
+# A whole request: the largest the protocol takes is a compare_set of two values (a wait or
+# a check of MAX_KEYS keys of MAX_KEY_BYTES is half that), in at most MAX_FRAMES frames (a
+# wait: request id, command, timeout, keys). The store without a token closes a connection
+# whose message passes either before reading on (``store_zmtp``).
+MAX_MESSAGE_BYTES = 2 * MAX_VALUE_BYTES + (64 << 10)
+MAX_FRAMES = MAX_KEYS + 3
 MAX_TIMEOUT_DIGITS = 20  # a timeout in ms, as decimal text
 MAX_INTEGER_DIGITS = 1000  # an amount to add and the value it adds to (Python ints are big)
 
