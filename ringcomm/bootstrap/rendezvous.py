@@ -301,19 +301,26 @@ def _retire(server: StoreServer, hold: int, wait: float) -> None:
 def _serve_unless_served(host: str, port: int, auth_token: str | None,
                          timeout: float) -> tuple[StoreServer, int] | None:
     """Rank 0 serves the store, and holds it for its group, unless one already answers at
-    ``host:port``. Where this process serves it already (for another group that still
-    lives), the new group holds that one too. Where another serves it (``ringcomm store``
-    started apart from the ranks), every rank, rank 0 included, uses that one (None). A
-    port held by something that is not a store stays an error (after one more try to bind
-    it: a store may have gone between the two looks). A store there that is going away with
-    its own group (its rank 0, another process, is still closing) is waited out, up to
-    ``timeout`` s, and then this rank serves the port."""
+    ``host:port`` (``RINGCOMM_STORE``: ``auto``). Where this process serves it already (for
+    another group that still lives), the new group holds that one too. Where another serves
+    it (``ringcomm store`` started apart from the ranks), every rank, rank 0 included, uses
+    that one (None), and rank 0 says so in a warning: a store it did not start sees every
+    rank's addresses and writes the records the ranks connect by. ``serve`` refuses such a
+    store (a ``StoreError``: rank 0 was to serve it, so something else holds the port);
+    ``join`` serves nothing and joins what answers there, quietly. A port held by something
+    that is not a store stays an error (after one more try to bind it: a store may have
+    gone between the two looks). A store there that is going away with its own group (its
+    rank 0, another process, is still closing) is waited out, up to ``timeout`` s, and then
+    this rank serves the port."""
     key = (port, auth_token or "")
     with _SERVED_LOCK:
         mine = _SERVED.get(key)
         hold = mine.hold() if mine is not None else None
         if mine is not None and hold is not None:
             return mine, hold
+    role = config.value("store_role")
+    if role == "join":
+        return None
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -324,16 +331,35 @@ def _serve_unless_served(host: str, port: int, auth_token: str | None,
                             auth_token=auth_token)
         try:
             probe.ping()
-            return None
         except StoreError:
             if probe.turned_away and time.monotonic() < deadline:
                 continue  # a store going away: wait it out
+        else:
+            _joined_apart(host, port, role)
+            return None
         finally:
             probe.close()
         try:  # no store answered: the one that held the port may have gone just now
             return _serve(host, port, auth_token, key)
         except StoreError:
             raise refused from None
+
+
+def _joined_apart(host: str, port: int, role: str) -> None:
+    """A store that rank 0 did not start answers at ``host:port``: refused where rank 0 was
+    to serve it (``RINGCOMM_STORE=serve``), else joined with a warning."""
+    if role == "serve":
+        raise StoreError(
+            f"rank 0 was to serve the store at {host}:{port} (RINGCOMM_STORE=serve), but a "
+            "store it did not start answers there already, and would see every rank's "
+            "addresses and write the records they connect by; stop what holds the port (or "
+            "use another port), or set RINGCOMM_STORE=join if a store served apart from the "
+            "ranks is meant", rank=0)
+    log.warning("rank 0 joins the store at %s:%d, which it did not start (one answered "
+                "there already): every rank's addresses go through it. If it is not a "
+                "`ringcomm store` started for this job, stop the job; RINGCOMM_STORE=serve "
+                "refuses such a store, RINGCOMM_STORE=join expects one (and says nothing)",
+                host, port)
 
 
 def _serve(host: str, port: int, auth_token: str | None,

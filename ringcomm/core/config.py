@@ -153,6 +153,7 @@ def _debug(raw: str) -> str:
 
 
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
+STORE_ROLES = ("auto", "serve", "join")
 DEVICE_MODES = ("auto", "cuda", "fake", "off")
 DEVICE_ENGINES = ("auto", "cuda-ipc", "staged", "nccl")
 DEFAULT_IPC_SLOTS = 4
@@ -250,6 +251,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fake_device_timeout", Scope.LOCAL, "RINGCOMM_FAKE_DEVICE_TIMEOUT", None,
             "seconds a fake-runtime stream waits before the fake reports a device hang (a "
             "GPU would wait forever)", 60.0, _number(0.01, 1e6, "seconds")),
+    Setting("store_role", Scope.LOCAL, "RINGCOMM_STORE", None,
+            "what rank 0 does about the store at its address (init(store='host:port') or "
+            "MASTER_ADDR/MASTER_PORT): serve (it serves the store, and refuses one it did "
+            "not start that answers there already), join (it joins the store served there "
+            "apart from the ranks, as every other rank does), auto (it serves the store "
+            "unless one answers there, and warns when it joins one it did not start). "
+            "Read by rank 0 alone", "auto", _choice(*STORE_ROLES)),
     Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
             "a shared secret: the store and every rank-to-rank tcp connection admit only "
             "peers that hold it (and encrypt); never published or logged", None, _text,
