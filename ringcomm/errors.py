@@ -98,6 +98,24 @@ class AuthError(CommError):
     ranks do not hold the same ``RINGCOMM_AUTH_TOKEN`` (or one of them has none)."""
 
 
+class RecordError(AuthError):
+    """A peer's link record, read from the store, names something a rank of this ringcomm
+    never names: a folder that is not this user's own 0700 ringcomm folder, a name with a
+    separator or ``..`` in it, a symbolic link, a pipe that is not a FIFO of this user, shared
+    memory under a name of another form, an address of another shape, a size that is not a
+    positive whole number. Ranks build every such name from a few fixed patterns, so a record
+    that breaks one was written by someone else: whoever answers on the store's port (a
+    store this job did not start) or rewrote a key of a store without a token. The rank
+    refuses it before it opens anything the record names; the error names the peer whose
+    record it was and the field (``kinds.local.dir``, ``board.name``...).
+
+    An ``AuthError``, because it is the same refusal of a party this rank cannot trust, with
+    the same cure: set ``RINGCOMM_AUTH_TOKEN`` on every rank, and have rank 0 serve the store
+    (``RINGCOMM_STORE=serve`` refuses a store it did not start). Not a ``DesyncError`` (ranks
+    of different versions are told apart by the record's version, checked first) and not
+    an ``ArgumentError`` (the caller did nothing wrong); a retry does not help."""
+
+
 class RankKilled(BaseException):
     """A rank that is a thread of a process shared with its peers (``ringcomm.runtime.local``)
     was killed by an injected fault (``ringcomm.faults``): its thread stops at once, as a

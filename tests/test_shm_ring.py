@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm
 
 
 def _pair(capacity: int):
-    name = f"ringcomm-test-{uuid.uuid4().hex[:8]}"
+    name = shm_ring.ring_name(shm_ring.new_token(), 0, 1)  # only ringcomm's names open
     writer = shm_ring.RingWriter(name, capacity)
     return writer, shm_ring.RingReader(name, capacity)
 

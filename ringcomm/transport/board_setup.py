@@ -21,6 +21,7 @@ from . import board, shm_ring
 from .board_channel import Screening, ShmBoardChannel
 from .kinds.base import SetUp
 from .local_link import LocalLink
+from .peer_names import Check
 from .pipe import Doorbell, open_doorbell
 
 log = logging.getLogger("ringcomm")
@@ -45,7 +46,7 @@ class BoardSetUp:
         if setup.rank != 0:
             return {}
         name = f"ringcomm-{setup.token}-board"
-        path = os.path.join(shm_ring.SHM_DIR, name)
+        path = shm_ring.shm_path(name)
         try:
             self._memory = shm_ring.map_shared(path, board.size(setup.world_size), create=True)
         except OSError as err:
@@ -54,6 +55,19 @@ class BoardSetUp:
         setup.files.shm_paths.append(path)
         self._name = name
         return {"name": name}
+
+    def check_offer(self, check: Check, offer: dict[str, Any],
+                    local: dict[str, Any] | None) -> None:
+        """Check a peer's board offer (``local``: its offer of the local kind, checked): a
+        board comes with the local kind, and rank 0's names its shared memory as rank 0
+        names it, after the token of its local offer."""
+        if local is None:
+            raise check.refuse("board", offer, "comes without an offer of the local kind")
+        if check.peer == 0:
+            name = offer.get("name")
+            if name != f"ringcomm-{local.get('token')}-board":
+                raise check.refuse("board.name", name, "is not the name rank 0 gives its "
+                                   "board (ringcomm-<the token of its local offer>-board)")
 
     def connect(self, records: list[dict[str, Any]], transport: Screening,
                 links: list[LocalLink]) -> ShmBoardChannel | None:
@@ -67,7 +81,7 @@ class BoardSetUp:
         if me != 0:
             try:
                 self._memory = shm_ring.map_shared(
-                    os.path.join(shm_ring.SHM_DIR, offers[0]["name"]),  # type: ignore[index]
+                    shm_ring.shm_path(offers[0]["name"]),  # type: ignore[index]
                     board.size(setup.world_size), create=False)
             except (OSError, ValueError) as err:
                 log.warning("rank %d: cannot map the shared board (%s); collectives use "
@@ -77,13 +91,22 @@ class BoardSetUp:
         setup.store.wait(keys, setup.timeout)
         mapped = all(setup.store.get(key) == b"1" for key in keys)
         if self._name is not None:  # every rank has mapped it, or will not: the name goes
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_ring.SHM_DIR, self._name))
+            shm_ring.remove_made(shm_ring.shm_path(self._name))
         if not mapped or len(links) != setup.world_size - 1:
             self._release()
             return None
-        dirs = {peer: records[peer]["kinds"]["local"]["dir"] for peer in setup.peers}
-        bells = {peer: open_doorbell(f"{folder}/board-bell") for peer, folder in dirs.items()}
+        # every peer's doorbell, on disk: a FIFO of this user's in its own folder, not a link
+        paths = {peer: Check(me, peer).fifo_on_disk("kinds.local.dir",
+                                                    records[peer]["kinds"]["local"]["dir"],
+                                                    "board-bell") for peer in setup.peers}
+        bells: dict[int, int] = {}
+        try:
+            for peer, path in paths.items():
+                bells[peer] = open_doorbell(path)
+        except BaseException:
+            for fd in bells.values():
+                os.close(fd)
+            raise
         bell, self._bell = self._bell, None
         return ShmBoardChannel(board.Board(self._memory, me, setup.world_size), transport,
                                control=setup.control, links=links, bell=bell, bells=bells,

@@ -13,8 +13,10 @@ mapped.
 What is still there when the transport ends (a set-up that failed, a ring never read) goes at
 ``close``, or from a finalizer when the transport is garbage-collected or still open at
 interpreter exit (a program that never calls ``close`` or ``destroy_process_group``, or ends
-in an exception). A process that dies without running Python's exit hooks before that point
-(during set-up, say) cannot remove it: the next transport set up on the host
+in an exception); a name in /dev/shm goes only while it is still the file ringcomm made
+under it (``shm_ring.remove_name``: a file another user put there is left). A process
+that dies without running Python's exit hooks before that point (during set-up, say)
+cannot remove it: the next transport set up on the host
 (``sweep_litter``) removes the files whose owner pid, which their names carry, has ended.
 """
 
@@ -41,19 +43,38 @@ def ipc_base() -> str:
     return os.path.join(tempfile.gettempdir(), f"ringcomm-{os.getuid()}")
 
 
+def folder_refusal(path: str, info: os.stat_result, mode: bool = True) -> str | None:
+    """Why the file ``info`` (``lstat``'s) describes is not a folder of this user's alone
+    (None: it is one): a symbolic link, not a folder, another user's, or (with ``mode``)
+    one that others may enter (not 0700)."""
+    if stat.S_ISLNK(info.st_mode):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        return f"{path} is a symbolic link{target}, not a folder of this user's"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a folder"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not this user ({os.getuid()})"
+    if mode and stat.S_IMODE(info.st_mode) != 0o700:
+        return f"{path} has mode {stat.S_IMODE(info.st_mode):o}, not 0700"
+    return None
+
+
 def private_folder(path: str) -> str:
     """Make ``path`` (if missing) a folder that only this user can enter (0700), and check
-    that it is one: a real folder, not a link, owned by this user. Another user who made it
-    first (in a shared temp dir) could otherwise swap the files ringcomm puts in it; that
-    is an ``ArgumentError`` saying what to do. Returns ``path``."""
+    that it is one: a real folder, not a symbolic link, owned by this user. Another user who
+    made it first (in a shared temp dir) could otherwise swap the files ringcomm puts in it;
+    that is an ``ArgumentError`` saying what to do (and the link or folder is left as it
+    is). Returns ``path``."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        what = "not a folder" if not stat.S_ISDIR(info.st_mode) else \
-            f"owned by uid {info.st_uid}, not this user ({os.getuid()})"
-        raise ArgumentError(f"{path} is {what}: ringcomm keeps its pipes and sockets there "
-                            "and will not trust it; remove it, or point TMPDIR elsewhere")
+    why = folder_refusal(path, info, mode=False)
+    if why is not None:
+        raise ArgumentError(f"{why}: ringcomm keeps its pipes and sockets there and will not "
+                            "trust it; remove it, or point TMPDIR elsewhere")
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
@@ -68,6 +89,11 @@ def bind_private(sock: zmq.Socket, endpoint: str) -> None:
 
 # an ipc folder: tempfile.mkdtemp(prefix=f"{shm_ring.owner_tag()}-") in ipc_base()
 _IPC_DIR_NAME = re.compile(r"(\d+)-([0-9a-f]+)-[a-z0-9_]+")
+
+
+def valid_ipc_dir_name(name: str) -> bool:
+    """Whether ``name`` is one that ringcomm gives a transport's ipc folder."""
+    return _IPC_DIR_NAME.fullmatch(name) is not None
 
 
 def sweep_ipc_dirs(base: str) -> list[str]:
@@ -137,7 +163,6 @@ class TransportFiles:
         if os.getpid() != self.pid:  # a forked child exiting: the files are its parent's
             return
         for path in self.shm_paths:  # the rings' memory lives on while mapped
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            shm_ring.remove_name(path)  # only what ringcomm made under the name
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)

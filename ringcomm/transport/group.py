@@ -14,7 +14,9 @@ Why this shape:
 - A locked door: with a token every ZeroMQ tcp connection is CURVE (``auth``), and a peer
   that refuses this rank's token is an ``AuthError`` at set-up; ipc sockets and pipes are
   files of this user alone (``files``); where the ranks learn at rendezvous that they all
-  share one host, tcp sockets listen on loopback only.
+  share one host, tcp sockets listen on loopback only. What a peer's record names is
+  checked before it is used (``peer_names``): only ringcomm's own forms, folders and FIFOs
+  of this user's, or a ``RecordError`` naming the field.
 - Where every rank of the group shares this host and offers shared memory, the group also
   gets a shared board (``board_setup``), a channel of its own beside the links (``board``).
 
@@ -45,6 +47,7 @@ from .files import bind_private, sweep_litter
 from .kinds import KINDS, LinkKind, SetUp, Sockets
 from .link import Link
 from .local_link import LocalLink
+from .peer_names import Check
 from .zmq_control import MAX_NOTICE_BYTES, ZmqControl
 
 log = logging.getLogger("ringcomm")
@@ -165,8 +168,10 @@ class GroupTransport(Transport):
         for peer in setup.peers:
             theirs = records[peer]
             control = theirs["control"]  # ipc for peers on its host, tcp for others
-            self.control.endpoints[peer] = next(
+            endpoint = next(
                 (e for e in control if e.startswith("ipc") == setup.by_ipc(peer)), control[-1])
+            Check(me, peer).endpoint_on_disk("control", endpoint)  # connected when needed
+            self.control.endpoints[peer] = endpoint
             declined: list[tuple[str, str]] = []
             for kind in self.kinds:
                 mine, their_offer = offers[kind.name], theirs["kinds"].get(kind.name)
@@ -239,7 +244,9 @@ class GroupTransport(Transport):
         return endpoints
 
     def _read(self, peer: int, raw: bytes) -> dict[str, Any]:
-        """``peer``'s record, checked for a shape this rank can read."""
+        """``peer``'s record, checked for a shape this rank can read, then for names of the
+        forms ringcomm makes only (``peer_names``: a ``RecordError`` otherwise, before any
+        of them is opened)."""
         try:
             record: dict[str, Any] = json.loads(raw)
             version = record["record"]
@@ -250,6 +257,17 @@ class GroupTransport(Transport):
                             f"(version {version}, this rank's {RECORD_VERSION}); is every "
                             "rank running the same ringcomm version?", rank=self.rank,
                             peer=peer)
+        check = Check(self.rank, peer)
+        check.endpoints("control", record.get("control"))
+        offers = check.mapping("kinds", record.get("kinds"))
+        for kind in self.kinds:
+            offer = offers.get(kind.name)
+            if offer is not None:
+                kind.check_offer(check, check.mapping(f"kinds.{kind.name}", offer))
+        board = record.get("board")
+        if board is not None:
+            self._board_setup.check_offer(check, check.mapping("board", board),
+                                          offers.get("local"))
         return record
 
     # ------------------------------------------------------------------ for people

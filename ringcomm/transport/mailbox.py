@@ -27,17 +27,16 @@ tag and padding to 16 bytes, the header (``header.SIZE``), the payload.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-import os
 import struct
 from typing import Any
 
 import numpy as np
 
 from ..core import config
+from . import shm_ring
 from .header import SIZE as HEADER_SIZE
-from .shm_ring import SHM_DIR, fence, map_shared, stores_in_order
+from .shm_ring import fence, stores_in_order
 
 SLOTS = 16
 PAYLOAD_BYTES = 8 << 10  # the largest payload a slot holds inline
@@ -87,8 +86,8 @@ class MailboxReader(_Mapped):
     """The receiving end: creates the mailbox at ``name`` (before the sender can map it)."""
 
     def __init__(self, name: str) -> None:
-        self.path = os.path.join(SHM_DIR, name)
-        super().__init__(map_shared(self.path, SIZE, create=True))
+        self.path = shm_ring.shm_path(name)
+        super().__init__(shm_ring.map_shared(self.path, SIZE, create=True))
         self.taken = 0  # frames taken from the mailbox (consumed or held)
         self._at = _LINE  # the next slot's offset
 
@@ -121,8 +120,7 @@ class MailboxReader(_Mapped):
             fence()
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        shm_ring.remove_made(self.path)
 
     def close(self) -> None:
         self.unlink()
@@ -134,10 +132,10 @@ class MailboxWriter(_Mapped):
     again, so a crash later leaves nothing behind)."""
 
     def __init__(self, name: str) -> None:
-        path = os.path.join(SHM_DIR, name)
-        super().__init__(map_shared(path, SIZE, create=False))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        path = shm_ring.shm_path(name)
+        mapped, identity = shm_ring.open_shared(path, SIZE, create=False)
+        super().__init__(mapped)
+        shm_ring.remove_mapped(path, identity)
         self.sent = 0  # frames put in the mailbox
 
     def put(self, frame: int, tag: bytes, header: bytes, payload: Any) -> bool:

@@ -19,9 +19,11 @@ written whole, in order, by one writer per pipe.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import select
+import stat
 import threading
 import time
 from collections import deque
@@ -134,9 +136,41 @@ class Doorbell(_FifoEnd):
                 return False
 
 
+def fifo_refusal(path: str, info: os.stat_result) -> str | None:
+    """Why the file ``info`` describes (``lstat``'s or ``fstat``'s) is not a FIFO of this
+    user's, which is all a rank writes to by a name a peer gave it (None: it is one)."""
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link, not a FIFO"
+    if not stat.S_ISFIFO(info.st_mode):
+        return f"{path} is not a FIFO"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not this user ({os.getuid()})"
+    return None
+
+
+def open_fifo(path: str) -> int:
+    """Open a peer's FIFO at ``path`` for writing, without blocking: only a FIFO of this
+    user's, never through a symbolic link (``O_NOFOLLOW``), and checked again once open
+    (``fstat``: the very file looked at). Anything else is a ``PermissionError`` (a link:
+    ``ELOOP``) and is not opened."""
+    why = fifo_refusal(path, os.lstat(path))
+    if why is not None:
+        raise PermissionError(errno.EPERM, why)
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        why = fifo_refusal(path, os.fstat(fd))
+        if why is not None:
+            raise PermissionError(errno.EPERM, why)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_doorbell(path: str) -> int:
-    """A peer's doorbell at ``path``, for ``ring`` (it must be open at its owner's end)."""
-    return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    """A peer's doorbell at ``path``, for ``ring`` (it must be open at its owner's end);
+    only a FIFO of this user's (``open_fifo``)."""
+    return open_fifo(path)
 
 
 def ring(fd: int) -> None:
@@ -147,11 +181,12 @@ def ring(fd: int) -> None:
 
 
 class PipeWriter:
-    """The sending end of a peer's FIFO. ``write`` never blocks: what the pipe cannot take
-    now goes to ``flusher``. Raises BrokenPipeError once the reader is gone."""
+    """The sending end of a peer's FIFO at ``path`` (``open_fifo``: a FIFO of this user's,
+    not a link). ``write`` never blocks: what the pipe cannot take now goes to
+    ``flusher``. Raises BrokenPipeError once the reader is gone."""
 
     def __init__(self, path: str, flusher: Flusher) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        self.fd = open_fifo(path)
         _widen(self.fd)
         self.lock = threading.Lock()
         self.queue: deque[memoryview] = deque()

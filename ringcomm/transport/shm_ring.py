@@ -34,16 +34,25 @@ read from the ring, or a process died first) is removed by either end's transpor
 closes, is garbage-collected or the interpreter exits, and, for a process killed before any
 of that, by the next transport set up on the host (``sweep``): each name carries its
 creator's pid (``ring_name``), and names whose creator has ended are removed.
+
+Only ringcomm's own names, only ringcomm's own files: a name is opened only in /dev/shm and
+only in the form ``ring_name`` makes (``shm_path``; the tokens in peers' names come from the
+store, where a stranger may have written them), never through a symbolic link, and a peer's
+file is mapped only if it is a regular file of this user's alone of exactly the size
+expected. A name is removed only if it is still the file that was made or mapped under it
+(``remove_made``, ``remove_mapped``), or, for a name of a peer's never mapped here, a file
+of this user's that ringcomm could have made (``remove_name``): a file someone else put
+under one of these names since (the names are in the store for anyone to read) is left.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
 import platform
 import re
+import stat
 import threading
 import uuid
 
@@ -109,6 +118,19 @@ def valid_token(token: str) -> bool:
     return _TOKEN.fullmatch(token) is not None
 
 
+def valid_name(name: str) -> bool:
+    """Whether ``name`` is one that ringcomm makes in /dev/shm (a ring, a mailbox, a board)."""
+    return isinstance(name, str) and _RING_NAME.fullmatch(name) is not None
+
+
+def shm_path(name: str) -> str:
+    """The path in /dev/shm of ``name``, one of ringcomm's names (``valid_name``); a
+    ``ValueError`` for any other (a separator, ``..``, another form: never joined)."""
+    if not valid_name(name):
+        raise ValueError(f"{name!r} is not a name ringcomm makes in {SHM_DIR}")
+    return os.path.join(SHM_DIR, name)
+
+
 def ring_name(token: str, src: int, dst: int) -> str:
     """The name in /dev/shm of the ring from rank ``src`` to rank ``dst``, created by the
     transport of ``src`` whose ``new_token`` is ``token``."""
@@ -168,27 +190,117 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def map_shared(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)  # this user's alone; O_EXCL: never one made before
+Identity = tuple[int, int]  # (st_dev, st_ino): which file a name stood for
+_made: dict[str, Identity] = {}  # names this process created, and the files it made
+_made_lock = threading.Lock()
+
+
+def _identity(info: os.stat_result) -> Identity:
+    return info.st_dev, info.st_ino
+
+
+def _refusal(path: str, info: os.stat_result, size: int) -> str | None:
+    """Why the file ``info`` describes is not a peer's shared memory of ``size`` bytes that
+    ringcomm made (None: it may be)."""
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link, not a file ringcomm made"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a regular file, so not one ringcomm made"
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return (f"{path} is not this user's alone (owner uid {info.st_uid}, mode "
+                f"{info.st_mode & 0o777:o}), so it is not a ring ringcomm made")
+    if info.st_size != size:
+        return f"{path} has a size of {info.st_size} B where ringcomm made {size} B"
+    return None
+
+
+def open_shared(path: str, size: int, create: bool) -> tuple[mmap.mmap, Identity]:
+    """Map ``size`` bytes of the shared-memory file at ``path`` read-write, and say which
+    file it is. ``create``: make it (this user's alone, 0600; ``O_EXCL``: never one made
+    before, nor a link), else a peer's, which must be a regular file of this user's alone of
+    exactly ``size`` bytes, not a link (a ``PermissionError`` otherwise: nothing else is
+    opened; ``FileNotFoundError`` where there is none)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    if not create:
+        why = _refusal(path, os.lstat(path), size)  # looked at before anything is opened
+        if why is not None:
+            raise PermissionError(errno.EPERM, why)
+    fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
-        if not create:  # a peer's: made by this user, for this user only, or not ringcomm's
-            info = os.fstat(fd)
-            if info.st_uid != os.getuid() or info.st_mode & 0o077:
-                raise PermissionError(
-                    errno.EPERM, f"{path} is not this user's alone (owner uid {info.st_uid}, "
-                    f"mode {info.st_mode & 0o777:o}), so it is not a ring ringcomm made")
+        info = os.fstat(fd)
         if create:
+            with _made_lock:
+                _made[path] = _identity(info)
             # reserve the pages now: a full tmpfs then fails here, not with SIGBUS later
             os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size)
+        else:  # the very file looked at, still as it was
+            why = _refusal(path, info, size)
+            if why is not None:
+                raise PermissionError(errno.EPERM, why)
+        return mmap.mmap(fd, size), _identity(info)
     except BaseException:
         if create:  # a ring that could not be made leaves no name behind
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            remove_made(path)
         raise
     finally:
         os.close(fd)
+
+
+def map_shared(path: str, size: int, create: bool) -> mmap.mmap:
+    """``open_shared``'s mapping alone."""
+    return open_shared(path, size, create)[0]
+
+
+def _remove_if(path: str, identity: Identity | None) -> bool:
+    """Remove the name ``path`` if it stands for the file ``identity`` (None: for a file of
+    this user's that ringcomm could have made, 0600 and not a link). Only a process of this
+    user could replace a file of this user's in /dev/shm (its sticky bit), so what is looked
+    at is what goes."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if identity is not None:
+        if _identity(info) != identity:
+            return False
+    elif not (stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+              and stat.S_IMODE(info.st_mode) == 0o600):
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def remove_made(path: str) -> None:
+    """Remove the name of a file this process created at ``path``, if the name still
+    stands for it (a reader removes it once it has mapped the file, and someone may have
+    put another file under the same name since)."""
+    with _made_lock:
+        identity = _made.pop(path, None)
+    if identity is not None:
+        _remove_if(path, identity)
+
+
+def remove_mapped(path: str, identity: Identity) -> None:
+    """Remove a peer's name at ``path`` once its file ``identity`` is mapped here, if the
+    name still stands for that file."""
+    _remove_if(path, identity)
+
+
+def remove_name(path: str) -> None:
+    """Remove a name of ringcomm's at ``path`` at a transport's end, if it is still what was
+    made under it: a file this process made, if it is still that file; a name it did not
+    make (a peer's ring it never mapped), only if it is a file of this user's that ringcomm
+    could have made. A file of another user's (planted by whoever read the name from the
+    store) is never removed, even by root."""
+    with _made_lock:
+        made = path in _made
+    if made:
+        remove_made(path)
+    else:
+        _remove_if(path, None)
 
 
 class RingWriter:
@@ -199,7 +311,7 @@ class RingWriter:
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = capacity
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = shm_path(name)
         self._mm = map_shared(self.path, _CONTROL + capacity, create=True)
         self._tail = np.frombuffer(self._mm, np.int64, 1, 0)
         self._data = np.frombuffer(self._mm, np.uint8, capacity, _CONTROL)
@@ -229,8 +341,7 @@ class RingWriter:
         return start, self._data[pos: pos + nbytes]
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        remove_made(self.path)
 
     def close(self) -> None:
         self.unlink()
@@ -243,10 +354,9 @@ class RingReader:
     it, so a crash later leaves nothing behind in /dev/shm)."""
 
     def __init__(self, name: str, capacity: int) -> None:
-        path = os.path.join(SHM_DIR, name)
-        self._mm = map_shared(path, _CONTROL + capacity, create=False)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        path = shm_path(name)
+        self._mm, identity = open_shared(path, _CONTROL + capacity, create=False)
+        remove_mapped(path, identity)
         self.capacity = capacity
         self._tail = np.frombuffer(self._mm, np.int64, 1, 0)
         self._data = np.frombuffer(self._mm, np.uint8, capacity, _CONTROL)

@@ -6,7 +6,10 @@ questions, in this order, during a group's set-up through the store:
 
 1. ``offer``: what this rank offers to its peers in this kind (a JSON-able record: names,
    addresses, sizes), made before any rank has seen another's; None offers nothing. The
-   kind may make what the offer names (bind a socket, create a pipe) here.
+   kind may make what the offer names (bind a socket, create a pipe) here. A peer's offer
+   comes through the store, where a stranger may have written it: ``check_offer`` checks
+   its form as soon as it is read (``ringcomm.transport.peer_names``), and ``connect``
+   checks what it names on disk before opening it.
 2. ``verdict``: given this rank's offer and a peer's, whether this kind can serve the pair,
    and why or why not, in words a person reads in ``comm.describe()``.
 3. ``connect``: the link to that peer, for the pairs this kind was chosen for.
@@ -38,6 +41,7 @@ from ...errors import AuthError, CommTimeout
 from .. import auth, shm_ring
 from ..files import TransportFiles, ipc_base, private_folder
 from ..link import Link
+from ..peer_names import Check
 from ..pipe import Flusher
 from ..zmq_control import ZmqControl
 
@@ -222,6 +226,11 @@ class LinkKind(abc.ABC):
     @abc.abstractmethod
     def offer(self) -> dict[str, Any] | None:
         """What this rank offers its peers in this kind; None offers nothing."""
+
+    @abc.abstractmethod
+    def check_offer(self, check: Check, offer: dict[str, Any]) -> None:
+        """Check a peer's offer, as read from the store, against the forms this kind makes
+        (its fields are ``kinds.<name>.<field>``); raise ``check.refuse(...)`` otherwise."""
 
     @abc.abstractmethod
     def verdict(self, peer: int, mine: dict[str, Any] | None,

@@ -12,14 +12,13 @@ its local peers in the store once more (``connected``).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ...core import config
-from ...errors import CommError
 from .. import mailbox, shm_ring
 from ..link import Link
 from ..local_link import LocalLink
+from ..peer_names import Check
 from ..pipe import PipeReader
 from .base import LinkKind, SetUp, Verdict
 
@@ -59,6 +58,13 @@ class LocalKind(LinkKind):
         ring_bytes = shm_ring_bytes(len(local), config.value("shm_bytes"))
         return {"token": setup.token, "ring_bytes": ring_bytes, "dir": folder}
 
+    def check_offer(self, check: Check, offer: dict[str, Any]) -> None:
+        """The token names the peer's shared memory, the folder holds its pipes: both of
+        the forms a rank makes, and the folder named for the process of the token."""
+        token = check.token("kinds.local.token", offer.get("token"))
+        check.size("kinds.local.ring_bytes", offer.get("ring_bytes"))
+        check.folder("kinds.local.dir", offer.get("dir"), owner=token.rsplit("-", 1)[0])
+
     def verdict(self, peer: int, mine: dict[str, Any] | None,
                 theirs: dict[str, Any] | None) -> Verdict:
         if mine is None:
@@ -68,14 +74,13 @@ class LocalKind(LinkKind):
         if theirs is None:
             return Verdict(False, f"rank {peer} does not offer shared memory "
                                   "(RINGCOMM_SHM=0 there, or no /dev/shm)")
-        if not shm_ring.valid_token(theirs["token"]):
-            raise CommError(f"rank {peer} offers shared memory under a malformed name "
-                            f"({theirs['token']!r}); is it running another ringcomm version?",
-                            rank=self.setup.rank, peer=peer)
         return Verdict(True, "same host, both offer pipes and shared memory")
 
     def connect(self, peer: int, mine: dict[str, Any], theirs: dict[str, Any]) -> Link:
         setup, me = self.setup, self.setup.rank
+        # the peer's folder and its pipe to us, on disk: this user's, not links
+        pipe_out = Check(me, peer).fifo_on_disk("kinds.local.dir", theirs["dir"],
+                                                f"pipe-from-{me}")
         ring_out = shm_ring.ring_name(mine["token"], me, peer)
         ring_in = shm_ring.ring_name(theirs["token"], peer, me)
         # an end that wants them makes its incoming mailbox (RINGCOMM_MAILBOX); the sender
@@ -83,11 +88,11 @@ class LocalKind(LinkKind):
         mailbox_in = mailbox.mailbox_name(shm_ring.ring_name(mine["token"], peer, me))
         mailbox_out = mailbox.mailbox_name(shm_ring.ring_name(theirs["token"], me, peer))
         # ours until the reader maps it; theirs is not needed once we stop reading
-        setup.files.shm_paths += [os.path.join(shm_ring.SHM_DIR, name)
+        setup.files.shm_paths += [shm_ring.shm_path(name)
                                   for name in (ring_out, ring_in, mailbox_in)]
         link = LocalLink(
             me, peer, setup.control, setup.spin_s, pipe_in=self._pipes_in.pop(peer),
-            pipe_out_path=f"{theirs['dir']}/pipe-from-{me}", flusher=setup.flusher,
+            pipe_out_path=pipe_out, flusher=setup.flusher,
             ring_out=ring_out, ring_in=ring_in, capacity=mine["ring_bytes"],
             capacity_in=int(theirs["ring_bytes"]),
             mailbox_in=mailbox_in if mailbox.wanted() else None,

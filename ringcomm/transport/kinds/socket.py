@@ -22,6 +22,7 @@ import zmq
 from .. import auth
 from ..files import bind_private
 from ..link import Link
+from ..peer_names import Check
 from ..socket_link import SocketLink
 from .base import LinkKind, SetUp, Verdict
 
@@ -51,6 +52,16 @@ class SocketKind(LinkKind):
             endpoints[str(peer)] = endpoint
         return {"endpoints": endpoints}
 
+    def check_offer(self, check: Check, offer: dict[str, Any]) -> None:
+        """An address of the form a rank binds for each of its peers, this rank's among
+        them."""
+        endpoints = check.mapping("kinds.socket.endpoints", offer.get("endpoints"))
+        if str(check.rank) not in endpoints:
+            raise check.refuse("kinds.socket.endpoints", endpoints,
+                               f"has no address for rank {check.rank}")
+        for peer, endpoint in endpoints.items():
+            check.endpoint(f"kinds.socket.endpoints[{peer!r}]", endpoint)
+
     def verdict(self, peer: int, mine: dict[str, Any] | None,
                 theirs: dict[str, Any] | None) -> Verdict:
         if theirs is None:
@@ -63,7 +74,10 @@ class SocketKind(LinkKind):
     def connect(self, peer: int, mine: dict[str, Any], theirs: dict[str, Any]) -> Link:
         setup = self.setup
         monitor = next(m for pull, m in self.monitors if pull is self._pulls[peer])
-        push = setup.sockets.push(theirs["endpoints"][str(setup.rank)],
+        endpoint = theirs["endpoints"][str(setup.rank)]
+        Check(setup.rank, peer).endpoint_on_disk(
+            f"kinds.socket.endpoints[{str(setup.rank)!r}]", endpoint)
+        push = setup.sockets.push(endpoint,
                                   secure=not setup.by_ipc(peer), peer=peer)
         return SocketLink(setup.rank, peer, setup.control, setup.spin_s, push=push,
                           pull=self._pulls[peer], monitor=monitor)
