@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mp_helpers import free_port, transport_pair
 
 import ringcomm
@@ -33,6 +35,7 @@ from ringcomm.transport import files, shm_ring
 from ringcomm.transport.board import size as board_size
 from ringcomm.transport.group import RECORD_VERSION, GroupTransport
 from ringcomm.transport.header import Header, OpKind
+from ringcomm.transport.peer_names import Check
 
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="needs /dev/shm")
 
@@ -174,6 +177,68 @@ def test_a_record_naming_anything_ringcomm_never_names_is_refused_before_anythin
     assert all(untouched(victim / name) for name in os.listdir(victim))
     # nothing it names was opened: the pipe's reader never saw a writer come
     assert not a_writer_came(lookalike.ends["pipe-from-1"])
+
+
+# a record's names, mostly near the forms ringcomm makes: pieces of them joined at random
+_PIECES = st.sampled_from(["/", "..", ".", "//", "ringcomm-", str(os.getuid()), "-", "0",
+                           "12", "ab", "board", "to", "mbox", "ipc://", "tcp://", ":",
+                           files.ipc_base(), shm_ring.SHM_DIR, "\0", "x"])
+_TOKEN = shm_ring.new_token()
+_FOLDER = os.path.join(files.ipc_base(), f"{shm_ring.owner_tag()}-made_up1")
+_VALID = [_FOLDER, f"ipc://{_FOLDER}/0", "tcp://127.0.0.1:5555", f"ringcomm-{_TOKEN}-board",
+          shm_ring.ring_name(_TOKEN, 0, 1), f"{shm_ring.ring_name(_TOKEN, 2, 0)}-mbox"]
+
+
+@st.composite
+def _mutated(draw) -> str:
+    """One of the names ringcomm makes, with up to three pieces cut out or put in."""
+    name = draw(st.sampled_from(_VALID))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(name)))
+        cut = draw(st.integers(0, 3))
+        name = name[:at] + draw(st.one_of(_PIECES, st.text(max_size=3))) + name[at + cut:]
+    return name
+
+
+_NAMES = st.one_of(_mutated(), st.lists(_PIECES, max_size=12).map("".join),
+                   st.text(max_size=40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=st.one_of(_NAMES, st.integers(), st.none(), st.lists(_NAMES, max_size=3)))
+def test_whatever_a_record_holds_a_checked_name_stays_in_ringcomm_s_own_places(value):
+    """A name passes only in a form ringcomm makes; what passes stays in ringcomm's own
+    places, whatever else the record holds (hypothesis)."""
+    check = Check(1, 0)
+    try:
+        folder = check.folder("f", value)
+    except RecordError:
+        pass
+    else:
+        parent, name = os.path.split(folder)
+        assert os.path.normpath(folder) == folder and ".." not in folder.split("/")
+        assert os.path.basename(parent) == f"ringcomm-{os.getuid()}" and "/" not in name
+    try:
+        path = shm_ring.shm_path(value)
+    except ValueError:
+        pass
+    else:
+        assert os.path.dirname(path) == shm_ring.SHM_DIR
+        assert os.path.realpath(path) == path or os.path.islink(shm_ring.SHM_DIR)
+    try:
+        endpoint = check.endpoint("f", value)
+    except RecordError:
+        pass
+    else:
+        assert endpoint.startswith(("ipc://", "tcp://")) and "\0" not in endpoint
+        if endpoint.startswith("ipc://"):
+            assert check.folder("f", os.path.dirname(endpoint[len("ipc://"):]))
+    try:
+        check.size("f", value)
+    except RecordError:
+        pass
+    else:
+        assert type(value) is int and value > 0
 
 
 # --------------------------------------------------------------------------- on disk
