@@ -9,7 +9,9 @@ read from its own counters (``StoreServer.held``), not from the process's memory
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import socket
 import struct
 import threading
@@ -374,3 +376,84 @@ def test_replies_a_client_leaves_unread_are_bounded(server):
     finally:
         stranger.close()
     still_serves(server.address)
+
+
+# ------------------------------------------------------------------- the log (finding 4)
+
+STORE_LOG = "ringcomm.bootstrap.store"
+
+
+def _lines(caplog, *names: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name in names]
+
+
+@pytest.mark.timeout(30)
+def test_a_flood_of_bad_requests_is_logged_at_a_bounded_rate_with_a_count(server, caplog):
+    """Each bad request is refused (and answered), but the log gets a few lines a second,
+    not one per request (once 1.27 MB/s from one client)."""
+    caplog.set_level(logging.WARNING, logger="ringcomm")
+    stranger = Stranger(server.address)
+    flood = 3000
+    started = time.monotonic()
+    try:
+        for n in range(flood):
+            stranger.send(rid(n), b"explode", b"x" * 100)
+        replies = [stranger.reply() for _ in range(flood)]
+    finally:
+        stranger.close()
+    elapsed = time.monotonic() - started
+    assert all(r[1] == b"error" and b"unknown command" in r[2] for r in replies)
+    said = _lines(caplog, STORE_LOG)
+    assert 1 <= len(said) <= 10 + elapsed * 1.0 + 2, (len(said), elapsed)
+    # once the flood is over, one line says how many were held back
+    assert _wait_for(lambda: any("similar lines suppressed" in line
+                                 for line in _lines(caplog, STORE_LOG)), within=5)
+    counted = sum(int(re.search(r"(\d+) similar lines? suppressed", line).group(1))
+                  for line in _lines(caplog, STORE_LOG) if "suppressed" in line)
+    assert counted + len([s for s in said if "refused a request" in s]) == flood
+
+
+@pytest.mark.timeout(30)
+def test_strangers_garbage_is_logged_at_a_bounded_rate(server, caplog):
+    caplog.set_level(logging.WARNING, logger="ringcomm")
+    host, port = server.address.rsplit(":", 1)
+    started = time.monotonic()
+    for n in range(300):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n" if n % 2 else GREETING + _frame(b"x" * 9))
+    elapsed = time.monotonic() - started
+    assert _wait_for(lambda: server.held()["connections"] == 0)
+    said = _lines(caplog, STORE_LOG, "ringcomm")
+    assert 1 <= len(said) <= 10 + elapsed + 2, (len(said), elapsed)
+    still_serves(server.address)
+
+
+@pytest.mark.timeout(60)
+def test_plain_zeromq_greetings_to_a_store_with_a_token_are_logged_at_a_bounded_rate(caplog):
+    """With a token, each plain ZeroMQ peer is refused in the handshake: once, one line each
+    (570-750 kB/s from one stranger, no token needed)."""
+    caplog.set_level(logging.WARNING, logger="ringcomm")
+    with StoreServer(HOST, 0, auth_token="a token of the tests") as server:
+        ctx = zmq.Context()
+        started = time.monotonic()
+        try:
+            for _ in range(4):
+                socks = []
+                for _ in range(50):
+                    sock = ctx.socket(zmq.DEALER)
+                    sock.linger = 0
+                    sock.connect(f"tcp://{server.address}")
+                    socks.append(sock)
+                time.sleep(0.3)  # their handshakes fail meanwhile
+                for sock in socks:
+                    sock.close()
+        finally:
+            ctx.term()
+        elapsed = time.monotonic() - started
+        time.sleep(0.3)
+        said = _lines(caplog, STORE_LOG, "ringcomm")
+        assert 1 <= len(said) <= 10 + elapsed + 2, (len(said), elapsed, said[:3])
+        with StoreClient(server.address, timeout=5, auth_token="a token of the tests") as c:
+            c.set("k", b"v")
+            assert c.get("k") == b"v"

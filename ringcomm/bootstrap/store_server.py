@@ -141,9 +141,11 @@ class _CurveDoor:
     file descriptor (``SRCFD``); the socket's monitor reports when one closes."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, keys: auth.Keys,
-                 what: str) -> None:
+                 what: str, refusals: RateLimitedLog) -> None:
         self.what = what
-        self.gatekeeper: auth.Gatekeeper | None = auth.Gatekeeper(ctx, keys, what)
+        self.refusals = refusals
+        self.gatekeeper: auth.Gatekeeper | None = auth.Gatekeeper(ctx, keys,
+                                                                  f"the store on {host}")
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -178,7 +180,7 @@ class _CurveDoor:
                 found.append(("closed", int(event["value"])))
             else:
                 auth.log_refusal(self.what, event["event"], int(event["value"]),
-                                 event["endpoint"].decode())
+                                 event["endpoint"].decode(), self.refusals)
         for frames in arrived:
             try:
                 fd: Hashable = int(frames[0].get(zmq.SRCFD))
@@ -385,7 +387,7 @@ class StoreServer:
         self._refusals = RateLimitedLog(log, per_second=1.0, burst=10)
         try:
             self._door: _CurveDoor | _PlainDoor = (
-                _CurveDoor(self._ctx, host, port, keys, what) if keys is not None
+                _CurveDoor(self._ctx, host, port, keys, what, self._refusals) if keys is not None
                 else _PlainDoor(self._ctx, host, port, what, self._refusals))
         except BaseException:
             self._ctx.term()

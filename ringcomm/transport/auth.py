@@ -14,8 +14,10 @@ scrypt, so that guessing a short token from a recorded handshake costs a guesser
 still, use a long random token (``secrets.token_hex(32)``).
 
 A refused client sees a handshake failure in its socket monitor within a round trip
-(``handshake_failure``); a server logs every refusal with its reason (``log_refusal``) and
-goes on serving the peers that hold the token.
+(``handshake_failure``); a server logs refusals with their reason (``log_refusal``, the
+gatekeeper's own) and goes on serving the peers that hold the token. Strangers can knock
+in a loop, so refusals are logged at a bounded rate (``RateLimitedLog``: ten at once, then
+one a second per kind of refusal), each line saying how many were held back before it.
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from ..core.rate_limit import RateLimitedLog
+
 log = logging.getLogger("ringcomm")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 ZAP_VERSION = b"1.0"
 DOMAIN = "ringcomm"
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "salt": b"ringcomm CURVE keys v1"}
-_LOGGED_REFUSALS = 10  # refused connections logged one by one; then one line a hundred
-_REFUSALS_PER_LINE = 100
+REFUSALS_PER_SECOND = 1.0  # refusals logged, per kind, after the first REFUSALS_AT_ONCE
+REFUSALS_AT_ONCE = 10
+_REFUSALS = RateLimitedLog(log, per_second=REFUSALS_PER_SECOND, burst=REFUSALS_AT_ONCE)
 
 # What a socket monitor reports about a handshake (libzmq 4.3 and later).
 HANDSHAKE_SUCCEEDED = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -104,6 +109,7 @@ class Gatekeeper:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self.refused = 0
+        self._log = RateLimitedLog(log, per_second=REFUSALS_PER_SECOND, burst=REFUSALS_AT_ONCE)
         self._thread = threading.Thread(target=self._serve, name="ringcomm-zap", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -127,8 +133,9 @@ class Gatekeeper:
         poller.register(rep, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
         try:
-            while True:
-                events = dict(poller.poll())
+            while True:  # (while refusals are held back, a look each second to count them)
+                events = dict(poller.poll(1000 if self._log.suppressed else None))
+                self._log.flush()
                 if stop in events:
                     return
                 if rep in events:
@@ -162,11 +169,10 @@ class Gatekeeper:
 
     def _refuse(self, peer: str, reason: str) -> None:
         self.refused += 1
-        if self.refused <= _LOGGED_REFUSALS or self.refused % _REFUSALS_PER_LINE == 0:
-            # a stranger knocking in a loop must not fill the log: the first few, then a count
-            log.warning("%s refused a connection from %s: %s (it does not hold this "
-                        "RINGCOMM_AUTH_TOKEN; %d refused so far)", self._what, peer, reason,
-                        self.refused)
+        # a stranger knocking in a loop must not fill the log: a bounded rate, and a count
+        self._log.warning("refused", "%s refused a connection from %s: %s (it does not hold "
+                          "this RINGCOMM_AUTH_TOKEN; %d refused so far)", self._what, peer,
+                          reason, self.refused)
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -194,8 +200,11 @@ def handshake_failure(event: int, value: int) -> str | None:
     return None
 
 
-def log_refusal(what: str, event: int, value: int, endpoint: str) -> None:
-    """Log a server socket's failed handshake (a peer with another token, or a stranger)."""
+def log_refusal(what: str, event: int, value: int, endpoint: str,
+                limiter: RateLimitedLog | None = None) -> None:
+    """Log a server socket's failed handshake (a peer with another token, or a stranger), at
+    a bounded rate: through ``limiter`` (a server's own, which its loop flushes), else this
+    module's (whose held-back lines are counted in its next line of the kind)."""
     if not event & HANDSHAKE_FAILED:
         return
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
@@ -208,4 +217,5 @@ def log_refusal(what: str, event: int, value: int, endpoint: str) -> None:
         return  # the gatekeeper has said why
     else:
         why = f"not ZeroMQ, or not ringcomm's protocol (code {value:#x})"
-    log.warning("%s refused a connection on %s: %s", what, endpoint, why)
+    (limiter or _REFUSALS).warning(("handshake", what), "%s refused a connection on %s: %s",
+                                   what, endpoint, why)
