@@ -31,6 +31,8 @@ from ringcomm.bootstrap.store import (
     StoreServer,
     parse_request,
 )
+from ringcomm.bootstrap.store_wire import MAX_MESSAGE_BYTES
+from ringcomm.bootstrap.store_zmtp import ProtocolError, Reader, encode, greeting, ready
 from ringcomm.transport import auth
 from ringcomm.transport.header import SIZE, Header, OpKind
 from ringcomm.transport.socket_link import Arrivals, decode_header
@@ -226,6 +228,117 @@ def test_a_store_takes_garbage_from_a_dealer_and_serves_its_real_clients(store_s
     finally:
         dealer.close()
         ctx.term()
+
+
+# --------------------------------------------------------------------------- whole store messages
+# Without a token the store reads ZeroMQ's wire itself (``store_zmtp.Reader``), so that a whole
+# message is bounded, not a frame. Small bounds here, so that the fuzzing reaches them.
+
+SMALL_BYTES, SMALL_FRAMES = 300, 5
+_PEER_READY = b"\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+PEER_HELLO = (b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32)
+              + bytes([4, len(_PEER_READY)]) + _PEER_READY)
+
+
+def _zmtp(message: list[bytes]) -> bytes:
+    """A message as a DEALER writes it (ZMTP 3 frames), written here apart from the store."""
+    out = b""
+    for i, body in enumerate(message):
+        more = 1 if i < len(message) - 1 else 0
+        out += (bytes([more, len(body)]) if len(body) < 256
+                else bytes([more | 2]) + struct.pack(">Q", len(body))) + body
+    return out
+
+
+def _fed_in_pieces(reader: Reader, data: bytes, cuts: list[int]) -> list[list[bytes]]:
+    got: list[list[bytes]] = []
+    at = 0
+    for cut in sorted({min(c, len(data)) for c in cuts}) + [len(data)]:
+        got += reader.feed(data[at:cut])
+        assert 0 <= reader.held <= SMALL_BYTES
+        at = cut
+    return got
+
+
+messages = st.lists(st.lists(st.binary(max_size=320), min_size=1, max_size=7), max_size=5)
+
+
+@FUZZ
+@given(messages, st.lists(st.integers(0, 3000), max_size=12))
+def test_whole_messages_come_out_as_they_went_in_whatever_the_pieces(sent, cuts):
+    """However the bytes are cut, the messages within the bounds come out whole and in
+    order; the first that passes a bound is refused, before its body is read."""
+    fits = [m for m in sent if len(m) <= SMALL_FRAMES and sum(map(len, m)) <= SMALL_BYTES]
+    reader = Reader(SMALL_BYTES, SMALL_FRAMES)
+    data = PEER_HELLO + b"".join(_zmtp(m) for m in sent)
+    if fits == sent:
+        assert _fed_in_pieces(reader, data, cuts) == sent
+        assert reader.ready and reader.socket_type == b"DEALER" and reader.held == 0
+        return
+    with pytest.raises(ProtocolError, match="a message of more than"):
+        _fed_in_pieces(reader, data, cuts)
+
+
+@FUZZ
+@given(st.binary(max_size=600), st.lists(st.integers(0, 700), max_size=8), st.booleans())
+def test_the_store_wire_reader_takes_any_bytes_within_its_bounds(junk, cuts, greeted):
+    """Any bytes, after a proper greeting or none: messages within the bounds, or a
+    ProtocolError with a reason; never more held than the bound."""
+    reader = Reader(SMALL_BYTES, SMALL_FRAMES)
+    try:
+        for message in _fed_in_pieces(reader, (PEER_HELLO if greeted else b"") + junk, cuts):
+            assert 1 <= len(message) <= SMALL_FRAMES
+            assert sum(map(len, message)) <= SMALL_BYTES
+    except ProtocolError as err:
+        assert str(err)
+
+
+def test_the_store_wire_reader_refuses_what_a_store_does_not_speak():
+    for hello, why in ((b"GET / HTTP/1.0\r\n", "not a ZeroMQ greeting"),
+                       (b"\xff" + bytes(8) + b"\x00", "ZMTP 1.0"),
+                       (b"\xff" + bytes(8) + b"\x7f\x02", "ZMTP 2"),
+                       (PEER_HELLO.replace(b"NULL", b"CURVE"[:4]), "mechanism CURV"),
+                       (PEER_HELLO.replace(b"DEALER", b"PUSHXX"), "type PUSHXX"),
+                       (PEER_HELLO[:64] + b"\x00\x01x", "before the handshake"),
+                       (PEER_HELLO + b"\x08", "reserved bits"),
+                       (PEER_HELLO + b"\x05\x01x", "command frame with MORE"),
+                       (PEER_HELLO + b"\x06" + struct.pack(">Q", 1 << 60), "a command of")):
+        with pytest.raises(ProtocolError, match=why):
+            Reader(SMALL_BYTES, SMALL_FRAMES).feed(hello)
+    # what the store itself sends is what a DEALER expects: a greeting, then READY
+    assert greeting()[:1] == b"\xff" and len(greeting()) == 64 and b"ROUTER" in ready()
+    assert b"".join(encode([b"id", b"ok", bytes(1 << 17)])) == _zmtp([b"id", b"ok",
+                                                                      bytes(1 << 17)])
+
+
+def _raw_dealer(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(PEER_HELLO)
+    return s
+
+
+@LIVE
+@given(st.lists(st.tuples(st.integers(0, 5000), st.booleans()), min_size=1, max_size=40))
+def test_a_store_takes_whole_messages_of_any_shape_and_serves_its_real_clients(
+        store_server, frames):
+    """Frames of any size and count, MORE set or not, the last unfinished or not: the store
+    answers, refuses or closes, holds no more than its bound, and serves its clients."""
+    stranger = _raw_dealer(store_server.address)
+    try:
+        for size, more in frames:
+            flags = (1 if more else 0) | (2 if size > 255 else 0)
+            head = bytes([flags]) + (struct.pack(">Q", size) if size > 255 else bytes([size]))
+            try:
+                stranger.sendall(head + bytes(size))
+            except OSError:
+                break  # closed by the store
+        with StoreClient(store_server.address, timeout=10, auth_token="") as friend:
+            friend.set("whole/7d3f", b"exact")
+            assert friend.get("whole/7d3f") == b"exact"
+        assert store_server.held()["most_message_bytes"] <= MAX_MESSAGE_BYTES
+    finally:
+        stranger.close()
 
 
 # --------------------------------------------------------------------------- strangers at the door

@@ -148,7 +148,7 @@ class Reader:
         take = min(GREETING_SIZE - len(self._greeting), len(view))
         self._greeting += view[:take]
         g = self._greeting
-        if g[:1] != b"\xff":
+        if g and g[:1] != b"\xff":
             raise ProtocolError("not a ZeroMQ greeting (not ZMTP 3, or not ZeroMQ at all)")
         if len(g) >= SIGNATURE_SIZE and not g[9] & 1:
             raise ProtocolError("a ZMTP 1.0 peer (ZeroMQ 2; ringcomm speaks ZMTP 3)")
