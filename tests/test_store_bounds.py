@@ -23,9 +23,9 @@ import pytest
 import zmq
 
 import ringcomm
-from ringcomm import ArgumentError
+from ringcomm import ArgumentError, StoreError
 from ringcomm.bootstrap.store import MAX_KEYS, MAX_VALUE_BYTES, StoreClient, StoreServer
-from ringcomm.bootstrap.store_server import MAX_PARKED, MAX_PARKED_KEY_BYTES
+from ringcomm.bootstrap.store_server import MAX_PARKED, MAX_PARKED_KEY_BYTES, MAX_STORED_BYTES
 from ringcomm.bootstrap.store_wire import MAX_MESSAGE_BYTES
 from ringcomm.core import waits
 
@@ -457,3 +457,22 @@ def test_plain_zeromq_greetings_to_a_store_with_a_token_are_logged_at_a_bounded_
         with StoreClient(server.address, timeout=5, auth_token="a token of the tests") as c:
             c.set("k", b"v")
             assert c.get("k") == b"v"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_data_the_store_holds_is_bounded_as_a_whole(server):
+    value = bytes(MAX_VALUE_BYTES)
+    with StoreClient(server.address, timeout=30, auth_token="") as client:
+        stored = 0
+        with pytest.raises(StoreError, match="it holds at most"):
+            while True:
+                client.set(f"big/{stored}", value)
+                stored += 1
+        assert stored == MAX_STORED_BYTES // (MAX_VALUE_BYTES + 64)
+        assert server.held()["stored_bytes"] <= MAX_STORED_BYTES
+        client.set("big/0", b"small now")  # what shrinks an entry is taken
+        client.set("another", value)  # and makes room
+        assert client.delete_key("another") and client.delete_key("big/1")
+        client.set("big/1", value)
+        assert client.get("big/0") == b"small now"

@@ -158,7 +158,9 @@ class StoreClient(Store):
     Each thread gets its own socket, so a thread blocked in ``get`` never delays another
     thread's ``set``; every socket carries this client's id (``store_wire.socket_identity``),
     so a store that is going away still serves all of them. ``timeout`` (seconds) is the
-    default for blocking calls and also how long to wait for a server that does not answer.
+    default for blocking calls and also how long to wait for a server that does not answer;
+    this one, and a blocking call's, may be any size: longer than a week (``inf`` included)
+    is a week (``ringcomm.core.waits.MAX_TIMEOUT``).
     """
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT,

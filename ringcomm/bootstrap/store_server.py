@@ -84,13 +84,14 @@ LOOPBACK = "127.0.0.1"
 # What one client may make the store hold (docs/security.md, "The store's bounds").
 MAX_PARKED = 256  # parked gets and waits, per client
 MAX_PARKED_KEY_BYTES = 8 << 20  # the keys they wait on, per client, each counted as below
-KEY_COST = 256  # B: what the store holds for a parked key besides its bytes (its indexes)
+KEY_COST = 320  # B: what the store holds for a parked key besides its bytes (its indexes)
 # replies queued for one connection and not yet written to it (its client does not read):
 MAX_UNREAD_BYTES = MAX_MESSAGE_BYTES  # their bytes, each piece counted as below
 PIECE_COST = 1024  # B: what a queued piece of a reply holds besides its bytes
 MAX_UNREAD_PIECES = 4096  # and how many pieces (a reply is one to three)
-MAX_STORED_BYTES = 1 << 30  # the data, all clients together, each key counted as below
+MAX_STORED_BYTES = 512 << 20  # the data, all clients together, each key counted as below
 ENTRY_COST = 128  # B: what the store holds for a key besides its key's and value's bytes
+RECEIVE_QUEUE = 256  # pieces of 8 KiB libzmq reads ahead for one connection (2 MiB)
 _TURN = 4096  # pieces of connections' bytes read in one turn of the loop (32 MiB at most)
 _FORGOTTEN = 1024  # connections this end closed, remembered so a late notice is not new
 
@@ -227,6 +228,7 @@ class _PlainDoor:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 2 * MAX_UNREAD_PIECES)  # (ours comes first)
         self.sock.copy_threshold = 0  # every piece is tracked until libzmq has written it
+        self.sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self.sockets = [self.sock]
         self._readers: dict[bytes, Reader] = {}
         self._peers: dict[bytes, str] = {}
