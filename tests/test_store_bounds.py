@@ -94,45 +94,55 @@ def still_serves(address: str) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("ms", [b"9" * 20, str(1 << 31).encode(), str(1 << 40).encode()],
-                         ids=["20-digits", "2^31", "2^40"])
-@pytest.mark.parametrize("command", [b"get", b"wait"])
-def test_a_request_with_a_huge_timeout_is_parked_and_the_store_serves_on(server, command, ms):
+def test_requests_with_huge_timeouts_are_parked_and_the_store_serves_on(server):
+    """Timeouts of 20 digits of ms, 2**40 ms and 100 s past 2**31 ms (the longest wait a C
+    int takes), in gets and waits (once such a request killed the store's serving thread)."""
     stranger = Stranger(server.address)
+    asked = [(command, ms) for command in (b"get", b"wait")
+             for ms in (b"9" * 20, str(1 << 40).encode(), str((1 << 31) + 100_000).encode())]
     try:
-        stranger.send(rid(1), command, ms, b"huge/key")
-        time.sleep(0.2)  # parked (once, this killed the serving thread)
+        for n, (command, ms) in enumerate(asked):
+            stranger.send(rid(n), command, ms, b"huge/key")
+        assert _wait_for(lambda: server.held()["parked"] == len(asked))
         still_serves(server.address)
         with StoreClient(server.address, timeout=5, auth_token="") as client:
             client.set("huge/key", b"set at last")
-        expected = [b"set at last"] if command == b"get" else []
-        assert stranger.reply() == [rid(1), b"ok", *expected]
+        replies = sorted(stranger.reply() for _ in asked)
+        assert replies == [[rid(n), b"ok", *([b"set at last"] if command == b"get" else [])]
+                           for n, (command, _) in enumerate(asked)]
     finally:
         stranger.close()
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("timeout", [math.inf, 1e12, 2.2e6])
-def test_a_client_takes_a_blocking_call_of_any_timeout(server, timeout):
-    with StoreClient(server.address, timeout=timeout, auth_token="") as waiter, \
-            StoreClient(server.address, timeout=5, auth_token="") as setter:
-        assert waiter.timeout == waits.MAX_TIMEOUT
-        got: list[object] = []
+def test_a_client_takes_blocking_calls_of_any_timeout(server):
+    timeouts = [math.inf, 1e12, 2.2e6]
+    got: dict[float, list[object]] = {t: [] for t in timeouts}
 
-        def wait_then_get() -> None:
-            try:
-                waiter.wait(["k"], timeout=timeout)
-                got.append(waiter.get("k", timeout=timeout))
-                got.append(waiter.get("k"))  # the client's own timeout
-            except BaseException as err:  # noqa: BLE001 - handed to the test
-                got.append(err)
+    def wait_then_get(waiter: StoreClient, timeout: float) -> None:
+        try:
+            waiter.wait(["k"], timeout=timeout)
+            got[timeout].append(waiter.get("k", timeout=timeout))
+            got[timeout].append(waiter.get("k"))  # the client's own timeout
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            got[timeout].append(err)
 
-        t = threading.Thread(target=wait_then_get, daemon=True)
-        t.start()
-        time.sleep(0.2)
-        setter.set("k", b"v")
-        t.join(JOIN)
-        assert got == [b"v", b"v"]
+    waiters = [StoreClient(server.address, timeout=t, auth_token="") for t in timeouts]
+    try:
+        assert all(w.timeout == waits.MAX_TIMEOUT for w in waiters)
+        threads = [threading.Thread(target=wait_then_get, args=(w, t), daemon=True)
+                   for w, t in zip(waiters, timeouts, strict=True)]
+        for t in threads:
+            t.start()
+        assert _wait_for(lambda: server.held()["parked"] == len(timeouts))
+        with StoreClient(server.address, timeout=5, auth_token="") as setter:
+            setter.set("k", b"v")
+        for t in threads:
+            t.join(JOIN)
+        assert got == {t: [b"v", b"v"] for t in timeouts}
+    finally:
+        for w in waiters:
+            w.close()
 
 
 def _group(timeout: object, world: int = 2) -> dict[int, object]:
@@ -344,7 +354,7 @@ def test_a_wait_on_too_many_keys_is_refused(server):
     # as many keys as a request may name, but more bytes of keys than a client may park
     stranger = Stranger(server.address)
     try:
-        long_keys = [b"%05d" % i + bytes(1000) for i in range(MAX_KEYS)]
+        long_keys = [b"%05d" % i + bytes(600) for i in range(MAX_KEYS)]
         stranger.send(rid(2), b"wait", b"60000", *long_keys)
         status, why = stranger.reply()[1:]
         assert status == b"error" and b"B of keys" in why, why
@@ -378,6 +388,25 @@ def test_replies_a_client_leaves_unread_are_bounded(server):
     still_serves(server.address)
 
 
+@pytest.mark.timeout(30)
+def test_small_replies_a_client_leaves_unread_are_bounded_too(server):
+    """Replies of a few KiB are copied and sent untracked (a tracker starts pyzmq's garbage
+    collector threads for the process's life); they count all the same, and a client that
+    never reads them is closed at the bound."""
+    with StoreClient(server.address, timeout=5, auth_token="") as client:
+        client.set("small", bytes(8 << 10))
+    stranger = RawStranger(server.address)
+    stranger.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    try:
+        ask = b"".join(_frame(rid(n), more=True) + _frame(b"get", more=True)
+                       + _frame(b"0", more=True) + _frame(b"small") for n in range(6000))
+        stranger.send(ask)  # 6000 replies of 8 KiB: more pieces than a client may leave
+        assert _wait_for(lambda: server.held()["connections"] == 0, within=10)
+    finally:
+        stranger.close()
+    still_serves(server.address)
+
+
 # ------------------------------------------------------------------- the log (finding 4)
 
 STORE_LOG = "ringcomm.bootstrap.store"
@@ -394,7 +423,7 @@ def test_a_flood_of_bad_requests_is_logged_at_a_bounded_rate_with_a_count(server
     not one per request (once 1.27 MB/s from one client)."""
     caplog.set_level(logging.WARNING, logger="ringcomm")
     stranger = Stranger(server.address)
-    flood = 3000
+    flood = 1000
     started = time.monotonic()
     try:
         for n in range(flood):
@@ -438,14 +467,14 @@ def test_plain_zeromq_greetings_to_a_store_with_a_token_are_logged_at_a_bounded_
         ctx = zmq.Context()
         started = time.monotonic()
         try:
-            for _ in range(4):
+            for _ in range(2):
                 socks = []
-                for _ in range(50):
+                for _ in range(60):
                     sock = ctx.socket(zmq.DEALER)
                     sock.linger = 0
                     sock.connect(f"tcp://{server.address}")
                     socks.append(sock)
-                time.sleep(0.3)  # their handshakes fail meanwhile
+                time.sleep(0.2)  # their handshakes fail meanwhile
                 for sock in socks:
                     sock.close()
         finally:

@@ -89,6 +89,13 @@ KEY_COST = 320  # B: what the store holds for a parked key besides its bytes (it
 MAX_UNREAD_BYTES = MAX_MESSAGE_BYTES  # their bytes, each piece counted as below
 PIECE_COST = 1024  # B: what a queued piece of a reply holds besides its bytes
 MAX_UNREAD_PIECES = 4096  # and how many pieces (a reply is one to three)
+# A piece of at most COPIED_BYTES is copied and sent untracked (a tracker starts pyzmq's
+# garbage collector: a context and two threads for the rest of the process's life); what is
+# unread of them is known from the next tracked piece (a connection writes in order), and
+# one is tracked at least this often, in pieces and in bytes:
+COPIED_BYTES = 1 << 16
+TRACK_EVERY_PIECES = 256
+TRACK_EVERY_BYTES = 1 << 20
 MAX_STORED_BYTES = 512 << 20  # the data, all clients together, each key counted as below
 ENTRY_COST = 128  # B: what the store holds for a key besides its key's and value's bytes
 RECEIVE_QUEUE = 256  # pieces of 8 KiB libzmq reads ahead for one connection (2 MiB)
@@ -227,12 +234,16 @@ class _PlainDoor:
         self.sock = ctx.socket(zmq.STREAM)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 2 * MAX_UNREAD_PIECES)  # (ours comes first)
-        self.sock.copy_threshold = 0  # every piece is tracked until libzmq has written it
+        self.sock.copy_threshold = 0  # a piece sent uncopied is tracked until written
         self.sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self.sockets = [self.sock]
         self._readers: dict[bytes, Reader] = {}
         self._peers: dict[bytes, str] = {}
-        self._unread: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
+        # per connection: its pieces not known to be written, each with its tracker (None
+        # for an untracked one) and cost; and the count and cost of its untracked ones since
+        # its last tracked one
+        self._unread: dict[bytes, collections.deque[tuple[zmq.MessageTracker | None, int]]] = {}
+        self._untracked: dict[bytes, tuple[int, int]] = {}
         self._forgotten: collections.deque[bytes] = collections.deque(maxlen=_FORGOTTEN)
         self._dropped: list[bytes] = []  # closed by this end since the last receive
         self._hello = greeting() + ready()
@@ -300,6 +311,7 @@ class _PlainDoor:
             self.message_bytes -= reader.held
         self._peers.pop(conn, None)
         self._unread.pop(conn, None)
+        self._untracked.pop(conn, None)
         self._forgotten.append(conn)
 
     def send(self, conn: Hashable, identity: bytes, frames: list[bytes]) -> None:
@@ -309,10 +321,17 @@ class _PlainDoor:
 
     def _send(self, conn: bytes, pieces: list[bytes]) -> None:
         """Queue ``pieces`` for ``conn`` unless the replies it has left unread would pass
-        ``MAX_UNREAD_BYTES`` or ``MAX_UNREAD_PIECES`` (then it is closed). Each piece is
-        tracked until libzmq has written it (the kernel holds it then, or the peer)."""
+        ``MAX_UNREAD_BYTES`` or ``MAX_UNREAD_PIECES`` (then it is closed). A piece over
+        ``COPIED_BYTES`` is sent as it is and tracked until libzmq has written it (the
+        kernel holds it then, or the peer); smaller ones are copied, and one is tracked every
+        ``TRACK_EVERY_PIECES`` or ``TRACK_EVERY_BYTES``: a connection writes its pieces in
+        order, so every piece before a written one is written too."""
         unread = self._unread.setdefault(conn, collections.deque())
-        while unread and unread[0][0].done:
+        written = -1
+        for i, (sent, _) in enumerate(unread):
+            if sent is not None and sent.done:
+                written = i
+        for _ in range(written + 1):
             unread.popleft()
         cost = sum(n for _, n in unread)
         adding = sum(len(p) + PIECE_COST for p in pieces)
@@ -321,17 +340,25 @@ class _PlainDoor:
                       f"{cost} B, queued for it and not written; at most "
                       f"{MAX_UNREAD_PIECES} pieces and {MAX_UNREAD_BYTES} B)")
             return
+        count, nbytes = self._untracked.get(conn, (0, 0))
         for piece in pieces:
+            piece_cost = len(piece) + PIECE_COST
+            tracker: zmq.MessageTracker | None = None
             try:
-                tracker = self.sock.send_multipart([conn, piece], zmq.NOBLOCK, copy=False,
-                                                   track=True)
+                if len(piece) > COPIED_BYTES or count + 1 >= TRACK_EVERY_PIECES or \
+                        nbytes + piece_cost >= TRACK_EVERY_BYTES:
+                    tracker = self.sock.send_multipart([conn, piece], zmq.NOBLOCK,
+                                                       copy=False, track=True)
+                else:
+                    self.sock.send_multipart([conn, piece], zmq.NOBLOCK)
             except zmq.Again:  # (libzmq's own bound, above ours)
                 self.drop(conn, "it leaves its replies unread (its queue is full)")
                 return
             except zmq.ZMQError:
                 return  # gone meanwhile
-            if tracker is not None:
-                unread.append((tracker, len(piece) + PIECE_COST))
+            unread.append((tracker, piece_cost))
+            count, nbytes = (0, 0) if tracker is not None else (count + 1, nbytes + piece_cost)
+        self._untracked[conn] = (count, nbytes)
 
     def drop(self, conn: Hashable, why: str) -> None:
         """Close connection ``conn`` for ``why`` (logged at a bounded rate); the server
