@@ -159,7 +159,7 @@ def init(
         assert host is not None  # found above, or agree raised the failure on every rank
         chans = GroupTransport(rank, world_size, scoped, hosts=[f.host for f in topology.ranks],
                              host=host, mode=settings.transport, timeout=timeout,
-                             auth_token=auth_token)
+                             auth_token=auth_token, segment_bytes=settings.segment_bytes)
     except BaseException:
         for close in closers:
             close()
@@ -168,7 +168,8 @@ def init(
         """Channels among ``members`` for ``comm.split``, set up through the same store."""
         return GroupTransport(members.index(rank), len(members), PrefixStore(tag, scoped),
                             hosts=[topology.ranks[m].host for m in members], host=host,
-                            mode=settings.transport, timeout=timeout, auth_token=auth_token)
+                            mode=settings.transport, timeout=timeout, auth_token=auth_token,
+                            segment_bytes=settings.segment_bytes)
 
     try:
         comm = Communicator(chans, timeout=timeout, settings=settings, topology=topology,

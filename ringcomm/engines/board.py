@@ -17,7 +17,9 @@ fast entry is part of the engine, so a wrapper in front of the engine sees it as
 
 Every post of an op carries the op's header with the post's number within the op as its
 ``index``, so that ranks whose posts do not line up find out at the first take. A reduction
-is in place (``dst = dst (op) post``).
+is in place (``dst = dst (op) post``). An op that fails after it posted withdraws its latest
+post (``BoardChannel.withdraw``): a peer that enters the op later finds its part already
+there, and must raise rather than complete an op this rank failed.
 """
 
 from __future__ import annotations
@@ -169,9 +171,13 @@ def run_board(
     used = [buffers[role] for role in program.roles]
     for buf in used:
         buf.before_op()
+    since = channel.posts
     try:
         program.run(channel, buffers, header, ctx)
-    except CommError as err:
+    except BaseException as err:
+        channel.withdraw(since)
+        if not isinstance(err, CommError):
+            raise
         err.progress = _stood(err, program, BoardProgram.run.__code__, ctx.dtype.itemsize)
         if isinstance(err, CommTimeout):
             raise _on_board(err, schedule, channel.rank, ctx.name) from None
@@ -256,18 +262,22 @@ class BoardEngine(Engine):
     def allreduce_now(self, plan: AllreducePlan, data: Buffer, seq: int, deadline: float,
                       name: str, observe: StepObserver | None = None) -> None:
         """Run ``plan`` on ``data`` as op number ``seq``, on this thread, start to end."""
-        program = plan.program
-        try:
-            if program.whole is not None and type(data) is HostBuffer:
-                program.run_whole(self.channel, data.region(0, data.count), plan.header_of(seq),
+        program, channel = plan.program, self.channel
+        if program.whole is not None and type(data) is HostBuffer:
+            since = channel.posts
+            try:
+                program.run_whole(channel, data.region(0, data.count), plan.header_of(seq),
                                   deadline, name, plan.reduce, observe)
                 return
-        except CommError as err:
-            err.progress = _stood(err, program, BoardProgram.run_whole.__code__,
-                                  data.dtype.itemsize)
-            if isinstance(err, CommTimeout):
-                raise _on_board(err, program.schedule, self.channel.rank, name) from None
-            raise
+            except BaseException as err:
+                channel.withdraw(since)
+                if not isinstance(err, CommError):
+                    raise
+                err.progress = _stood(err, program, BoardProgram.run_whole.__code__,
+                                      data.dtype.itemsize)
+                if isinstance(err, CommTimeout):
+                    raise _on_board(err, program.schedule, channel.rank, name) from None
+                raise
         run_board(program, {"data": data}, self.channel,
                   OpContext(plan.desc, name, data.dtype, deadline, plan.reduce, observe),
                   header=plan.header_of(seq))

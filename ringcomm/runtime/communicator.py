@@ -70,6 +70,8 @@ from .p2p import P2POp
 
 log = logging.getLogger("ringcomm")
 _ALLREDUCE = COLLECTIVES["allreduce"]
+CLOSED_DURING_OP = ("the communicator was closed (close() on another thread) while this op "
+                    "ran: closing in the middle of an op aborts it")
 
 
 _P = ParamSpec("_P")
@@ -138,9 +140,8 @@ class Communicator:
         settings = settings or Settings.local(segment_bytes=segment_bytes)
         if segment_bytes is None:
             segment_bytes = settings.segment_bytes
-        if segment_bytes <= 0:
-            raise ArgumentError(f"segment_bytes must be positive, got {segment_bytes}")
         self.transport = transport
+        self._check_segment(segment_bytes)
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.settings = settings
@@ -200,8 +201,20 @@ class Communicator:
 
     @segment_bytes.setter
     def segment_bytes(self, value: int) -> None:
+        self._check_segment(value)
         self._segment_bytes = int(value)
         self._choose_afresh()
+
+    def _check_segment(self, value: int) -> None:
+        if value <= 0:
+            raise ArgumentError(f"segment_bytes must be positive, got {value}")
+        limit = self.transport.max_segment_bytes
+        if limit is not None and value > limit:
+            raise ArgumentError(
+                f"segment_bytes={value} is larger than this communicator's links admit "
+                f"({limit} B, set at init from the agreed segment): make the communicator "
+                f"with ringcomm.init(segment_bytes={value}) instead",
+                rank=self.transport.rank)
 
     def _choose_afresh(self) -> None:
         self.selector = self._ops.selector = self._selector()
@@ -570,7 +583,9 @@ class Communicator:
         """Finish queued ops, stop the worker, close the links (and the store, if ours).
 
         Sends still in flight get until their deadline to leave; receives still waiting for
-        their message fail with ``CommAborted``. If a peer's message of a collective is
+        their message fail with ``CommAborted``. A blocking op that runs on another thread
+        (on its caller's) is aborted as ``abort`` would: it raises ``CommAborted``, and the
+        peers hear that this rank failed it. If a peer's message of a collective is
         waiting that no op here took, the ranks disagreed about an op in a way this rank
         could not see while it only sent (two ranks that both think they are a broadcast's
         root): everything is closed all the same, then ``DesyncError`` says so."""
@@ -597,6 +612,9 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+        if self._ops.closing():  # an op runs on another thread: closing under it is an abort
+            self._ops.abort(CLOSED_DURING_OP)
+            check = False
         self._ops.stop()
         lanes_failed = None
         try:  # before the links they use; IPC's close is collective

@@ -15,6 +15,11 @@ with later ops and looks for messages whenever it is idle.
 Failure contract: an op that fails raises a typed ``CommError`` naming this rank and the op;
 before raising, the rank tells every peer (``abort``), so that they raise too instead of
 waiting out their timeout. A communicator that has failed stays failed (``CommAborted``).
+The abort it sends names the first collective this rank does not complete, and a rank that
+completes a collective over links asks, before it returns, whether a peer's abort for that
+collective has come (``Transport.check_aborted``): a peer's message that arrived before it
+failed may be all a rank needs, and no rank reports success for a collective that another
+rank failed (on the board, a failed rank withdraws its post instead).
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ class OpRunner:
         self._plans: dict[tuple[np.dtype, int, str], Any] = {}  # the fast entry's
         self._seq = itertools.count()
         self._failure: CommError | None = None
+        self._completed = 0  # collectives completed here: the first one this rank does not
         self.hang = HangReporter(self.rank, self.world_size, store)
         self._peers_told = False  # this rank's failure went out to its peers
         self._tell_lock = threading.Lock()
@@ -139,6 +145,7 @@ class OpRunner:
             = queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
+        self._inline = False  # a collective runs on its caller's thread (not the worker's)
         self.p2p = P2PEngine(self)
         self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
                                         daemon=True)
@@ -165,6 +172,8 @@ class OpRunner:
             raise CommAborted("this communicator is closed", rank=self.rank)
         inline = isinstance(item, tuple) and (not async_op or self._small(item[0]))
         with self._count_lock:
+            if self.closed:  # looked at again where ``closing`` looks: none starts after it
+                raise CommAborted("this communicator is closed", rank=self.rank)
             # A collective with nothing ahead of it runs on the caller's thread when the
             # caller waits for it anyway, or when it is no larger than ``inline_bytes``
             # (64 KiB; every size where the host has no spare core for the worker): the
@@ -174,6 +183,7 @@ class OpRunner:
             # start anything meanwhile: its queue is empty and no receive is posted.
             inline = inline and self.idle
             self._outstanding += 1
+            self._inline = inline
         if inline:
             assert isinstance(item, tuple)  # only collectives run inline
             try:
@@ -185,6 +195,7 @@ class OpRunner:
                     return Work.finished(name, self.timeout, error=err)
                 raise
             finally:
+                self._inline = False
                 self._op_done()
             return Work.finished(name, self.timeout, result) if async_op else result
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -231,13 +242,16 @@ class OpRunner:
                     self.p2p.busy:  # ``idle`` spelled out: the hottest path
                 return False
             self._outstanding += 1
+            self._inline = True
         seq = next(self._seq)
         if plan is _ALONE:  # the values stay; a staged buffer still goes through its stages
             try:
                 staged = data.staged_for(HOST_ONLY)
                 staged.before_op()
                 staged.after_op()
+                self._completed = seq + 1
             finally:
+                self._inline = False
                 self._op_done()
             return True
         engine, planned = plan
@@ -246,11 +260,13 @@ class OpRunner:
             if type(data) is not HostBuffer:
                 data = data.staged_for(engine.moves)
             engine.allreduce_now(planned, data, seq, time.monotonic() + self.timeout, name)
+            self._completed = seq + 1
         except CommError as err:
-            self._fail(err, seq)
+            self._fail(err)
             self.p2p.fail_all(err)
             raise
         finally:
+            self._inline = False
             self._op_done()
         return True
 
@@ -345,6 +361,15 @@ class OpRunner:
             drop_locals(self._failure)
             self.hang.settle()  # before the group's store is closed
 
+    def closing(self) -> bool:
+        """No op starts from here on (``Communicator.close``); whether a collective runs
+        on its caller's thread now: ``close``, on another thread, must not close what it
+        uses under it, so that op is aborted first (``abort``). One on the worker finishes
+        first (``stop`` waits for it)."""
+        with self._count_lock:
+            self.closed = True
+            return self._inline
+
     def abort(self, reason: str) -> None:
         """Give up now (``Communicator.abort``): no op starts from here on, the op in flight,
         if any, ends with ``CommAborted`` at once whichever thread runs it (and tells the
@@ -360,25 +385,26 @@ class OpRunner:
         while not self.idle and time.monotonic() < give_up:
             time.sleep(0.005)  # the op in flight unwinds, queued ones fail, within ms
         with contextlib.suppress(Exception):  # best effort: peers may be gone already
-            self._tell_peers(0, f"CommAborted: {reason}")
+            self._tell_peers(f"CommAborted: {reason}")
 
-    def _tell_peers(self, seq: int, text: str) -> None:
+    def _tell_peers(self, text: str) -> None:
         """Tell every peer that this rank failed, once, from whichever thread fails first
         (the worker's op, or ``abort`` on the caller's thread): one thread at a time on the
-        control plane's sockets."""
+        control plane's sockets. The abort carries the number of the first collective this
+        rank does not complete (the one it failed in, or the next one)."""
         with self._tell_lock:
             if self._peers_told:
                 return
             self._peers_told = True
-            self.transport.abort(seq, text)
+            self.transport.abort(self._completed, text)
 
     # ------------------------------------------------------------------ running
-    def _fail(self, err: CommError, seq: int) -> None:
+    def _fail(self, err: CommError) -> None:
         """Mark this communicator failed and, unless a peer told us, tell every peer; then,
         if it was a timeout (here or on the peer that told us), leave the hang report."""
         self._failure = err
         if not isinstance(err, RemoteError):
-            self._tell_peers(seq, f"{type(err).__name__}: {err}")
+            self._tell_peers(f"{type(err).__name__}: {err}")
         self.hang.on_failure(err)
 
     def _segment(self, data: Buffer) -> int:
@@ -416,9 +442,12 @@ class OpRunner:
         started = time.perf_counter()
         try:
             engine.run(schedule, buffers, ctx)
+            if engine.name != BOARD:  # a failed rank withdraws its board post instead
+                self.transport.check_aborted(seq, name)
         except CommError as err:
-            self._fail(err, seq)
+            self._fail(err)
             raise
+        self._completed = seq + 1
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than a small message
             log.debug("rank %d %s: %s/%s on %s, %d B %s%s, %.1f us", self.rank, name,
                       schedule.collective, schedule.algorithm, choice.engine,

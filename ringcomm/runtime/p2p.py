@@ -97,7 +97,7 @@ class Owner(Protocol):
 
     def _segment(self, data: Buffer) -> int: ...
 
-    def _fail(self, err: CommError, seq: int) -> None: ...
+    def _fail(self, err: CommError) -> None: ...
 
 
 class P2PEngine:
@@ -356,8 +356,7 @@ class P2PEngine:
         elif item in self.sending:
             self.sending.remove(item)
         self._set_error(item, err)
-        seq = item.op.seq if item.op.is_send else -1
-        self.comm._fail(err, max(seq, 0))
+        self.comm._fail(err)
         self.fail_all(err)
 
     @staticmethod

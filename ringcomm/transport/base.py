@@ -57,6 +57,8 @@ class Transport:
         self._checks_delivery: bool | None = None
         # the shared board beside the links, where the set-up made one (closed with them)
         self.board: BoardChannel | None = None
+        # the largest segment the links admit (set at their set-up), where they bound it
+        self.max_segment_bytes: int | None = None
 
     def _link(self, peer: int) -> Link:
         """The link to ``peer``, another rank (this rank has no link to itself)."""
@@ -220,7 +222,8 @@ class Transport:
 
     # ---------------------------------------------------------------- failures
     def abort(self, seq: int, text: str) -> None:
-        """Tell every peer that this rank failed, so that none of them waits for it."""
+        """Tell every peer that this rank failed, so that none of them waits for it: ``seq``
+        is the first collective this rank does not complete (``check_aborted``)."""
         header = Header.control(OpKind.ABORT, seq, self.rank)
         body = text.encode()[:4096]
         for peer, link in enumerate(self.links):
@@ -231,6 +234,12 @@ class Transport:
                 link.send_notice(header._replace(nbytes=len(body)), body)
             with contextlib.suppress(Exception):
                 self.control.abort(peer, header, body)
+
+    def check_aborted(self, seq: int, op: str) -> None:
+        """Before collective ``seq`` returns: raise ``RemoteError`` if a peer's abort says
+        that the peer does not complete it (its messages of the op may have been all this
+        rank needed: it must not report success for an op that another rank failed)."""
+        self.control.check_aborted(seq, op)
 
     def die(self) -> NoReturn:
         """End this rank at once, as SIGKILL would: nothing closed, no peer told (what an

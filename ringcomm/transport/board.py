@@ -22,7 +22,10 @@ same order, and an op makes the same number of posts on every rank, so their ``k
   and reads the payload, or part of it, in place;
 - each rank has two slots, so a rank may run one post ahead of the slowest: it writes slot
   ``k % 2`` again at post ``k + 2`` only once every peer has posted ``k + 1``, which each
-  does only after it has finished reading post ``k``.
+  does only after it has finished reading post ``k``;
+- a rank whose op fails after it posted *withdraws* its latest post: its header becomes an
+  abort's (the payload stays, so a peer that is reading it reads it whole), and a peer that
+  has not taken it yet raises instead of completing an op this rank did not.
 
 An op may make several posts (a large allreduce posts each piece, then its share of the
 result); a post may put its payload at an element of the slot other than the first, and a
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..core import config
-from .header import CHECKSUM_AT, Header
+from .header import CHECKSUM_AT, Header, OpKind
 from .header import SIZE as HEADER_SIZE
 from .shm_ring import fence, stores_in_order
 
@@ -113,6 +116,13 @@ class Board:
             views[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
+
+    def withdraw(self) -> None:
+        """Withdraw this rank's latest post (its op failed): its header becomes an abort's,
+        so no take accepts it; its payload and count stay as they are."""
+        start = self._mine + _LINE + (self.number % 2) * _SLOT
+        self._mem[start: start + HEADER_SIZE] = Header.control(OpKind.ABORT, 0,
+                                                               self.rank).pack()
 
     def lose_post(self) -> None:
         """Count the next post as made without writing it or showing its count: what a post

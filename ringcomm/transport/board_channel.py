@@ -9,7 +9,8 @@ sees the links' sends and receives.
 
 ``post`` puts this rank's part of an op on the board once every peer has made the post
 before; ``take`` returns a peer's part in place once it is posted, after comparing its
-header with this rank's own (``DesyncError`` naming both ranks and what differs). How a
+header with this rank's own (``DesyncError`` naming both ranks and what differs; a post
+its rank withdrew, ``withdraw``, because its op failed there: ``RemoteError``). How a
 rank waits for a post is the channel kind's own (``_wait``): ranks in processes spin, then
 sleep until the poster rings their doorbell, while watching the links and the control plane
 (``ShmBoardChannel``); ranks that are threads of one process wait on a condition
@@ -23,14 +24,14 @@ import contextlib
 import os
 import time
 import weakref
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 import zmq
 
-from ..errors import CommTimeout, DesyncError, PeerLostError
+from ..errors import CommTimeout, DesyncError, PeerLostError, RemoteError
 from .board import Board
-from .header import Header, check
+from .header import Header, OpKind, check
 from .link import Wait
 from .local_link import LocalLink
 from .pipe import Doorbell, ring
@@ -95,9 +96,32 @@ class BoardChannel(abc.ABC):
         if board.posted(peer) < number:
             self._wait(peer, number, op, deadline, header)
         if not board.matches(peer, header):
-            check(expected_post(header, peer), self.posted_header(peer, op), rank=self.rank,
-                  op=op)
+            posted = self.posted_header(peer, op)
+            if posted.kind == OpKind.ABORT:
+                self._withdrawn(peer, op)
+            check(expected_post(header, peer), posted, rank=self.rank, op=op)
         return board.payload(peer, dtype, count, at)
+
+    @property
+    def posts(self) -> int:
+        """How many posts this rank has made (an op starts at this number)."""
+        return self.board.number
+
+    def withdraw(self, since: int) -> None:
+        """This rank's op, which started after post ``since``, failed: withdraw the latest
+        post it made in it (if any, and shown), so that a peer that has not taken it yet
+        raises instead of completing the op. Best effort: a board already let go of (a
+        close that did not wait for the op) is left as it is."""
+        board = self.board
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            if board.number > since and board.posted(self.rank) >= board.number:
+                board.withdraw()
+
+    def _withdrawn(self, peer: int, op: str) -> NoReturn:
+        """``peer``'s post of this op is withdrawn: its op failed there."""
+        raise RemoteError(f"rank {peer} failed in this op after it posted its part on the "
+                          "shared board, and withdrew the post", rank=self.rank, op=op,
+                          peer=peer)
 
     def posted_header(self, peer: int, op: str) -> Header:
         """The header of ``peer``'s post that a take now reads, once it is posted; a
@@ -123,7 +147,9 @@ class BoardChannel(abc.ABC):
         board = self.board
         for peer in range(self.world_size):
             if peer != self.rank and board.posted(peer) > board.number:
-                return board.header(peer, board.number + 1)
+                header = board.header(peer, board.number + 1)
+                if header.kind != OpKind.ABORT:  # withdrawn: its op failed there, no desync
+                    return header
         return None
 
     def describe(self) -> str:
@@ -237,6 +263,12 @@ class ShmBoardChannel(BoardChannel):
                     return True
                 raise
         return board.posted(peer) >= number
+
+    def _withdrawn(self, peer: int, op: str) -> NoReturn:
+        """The abort that ``peer`` sent when its op failed says why: wait a moment for it
+        on the control plane (``explain_loss`` raises it), else say the post is withdrawn."""
+        self.control.explain_loss(op)
+        super()._withdrawn(peer, op)
 
     def _posted(self) -> None:
         board = self.board

@@ -48,6 +48,7 @@ from .kinds import KINDS, LinkKind, SetUp, Sockets
 from .link import Link
 from .local_link import LocalLink
 from .peer_names import Check
+from .socket_link import payload_bound
 from .zmq_control import MAX_NOTICE_BYTES, ZmqControl
 
 log = logging.getLogger("ringcomm")
@@ -107,6 +108,7 @@ class GroupTransport(Transport):
         io_threads: int = 1,
         shm: bool | None = None,
         auth_token: str | None = None,
+        segment_bytes: int = 0,
     ) -> None:
         if len(hosts) != world_size:
             raise ArgumentError(f"{len(hosts)} host identities for a world of {world_size}")
@@ -126,7 +128,9 @@ class GroupTransport(Transport):
                              functools.partial(self._sockets.push, secure=True))
         super().__init__(rank, world_size, [None] * world_size, control)
         self.setup = SetUp(rank, world_size, list(hosts), host, mode, shm, spin_s, timeout,
-                           store, prefix, self._sockets, control)
+                           store, prefix, self._sockets, control, segment_bytes=segment_bytes)
+        # the largest segment its links admit (a communicator's may not grow past it)
+        self.max_segment_bytes = payload_bound(segment_bytes)
         self.spin_s = self.setup.spin_s
         self._remove_files = weakref.finalize(self, self.setup.files.remove)
         self._abandon = False  # set-up failed: close without waiting for any socket
@@ -200,6 +204,11 @@ class GroupTransport(Transport):
         local = [link for link in by_kind.get("local", {}).values()
                  if isinstance(link, LocalLink)]
         self.board = self._board_setup.connect(records, self, local)
+        # the peers' control sockets over tcp too, now: an abort sent at once on a
+        # connection already made arrives before a peer that enters the failed op later
+        # completes it (``Transport.check_aborted``)
+        self.control.connect([p for p in setup.peers
+                              if not self.control.endpoints[p].startswith("ipc")])
         self._settle()
 
     def _settle(self) -> None:

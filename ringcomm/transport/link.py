@@ -175,6 +175,12 @@ class ControlPlane(abc.ABC):
         (``header`` is an ABORT control header naming this rank): for ``abort`` called while
         an op is in flight. Safe to call from any thread."""
 
+    def check_aborted(self, seq: int, op: str) -> None:  # noqa: B027 - optional hook
+        """Raise ``RemoteError`` if an abort has come from a peer that does not complete
+        collective ``seq`` (its abort's sequence number is ``seq`` or less); leave every
+        other notice for the waits that take it. Optional: without it an op may complete
+        on a rank where a peer failed it (the next op then raises)."""
+
     def probe(self, peer: int, expected: Header, op: str) -> None:  # noqa: B027 - optional hook
         """Tell ``peer`` which op this rank has been waiting in, and what it expects of it,
         so a peer in another op can raise ``DesyncError`` at once. Optional."""

@@ -8,12 +8,23 @@
 - A socket monitor on the receiving socket notices the peer's connection closing, so a
   dead peer becomes a ``PeerLostError`` at once rather than a timeout; a stranger's
   connection closing does not count (``Arrivals``).
-- High-water marks are off: a send never blocks, which is what lets schedules queue sends
-  ahead of their receives without deadlock.
+- A send never blocks (no high-water mark on the sending side), which is what lets
+  schedules queue sends ahead of their receives without deadlock.
+- A receiving socket admits only what a peer may send (``bound_receiving``, before it
+  binds): a frame of at most one segment (``payload_bound``), and a queue of unread
+  messages of about ``QUEUE_BYTES`` per connection; a stranger's frame that claims more
+  drops its connection before anything is allocated for it. Without a token anyone who
+  reaches a tcp port can send to it, so a message that is not ringcomm's is described as
+  what it is and where it arrived, never blamed on the peer; a stranger's refused handshake
+  is logged (at a bounded rate) as an unknown peer at its address.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import struct
 import time
 from typing import Any
 
@@ -21,16 +32,43 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..errors import CommError, CommTimeout, PeerLostError
+from ..errors import CommError, CommTimeout, DesyncError, PeerLostError
 from . import auth
 from .header import SIZE as HEADER_SIZE
-from .header import Header
+from .header import WIRE_VERSION, Header
 from .link import Wait
 from .zmq_control import PolledLink, ZmqControl
 
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
 _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
+# The least frame a link admits whatever the segment: 8 times the default segment, so that
+# segments may be changed after init (``Communicator.segment_bytes``, ``ringcomm tune``) up
+# to it; the messages sent whole are smaller (a binomial broadcast's, up to
+# ``plan.select.SMALL_BROADCAST_BYTES``; an abort's text, 4 KiB; a device notice)
+SMALLEST_BOUND = 16 << 20
+QUEUE_BYTES = 256 << 20  # about the most one connection's unread messages may hold
+_LEAST_QUEUED = 2  # messages a receiving socket queues per connection, however large
+_ADDRESSES_KEPT = 64  # accepted connections whose address a link remembers at once
+
+
+def payload_bound(segment_bytes: int) -> int:
+    """The largest payload a link admits in one message, with ``segment_bytes`` agreed at
+    init: schedules cut messages into segments, and the few sent whole are smaller than
+    ``SMALLEST_BOUND``; a communicator's segment may not grow past it later."""
+    return max(int(segment_bytes), SMALLEST_BOUND)
+
+
+def bound_receiving(sock: zmq.Socket, segment_bytes: int) -> None:
+    """Make a link's receiving socket (before it binds: ZeroMQ copies a socket's options to
+    its connections when it binds) admit what a peer may send and no more: frames of at most
+    ``payload_bound(segment_bytes)`` (a larger one drops its connection as soon as its
+    length is read, before anything is allocated for it; a header frame is smaller), and
+    unread messages up to about ``QUEUE_BYTES`` per connection (then ZeroMQ stops reading
+    that connection until the link takes some: the peer's sends wait in its own process)."""
+    bound = payload_bound(segment_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, bound)
+    sock.setsockopt(zmq.RCVHWM, max(_LEAST_QUEUED, QUEUE_BYTES // bound))
 
 
 class _Tracked:
@@ -54,16 +92,32 @@ class _Tracked:
         return True
 
 
-def decode_header(raw: bytes, more: bool, *, rank: int, peer: int, op: str) -> Header:
-    """The header frame of a message from ``peer``: exactly ``header.SIZE`` bytes, in this
-    wire format, followed by its payload frame (``more``). Anything else is a ``CommError``
-    saying what was wrong; nothing is allocated from what the frame claims."""
+def decode_header(raw: bytes, more: bool, *, rank: int, peer: int, op: str,
+                  where: str = "") -> Header:
+    """The header frame of a message on the socket that takes ``peer``'s messages (at
+    ``where``): exactly ``header.SIZE`` bytes, in this wire format, followed by its payload
+    frame (``more``). Anything else is a ``CommError`` saying what arrived and where;
+    nothing is allocated from what the frame claims. Ranks of one group speak one wire
+    format (agreed at init), so a message that is not in it came from something else that
+    reached the socket, not from ``peer``."""
+    at = f"the socket for rank {peer}'s messages" + (f" ({where})" if where else "")
     if len(raw) != HEADER_SIZE or not more:
         what = (f"a first frame of {len(raw)} B (a header is {HEADER_SIZE} B)"
                 if len(raw) != HEADER_SIZE else "a header without a payload frame")
-        raise CommError(f"malformed message from rank {peer}: {what}", rank=rank, op=op,
-                        peer=peer)
-    return Header.unpack(raw)
+        raise CommError(f"a malformed message arrived on {at}: {what}; {_NOT_OURS}",
+                        rank=rank, op=op, peer=peer)
+    try:
+        return Header.unpack(raw)
+    except DesyncError:
+        version = raw[HEADER_SIZE - 4]  # the version byte, after the fields
+        raise CommError(
+            f"a message in wire format {version} arrived on {at}, where every rank of this "
+            f"group speaks {WIRE_VERSION} (agreed at init): it is not from rank {peer}; "
+            f"{_NOT_OURS}", rank=rank, op=op, peer=peer) from None
+
+
+_NOT_OURS = ("no rank of the group sends such a message: something else that can reach this "
+             "rank's port sent it (a token, RINGCOMM_AUTH_TOKEN, keeps strangers out)")
 
 
 class SocketLink(PolledLink):
@@ -79,6 +133,7 @@ class SocketLink(PolledLink):
         self.push, self.pull, self.monitor = push, pull, monitor
         self.lost = False
         self.arrivals = Arrivals()
+        self._addresses: dict[int, str] = {}  # accepted connections' far ends, by descriptor
         self.counters = {"socket": 0}
         self.poller.register(pull, zmq.POLLIN)
         self.poller.register(monitor, zmq.POLLIN)
@@ -144,11 +199,13 @@ class SocketLink(PolledLink):
             self.wait_readable(wait)
             raw = self.pull.recv(zmq.NOBLOCK)
         more = bool(self.pull.getsockopt(zmq.RCVMORE))
-        try:
-            return decode_header(raw, more, rank=self.rank, peer=self.peer, op=wait.op)
-        except CommError:
-            self._skip_rest(more)
-            raise
+        if len(raw) == HEADER_SIZE and more:  # the way every message of a peer comes
+            with contextlib.suppress(DesyncError):
+                return Header.unpack(raw)
+        self._skip_rest(more)
+        # not a message of a rank: raises, saying what arrived and where
+        return decode_header(raw, more, rank=self.rank, peer=self.peer, op=wait.op,
+                             where=self.describe_pull())
 
     def recv_payload(self, op: str) -> Any:
         frame = self.pull.recv(copy=False)
@@ -160,17 +217,20 @@ class SocketLink(PolledLink):
         n = self.pull.recv_into(out)  # type: ignore[arg-type]  # a buffer: see send
         self._check_last(op)
         if n != out.nbytes:
-            raise CommError(f"payload of {n} B from rank {self.peer}, expected {out.nbytes} B",
-                            rank=self.rank, op=op, peer=self.peer)
+            raise CommError(f"a payload of {n} B arrived on {self._arrived()}, where this op "
+                            f"expects {out.nbytes} B from rank {self.peer}", rank=self.rank,
+                            op=op, peer=self.peer)
         return n
 
     def _check_last(self, op: str) -> None:
         """A message is two frames: a third is not ringcomm's, and goes unread."""
         if self.pull.getsockopt(zmq.RCVMORE):
             self._skip_rest(True)
-            raise CommError(f"a message from rank {self.peer} has more than two frames; is "
-                            "every rank running the same ringcomm version?", rank=self.rank,
-                            op=op, peer=self.peer)
+            raise CommError(f"a message of more than two frames arrived on {self._arrived()}; "
+                            f"{_NOT_OURS}", rank=self.rank, op=op, peer=self.peer)
+
+    def _arrived(self) -> str:
+        return f"the socket for rank {self.peer}'s messages ({self.describe_pull()})"
 
     def _skip_rest(self, more: bool) -> None:
         """Drop what is left of a message refused part-way, so the next read starts on a
@@ -204,14 +264,84 @@ class SocketLink(PolledLink):
             except zmq.Again:
                 return
             event = parse_monitor_message(msg)
-            if self.arrivals.see(event["event"], int(event["value"])):
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._remember(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._addresses.pop(value, None)
+            connection = self.arrivals.alone()  # the one a handshake event is about, if known
+            if self.arrivals.see(kind, value):
                 self.lost = True
-            elif event["event"] & auth.HANDSHAKE_FAILED:
-                auth.log_refusal(f"rank {self.rank}'s link from rank {self.peer}",
-                                 event["event"], int(event["value"]), self.describe_pull())
+            elif kind & auth.HANDSHAKE_FAILED:
+                self._refused(kind, value, connection)
+
+    def _remember(self, fd: int) -> None:
+        """Read the address of the connection just accepted on ``fd`` while it is there
+        (the monitor names a connection by its descriptor only, and a refused one closes
+        within a round trip): for the log line that a refusal writes."""
+        if len(self._addresses) >= _ADDRESSES_KEPT:
+            self._addresses.pop(next(iter(self._addresses)))
+        address = peer_address(fd, self.describe_pull())
+        if address is not None:
+            self._addresses[fd] = address
+
+    def _refused(self, event: int, value: int, connection: int | None) -> None:
+        """Log a failed handshake on the receiving socket (a stranger's: not the peer, who
+        holds the token), at the transport's bounded rate of refusal lines."""
+        why = refusal_reason(event, value)
+        if why is None:  # the gatekeeper has said why
+            return
+        address = self._addresses.pop(connection, None) if connection is not None else None
+        self.control.refusals.warning(
+            "a link refused a handshake", "rank %d's socket for rank %d's messages (%s) "
+            "refused a connection from an unknown peer at %s: %s", self.rank, self.peer,
+            self.describe_pull(), address or "an address not known (it left before it was "
+            "read)", why)
 
     def describe_pull(self) -> str:
         return self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def refusal_reason(event: int, value: int) -> str | None:
+    """Why a receiving socket refused a handshake, from its monitor's event; None where the
+    gatekeeper (ZAP) refused it and has logged why."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return None
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+            value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "its CURVE handshake does not decrypt with this token's keys (another token)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+            value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "one end uses a token and the other none"
+    return f"not ZeroMQ, or not ringcomm's protocol (code {value:#x})"
+
+
+def peer_address(fd: int, endpoint: str) -> str | None:
+    """The address of the far end of the connection that descriptor ``fd`` holds, where it
+    is still a connection to ``endpoint`` (this socket's): ``host:port`` over tcp, the
+    process over ipc; None where it is gone (ZeroMQ owns the descriptor: this reads a
+    duplicate of it, and a descriptor since closed, or reused for something else, is told
+    apart by its own address)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if dup.family == socket.AF_UNIX:
+            if f"ipc://{dup.getsockname()}" != endpoint:
+                return None
+            pid, uid, _ = struct.unpack("3i", dup.getsockopt(socket.SOL_SOCKET,
+                                                            socket.SO_PEERCRED, 12))
+            return f"a process on this host (pid {pid}, uid {uid})"
+        port = dup.getsockname()[1]
+        if not endpoint.endswith(f":{port}"):
+            return None
+        far = dup.getpeername()
+        return f"[{far[0]}]:{far[1]}" if dup.family == socket.AF_INET6 else f"{far[0]}:{far[1]}"
+    except OSError:
+        return None
+    finally:
+        dup.close()
 
 
 class Arrivals:
@@ -232,6 +362,11 @@ class Arrivals:
     def __init__(self) -> None:
         self._handshaking: list[int] = []  # descriptors accepted, not known to be done
         self._peers: set[int] = set()  # known to have finished a handshake
+
+    def alone(self) -> int | None:
+        """The descriptor of the one connection in a handshake, if only one is: the one
+        the next handshake event is about (None where none is, or several are)."""
+        return self._handshaking[0] if len(self._handshaking) == 1 else None
 
     def see(self, event: int, value: int) -> bool:
         """Take one monitor event; True when the last connection known to have finished

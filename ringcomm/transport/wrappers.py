@@ -108,6 +108,9 @@ class BoardChannelWrapper(BoardChannel):
     def posted_header(self, peer: int, op: str) -> Header:
         return self.inner.posted_header(peer, op)
 
+    def withdraw(self, since: int) -> None:
+        self.inner.withdraw(since)
+
     def leftover(self) -> Header | None:
         return self.inner.leftover()
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Container
 
 import zmq
 
+from ..core.rate_limit import RateLimitedLog
 from ..errors import CommTimeout, DesyncError, PeerLostError
 from .header import SIZE as HEADER_SIZE
 from .header import Header, OpKind, differences
@@ -31,12 +32,19 @@ log = logging.getLogger("ringcomm")
 
 MAX_ABORT_BYTES = 4096  # an abort's text (``Transport.abort`` cuts it to this)
 MAX_OP_NAME_BYTES = 256  # what a probe says after its header: the op's name
-MAX_NOTICE_BYTES = 64 * 1024  # the most one frame to the control socket may hold
+# the most one frame to the control socket may hold: a notice's header, an abort's text, a
+# probe's header and op name (a larger frame drops its connection before it is read)
+MAX_NOTICE_BYTES = max(MAX_ABORT_BYTES, HEADER_SIZE + MAX_OP_NAME_BYTES)
+# notices queued unread per connection: a peer sends one abort, and a probe a second at
+# most while it waits; past this ZeroMQ stops reading that connection (the peer's notices
+# wait in its own process), so a stranger's flood holds at most about 270 kB here
+QUEUED_NOTICES = 64
 _POLL_SLICE_MS = 1000
 _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on its way here
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
 WAKE_ENDPOINT = "inproc://ringcomm-wake"  # the control socket's own door, for ``wake``
 _CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
+_CHECKED_AT_ONCE = 16  # notices ``check_aborted`` reads at most (a stranger's flood)
 
 
 def decode_notice(frames: list[bytes], rank: int,
@@ -85,7 +93,14 @@ class ZmqControl(ControlPlane):
         self.endpoints = endpoints  # peer -> its control socket's address
         self._connect = connect
         self._push: dict[int, zmq.Socket] = {}
+        # what the socket admits, set before its first bind (ZeroMQ copies a socket's
+        # options to its connections when it binds): notices, not more
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
+        socket.setsockopt(zmq.RCVHWM, QUEUED_NOTICES)
         socket.bind(WAKE_ENDPOINT)  # inproc: one per ZeroMQ context, so one per transport
+        # every line a stranger's input makes this rank write (refused notices, refused
+        # handshakes on its links) goes through one limit per transport
+        self.refusals = RateLimitedLog(log, per_second=1.0, burst=10)
         self._wake: zmq.Socket | None = None  # used by whichever thread aborts, one at a time
         self._wake_lock = threading.Lock()
         self._grace_ms = _ABORT_GRACE_MS  # how long a lost peer waits for an abort to explain it
@@ -100,8 +115,9 @@ class ZmqControl(ControlPlane):
         return sock
 
     def connect(self, peers: list[int]) -> None:
-        """Connect to ``peers``' control sockets now rather than on first use: those
-        reached by ``ipc://``, whose socket files go once the group is set up."""
+        """Connect to ``peers``' control sockets now rather than on first use (an ipc
+        socket's file goes once the group is set up; an abort must not wait for a tcp
+        handshake)."""
         for peer in peers:
             self._to(peer)
 
@@ -109,10 +125,7 @@ class ZmqControl(ControlPlane):
         self._to(peer).send_multipart((header.pack(), text))
 
     def wake(self, header: Header, text: bytes) -> None:
-        with self._wake_lock:
-            if self._wake is None:
-                self._wake = self._connect(WAKE_ENDPOINT)
-            self._wake.send_multipart((header.pack(), text))
+        self._send_own([header.pack(), text])
 
     def probe(self, peer: int, expected: Header, op: str) -> None:
         probe = Header.control(OpKind.PROBE, expected.seq, self.rank)
@@ -127,7 +140,8 @@ class ZmqControl(ControlPlane):
         try:
             header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
         except ValueError as err:
-            log.warning("rank %d's control plane dropped a message: %s", self.rank, err)
+            self.refusals.warning("a notice dropped", "rank %d's control plane dropped a "
+                                  "message: %s", self.rank, err)
             return
         if probed is None:
             raise remote_error(header, payload, self.rank, wait.op)
@@ -150,6 +164,42 @@ class ZmqControl(ControlPlane):
                 rank=self.rank, op=wait.op, peer=header.sender,
             )
 
+    def check_aborted(self, seq: int, op: str) -> None:
+        """Raise the ``RemoteError`` of a peer's abort waiting here that names collective
+        ``seq`` or an earlier one (the first the peer does not complete). Looks at a few
+        notices at most; the others (probes, aborts of later ops, this rank's own wake) go
+        back to the socket for the waits that take them. Costs one socket option read when
+        nothing is waiting."""
+        sock = self.socket
+        if not sock.poll(0, zmq.POLLIN):
+            return
+        back: list[list[bytes]] = []
+        try:
+            for _ in range(_CHECKED_AT_ONCE):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                try:
+                    header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
+                except ValueError as err:
+                    self.refusals.warning("a notice dropped", "rank %d's control plane "
+                                          "dropped a message: %s", self.rank, err)
+                    continue
+                if probed is None and header.sender != self.rank and header.seq <= seq:
+                    raise remote_error(header, payload, self.rank, op)
+                back.append(frames)
+        finally:
+            for frames in back:
+                self._send_own(frames)
+
+    def _send_own(self, frames: list[bytes]) -> None:
+        """Put a notice back on this rank's own control socket (through ``WAKE_ENDPOINT``)."""
+        with self._wake_lock:
+            if self._wake is None:
+                self._wake = self._connect(WAKE_ENDPOINT)
+            self._wake.send_multipart(frames)
+
     def explain_loss(self, op: str) -> None:
         """Before reporting a lost peer: an abort from some rank, arriving within a grace
         period, explains it better (a peer may close because another rank failed and
@@ -163,6 +213,7 @@ class ZmqControl(ControlPlane):
         self._grace_ms = 0
 
     def close(self) -> None:
+        self.refusals.flush()  # how many lines were held back, where some were
         for sock in self._push.values():
             sock.close(linger=500)
         with self._wake_lock:

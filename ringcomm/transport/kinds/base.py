@@ -181,6 +181,7 @@ class SetUp:
     flusher: Flusher = field(default_factory=Flusher)
     files: TransportFiles = field(default_factory=TransportFiles)
     token: str = field(default_factory=shm_ring.new_token)  # names our shared memory
+    segment_bytes: int = 0  # agreed at init; a socket admits frames of a segment at most
 
     def same_host(self, peer: int) -> bool:
         return self.hosts[peer] == self.hosts[self.rank]

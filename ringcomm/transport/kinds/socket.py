@@ -23,7 +23,7 @@ from .. import auth
 from ..files import bind_private
 from ..link import Link
 from ..peer_names import Check
-from ..socket_link import SocketLink
+from ..socket_link import SocketLink, bound_receiving
 from .base import LinkKind, SetUp, Verdict
 
 
@@ -41,6 +41,7 @@ class SocketKind(LinkKind):
         for peer in setup.peers:
             by_ipc = setup.by_ipc(peer)
             pull = self._pulls[peer] = setup.sockets.pull(secure=not by_ipc)
+            bound_receiving(pull, setup.segment_bytes)  # before it binds
             if by_ipc:
                 endpoint = f"ipc://{setup.ipc_dir}/{peer}"
                 bind_private(pull, endpoint)

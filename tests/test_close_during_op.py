@@ -1,0 +1,92 @@
+"""``close()`` from another thread while an op runs is an abort: the op raises
+``CommAborted`` on the closing rank, and its peers, entering that op afterwards, raise typed
+errors; no rank reports success for the op, on the shared board or over links.
+
+The ranks are real processes (``tests/close_rank.py``): rank 0 closes while its allreduce
+waits for the others, and only once that allreduce has ended do the others enter it, so
+rank 0's post (on the board) or its message (over links, where one exchange is the whole op
+at world size 2) is already there for them to take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from mp_helpers import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TYPED = {"RemoteError", "PeerLostError", "CommAborted", "CommTimeout", "DesyncError"}
+
+
+def read_json(proc: subprocess.Popen, timeout: float) -> dict:
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got or not got[0].startswith("{"):
+        proc.kill()
+        raise AssertionError(f"no line from a rank within {timeout} s ({got}); stderr: "
+                             f"{proc.stderr.read()[-3000:]}")
+    return json.loads(got[0])
+
+
+def close_during_op(world: int, env: dict[str, str]) -> list[dict]:
+    """Run ``close_rank.py`` on ``world`` ranks; every rank's last line."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "close_rank.py"), str(r),
+                               str(world), str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**base, **env})
+             for r in range(world)]
+    try:
+        ready = [read_json(p, 30) for p in procs]
+        assert all(r["ready"] for r in ready), ready
+        assert read_json(procs[0], 30) == {"op_ended": True}
+        for p in procs[1:]:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [read_json(p, 30) for p in procs]
+        for p in procs:
+            p.wait(20)
+        return [dict(r, ready=ready[i]) for i, r in enumerate(results)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            for stream in (p.stdin, p.stdout, p.stderr):
+                stream.close()
+
+
+def check(results: list[dict], engine: str) -> None:
+    closing, *peers = results
+    assert all(r["ready"]["engine"] == engine for r in results), results
+    assert closing["op_done"], closing
+    assert closing["op"] is not None and closing["op"]["type"] == "CommAborted", closing
+    assert "closed" in closing["op"]["msg"], closing
+    assert closing["close"] is None, closing  # close itself went through
+    for r, peer in enumerate(peers, 1):
+        assert peer["op"] is not None, (r, peer)  # never a success of an op rank 0 aborted
+        assert peer["op"]["type"] in TYPED, (r, peer)
+        assert peer["op"]["s"] < 5.0, (r, peer)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_close_during_an_op_on_the_board_is_an_abort(world):
+    check(close_during_op(world, {}), "board")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world, transport", [
+    (2, "auto"), pytest.param(3, "tcp", marks=pytest.mark.slow),
+    pytest.param(2, "tcp", marks=pytest.mark.slow)])
+def test_close_during_an_op_over_links_is_an_abort(world, transport):
+    check(close_during_op(world, {"RINGCOMM_BOARD": "0", "RINGCOMM_TRANSPORT": transport}),
+          "links")
