@@ -3,8 +3,10 @@
 #   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
 #   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts,
 #   the fault matrix; make soak runs 300 seeded random faults)
-# make docs regenerates docs/tutorial.md, its figures and the README's explain picture and
-# page from the code and bench/results/.
+# make docs regenerates from the code and bench/results/: docs/tutorial.md, its figures and the
+# README's explain picture and page (docs/build_tutorial.py); docs/settings.md, docs/support.md
+# and the figures of README.md and docs/benchmarks.md (docs/build_reference.py). Each has
+# --check, which the default test suite runs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -41,6 +43,7 @@ lint: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) docs/build_tutorial.py
+	$(PY) docs/build_reference.py
 
 # The figures the README quotes: allreduce 8 B..256 MiB with every ringcomm algorithm and its
 # automatic choice against gloo, the other collectives, DDP training and the peak memory of a
