@@ -4,8 +4,9 @@
     ringcomm trace merge traces -o trace.json      # open in https://ui.perfetto.dev
     ringcomm trace plot trace.json -o timeline.png
 
-Every rank writes ``traces/rank<r>.json`` when its process group is destroyed. Rank 1 starts
-each round late, so the others' waiting shows: grey in the plot, ``wait`` slices in Perfetto.
+Every rank writes ``traces/rank<r>.json`` when its process group is destroyed. The last rank
+(rank 2 of 3) starts each round 3 ms late, so the others' waiting shows: grey in the plot,
+``wait`` slices in Perfetto.
 """
 
 import time
@@ -17,8 +18,8 @@ dist.init_process_group("ringcomm")
 rank, world = dist.get_rank(), dist.get_world_size()
 small, large = torch.ones(256), torch.ones(1 << 19)  # 1 KiB on the board's one-shot; 2 MiB two-shot
 for _ in range(2):
-    if rank == 1:
-        time.sleep(0.002)  # a late rank: its peers wait for its post
+    if rank == world - 1:
+        time.sleep(0.003)  # a late rank: its peers wait for its post
     dist.all_reduce(small)
     dist.all_reduce(large)
     dist.broadcast(torch.ones(1 << 17), src=0)  # 512 KiB: a pipelined chain over the links
