@@ -76,6 +76,8 @@ def claim(holds: bool, what: str) -> None:
 
 WIDTH = 92  # the page's prose is wrapped here; code blocks and tables are left as they are
 _ITEM = re.compile(r"(- |\d+\. )")
+_CODE_SPAN = re.compile(r"`[^`]*`")
+_KEEP = "\0"  # a space inside a code span while wrapping: never a place to break the line
 
 
 def reflow(page: str) -> str:
@@ -88,9 +90,11 @@ def reflow(page: str) -> str:
     def flush() -> None:
         nonlocal para, indent
         if para:
-            lines = textwrap.wrap(" ".join(s.strip() for s in para), WIDTH,
-                                  subsequent_indent=indent, break_long_words=False,
-                                  break_on_hyphens=False)
+            text = _CODE_SPAN.sub(lambda m: m.group().replace(" ", _KEEP),
+                                  " ".join(s.strip() for s in para))
+            lines = [line.replace(_KEEP, " ") for line in textwrap.wrap(
+                text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                break_on_hyphens=False)]
             for line in lines[1:]:  # a wrapped line must not read as markdown syntax
                 if _ITEM.match(line.strip()) or line.lstrip().startswith(("#", ">", "|", "+")):
                     raise SystemExit(f"a wrapped line reads as markdown syntax: {line!r}")
@@ -257,9 +261,20 @@ SOURCE = "the model's default constants for 4 ranks"
 
 
 def explained(collective: str, algorithm: str | None, world_size: int) -> Any:
+    """``ringcomm explain``'s run with the 4-rank defaults, labelled as explain labels its
+    defaults where no profile is found (so a quoted printout reads as explain prints it)."""
     from ringcomm.teach import explain
+    from ringcomm.teach.costs import DEFAULTS_SOURCE
 
-    return explain(collective, algorithm, world_size, params=cost_params(), source=SOURCE)
+    return explain(collective, algorithm, world_size, params=cost_params(),
+                   source=DEFAULTS_SOURCE)
+
+
+def explain_defaults(world_size: int) -> Any:
+    """The constants ``ringcomm explain -n world_size`` uses where no profile is found."""
+    from ringcomm.plan.cost import Profile
+
+    return Profile().for_world(world_size)
 
 
 def model_time(algorithm: str, world_size: int, nbytes: int) -> Any:
@@ -312,6 +327,20 @@ def section_allgather() -> str:
     claim(all(r > 1 for r in ratios) and ratios == sorted(ratios),
           "all-gather + add costs more than ring allreduce, the more so the more ranks")
     algorithm = explained("allgather", None, 4).call.algorithm
+    p4 = cost_params()
+    same = [n for n in (2, 4, 8, 16) if explain_defaults(n) == p4]
+    other = [n for n in (2, 4, 8, 16) if explain_defaults(n) != p4]
+    claim(4 in same, "explain -n 4 uses the constants of these tables")
+    rows_text = " and ".join(f"`-n {n}`" for n in same if n != 4)
+    if other:
+        q = explain_defaults(other[0])
+        claim(all(explain_defaults(n) == q for n in other), "one other set of defaults")
+        caveat = (f" For {' and '.join(f'`-n {n}`' for n in other)} explain takes the model's "
+                  f"defaults for {other[0]} ranks (alpha = {q.alpha * 1e6:.1f} us, beta = "
+                  f"{q.beta * 1e9:.3f} ns, gamma = {q.gamma * 1e9:.3f} ns), where this table "
+                  "keeps one set of constants for every row.")
+    else:
+        caveat = ""
     return f"""## 2. All-gather the gradients? It works, but costs more
 
 The simplest correct scheme: every rank sends its whole gradient to every other rank (an
@@ -330,8 +359,8 @@ sum:
        right=(1, 2, 3, 4, 5, 6, 7))}
 
 "Sends" is what each rank sends, in vectors of N bytes. The all-gather's time is what
-`ringcomm explain --collective allgather -n 4` predicts (with `-n 2`, `8`, `16` for the other
-rows); the adding is (n-1) × N × gamma.
+`ringcomm explain --collective allgather -n 4` predicts where no profile is found (with
+{rows_text} for those rows); the adding is (n-1) × N × gamma.{caveat}
 """
 
 
@@ -537,10 +566,16 @@ def section_sweep() -> str:
              else f"each of its {world} ranks had a core")
     return f"""### By a measured sweep
 
-`make bench` runs `{data["command"]}` and records every time in `{SWEEP.as_posix()}`
-(median of {data["settings"]["reps"]} repetitions; a machine with {machine["cpus"]} cores,
-torch {machine["torch"]}, ringcomm at commit {machine["git_commit"]}). Its allreduce times
-with the ring and the tree forced, and gloo's for scale:
+`make bench` runs
+
+```sh
+{data["command"]}
+```
+
+and records every time in `{SWEEP.as_posix()}` (median of {data["settings"]["reps"]}
+repetitions; a machine with {machine["cpus"]} cores, torch {machine["torch"]}, ringcomm at
+commit {machine["git_commit"]}). Its allreduce times with the ring and the tree forced, and
+gloo's for scale:
 
 {(chr(10) * 2).join(parts)}
 
@@ -882,8 +917,9 @@ steps, and the same schedules run on each:
 So ring against tree, buckets and overlap work the same way on a GPU; what changes are the
 constants (alpha, beta, gamma), and so where the crossovers fall. ringcomm's defaults for
 the device engines come from documented figures, not from a run; `ringcomm tune --device
-cuda` fits them on a GPU machine. No figure of a GPU run is in `bench/results/` yet, so
-this page shows none; [gpu.md](gpu.md) explains the device path and how it is tested.
+cuda` fits those of `cuda-ipc` and `staged` on a GPU machine (`nccl` keeps its defaults). No
+figure of a GPU run is in `bench/results/` yet, so this page shows none; [gpu.md](gpu.md)
+explains the device path and how it is tested.
 """
 
 

@@ -38,6 +38,11 @@ class Line:
     large_time: float
 
 
+# what the costs say of their constants where no profile is found (docs/build_tutorial.py
+# quotes explain's output with it)
+DEFAULTS_SOURCE = "the model's defaults: no profile from `ringcomm tune` here"
+
+
 @dataclass(frozen=True)
 class Costs:
     params: CostParams
@@ -54,7 +59,7 @@ def costs(call: Call, schedules: list[Schedule], itemsize: int,
         profile = cost.load_profile()
         params, source = profile.for_world(call.world_size), profile.source
         if source == "defaults":
-            source = "the model's defaults: no profile from `ringcomm tune` here"
+            source = DEFAULTS_SOURCE
     per_rank = tuple((m, e * itemsize) for m, e in (s.messages() for s in schedules))
     large = LARGE_BYTES // LARGE_ITEMSIZE
     big = [call.spec.schedule(r, call.world_size, large,
