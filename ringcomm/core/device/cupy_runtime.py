@@ -39,7 +39,8 @@ def cupy_problem() -> str:
         cupy = _cupy()
     except Exception as exc:  # ImportError, or a broken CUDA library under it
         return (f"CuPy does not import ({type(exc).__name__}: {exc}); install it with "
-                "pip install 'ringcomm[cuda13]' (CUDA 13) or 'ringcomm[cuda]' (CUDA 12)")
+                "pip install cupy-cuda13x (CUDA 13) or cupy-cuda12x (CUDA 12), or, in "
+                "ringcomm's checkout, pip install -e '.[cuda13]' or -e '.[cuda]'")
     try:
         if cupy.cuda.is_available():
             return ""
