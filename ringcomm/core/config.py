@@ -152,6 +152,27 @@ def _debug(raw: str) -> str:
     return "WARNING" if value == "WARN" else value
 
 
+_PORT_RANGE_FORM = "LOW-HIGH, ports from 1 to 65535 with LOW <= HIGH, such as 40000-40999"
+
+
+def _port_range(raw: str) -> tuple[int, int]:
+    """``LOW-HIGH`` (both ends in, spaces around either allowed) as ``(LOW, HIGH)``."""
+    if not raw.strip():
+        raise Unset
+    low, dash, high = raw.partition("-")
+    try:
+        if not dash:
+            raise ValueError
+        ends = int(low.strip()), int(high.strip())
+    except ValueError:
+        raise ValueError(f"is not a range of tcp ports; use {_PORT_RANGE_FORM}") from None
+    if not all(1 <= port <= 65535 for port in ends):
+        raise ValueError(f"names a port outside 1-65535; use {_PORT_RANGE_FORM}")
+    if ends[0] > ends[1]:
+        raise ValueError(f"ends below where it starts; use {_PORT_RANGE_FORM}")
+    return ends
+
+
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
 STORE_ROLES = ("auto", "serve", "join")
 DEVICE_MODES = ("auto", "cuda", "fake", "off")
@@ -188,6 +209,16 @@ SETTINGS: tuple[Setting, ...] = (
             "interface name(s), comma-separated, first with an IPv4 address wins: the "
             "address other hosts reach this rank at, when init(host=) and RINGCOMM_IFADDR "
             "are unset", None, _text),
+    Setting("port_range", Scope.LOCAL, "RINGCOMM_PORT_RANGE", None,
+            "LOW-HIGH (such as 40000-40999, both ends in): the tcp ports this rank listens "
+            "on, for a firewall that admits only those: its links' receiving sockets and "
+            "its control socket. A rank needs one port per peer it reaches over tcp plus one "
+            "for its control socket (world size under RINGCOMM_TRANSPORT=tcp), and ranks of "
+            "one host that share the range need that many each, and each group of "
+            "comm.split as many again; too few free ports is an ArgumentError naming the "
+            "range. The store's port (MASTER_PORT, init(store=)) is apart, and so are "
+            "NCCL's own sockets (RINGCOMM_DEVICE_ENGINE=nccl)",
+            None, _port_range, "unset: ports the system picks"),
     Setting("shm", Scope.LOCAL, "RINGCOMM_SHM", None,
             "0 turns shared memory off; a pair uses it only where both ends offer it",
             True, _flag),

@@ -19,6 +19,10 @@ Why this shape:
   of this user's, or a ``RecordError`` naming the field.
 - Where every rank of the group shares this host and offers shared memory, the group also
   gets a shared board (``board_setup``), a channel of its own beside the links (``board``).
+- A rank that cannot make what its record would name (no free port in
+  ``RINGCOMM_PORT_RANGE``, where every tcp socket it listens on binds; a folder or pipe it
+  cannot make) publishes a record saying why instead, so that its peers raise at once
+  rather than wait out the timeout for a record that never comes.
 
 Nothing is left behind, even after a crash (``files``): once every pair is connected, the
 names that set-up needed (pipes, doorbells, ipc sockets) are removed (``_settle``).
@@ -55,6 +59,7 @@ log = logging.getLogger("ringcomm")
 
 LOOPBACK = "127.0.0.1"
 RECORD_VERSION = 1  # of the record each rank publishes; bumped when its shape changes
+_SHOWN_FAILURE = 600  # characters of a peer's failure shown (its record may be anyone's)
 
 
 def spin_seconds() -> float:
@@ -116,6 +121,7 @@ class GroupTransport(Transport):
         self.mode = mode
         shm = bool(config.value("shm")) if shm is None else shm
         spin_s = spin_seconds()  # settings first: a bad one must not strand a ZeroMQ context
+        port_range = config.value("port_range")
         if auth_token is None:
             auth_token = config.value("auth_token")
         keys = auth.keys_for(auth_token)
@@ -128,7 +134,8 @@ class GroupTransport(Transport):
                              functools.partial(self._sockets.push, secure=True))
         super().__init__(rank, world_size, [None] * world_size, control)
         self.setup = SetUp(rank, world_size, list(hosts), host, mode, shm, spin_s, timeout,
-                           store, prefix, self._sockets, control, segment_bytes=segment_bytes)
+                           store, prefix, self._sockets, control, segment_bytes=segment_bytes,
+                           port_range=port_range)
         # the largest segment its links admit (a communicator's may not grow past it)
         self.max_segment_bytes = payload_bound(segment_bytes)
         self.spin_s = self.setup.spin_s
@@ -158,9 +165,19 @@ class GroupTransport(Transport):
         if n == 1:
             return
         self.kinds = [kind(setup) for kind in KINDS]
-        offers = {kind.name: kind.offer() for kind in self.kinds}
-        record: dict[str, Any] = {"record": RECORD_VERSION, "control": self._bind_control(),
-                  "kinds": offers, "board": self._board_setup.offer(offers.get("local"))}
+        try:
+            offers = {kind.name: kind.offer() for kind in self.kinds}
+            record: dict[str, Any] = {
+                "record": RECORD_VERSION, "control": self._bind_control(), "kinds": offers,
+                "board": self._board_setup.offer(offers.get("local"))}
+        except Exception as err:
+            # the peers wait for this rank's record: a record saying why there is none
+            # lets them raise at once (``_read``) instead of waiting out the timeout
+            failed = {"record": RECORD_VERSION, "failed": str(getattr(err, "detail", err)),
+                      "error": type(err).__name__}
+            with contextlib.suppress(Exception):
+                setup.store.set(setup.key("record", me), json.dumps(failed).encode())
+            raise
         setup.store.set(setup.key("record", me), json.dumps(record).encode())
         keys = [setup.key("record", r) for r in range(n)]
         setup.store.wait(keys, setup.timeout)
@@ -248,8 +265,7 @@ class GroupTransport(Transport):
             endpoints.append(f"ipc://{setup.ipc_dir}/{setup.rank}")
             bind_private(sock, endpoints[-1])
         if not endpoints or not all(setup.by_ipc(p) for p in setup.peers):
-            port = sock.bind_to_random_port(f"tcp://{setup.host}")
-            endpoints.append(f"tcp://{setup.host}:{port}")
+            endpoints.append(setup.bind_tcp(sock))  # in RINGCOMM_PORT_RANGE where it is set
         return endpoints
 
     def _read(self, peer: int, raw: bytes) -> dict[str, Any]:
@@ -266,6 +282,12 @@ class GroupTransport(Transport):
                             f"(version {version}, this rank's {RECORD_VERSION}); is every "
                             "rank running the same ringcomm version?", rank=self.rank,
                             peer=peer)
+        failed = record.get("failed")
+        if failed is not None:  # it could not make what its record would name
+            why = "".join(c if c.isprintable() else "?" for c in str(failed)[:_SHOWN_FAILURE])
+            error = ArgumentError if record.get("error") == "ArgumentError" else CommError
+            raise error(f"rank {peer} could not set up its links: {why}", rank=self.rank,
+                        peer=peer)
         check = Check(self.rank, peer)
         check.endpoints("control", record.get("control"))
         offers = check.mapping("kinds", record.get("kinds"))

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,7 +39,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ...core.arrays import HOST_ONLY
-from ...errors import AuthError, CommTimeout
+from ...errors import ArgumentError, AuthError, CommTimeout
 from .. import auth, shm_ring
 from ..files import TransportFiles, ipc_base, private_folder
 from ..link import Link
@@ -182,14 +184,65 @@ class SetUp:
     files: TransportFiles = field(default_factory=TransportFiles)
     token: str = field(default_factory=shm_ring.new_token)  # names our shared memory
     segment_bytes: int = 0  # agreed at init; a socket admits frames of a segment at most
+    port_range: tuple[int, int] | None = None  # RINGCOMM_PORT_RANGE: where tcp sockets listen
 
     def same_host(self, peer: int) -> bool:
         return self.hosts[peer] == self.hosts[self.rank]
 
-    def by_ipc(self, peer: int) -> bool:
+    def by_ipc(self, peer: int, rank: int | None = None) -> bool:
         """Whether ZeroMQ reaches ``peer`` over ``ipc://`` (a socket file on this host)
-        rather than ``tcp://``."""
-        return self.mode == "ipc" or (self.mode == "auto" and self.same_host(peer))
+        rather than ``tcp://`` from this rank (or from ``rank``)."""
+        rank = self.rank if rank is None else rank
+        return self.mode == "ipc" or (self.mode == "auto" and
+                                      self.hosts[peer] == self.hosts[rank])
+
+    def tcp_ports(self, rank: int | None = None) -> int:
+        """How many tcp ports this rank (or ``rank``) listens on: one receiving socket per
+        peer it reaches over tcp, and its control socket where it has such a peer."""
+        rank = self.rank if rank is None else rank
+        links = sum(not self.by_ipc(p, rank) for p in range(self.world_size) if p != rank)
+        return links + 1 if links else 0
+
+    def bind_tcp(self, sock: zmq.Socket) -> str:
+        """Bind ``sock`` to a tcp port of this rank's address, and say where: a port the
+        system picks, or one of ``port_range`` (``RINGCOMM_PORT_RANGE``), each tried once at
+        most, from a random one on (ranks of one host that share the range then rarely try
+        the same port first). No port of the range free is an ``ArgumentError`` naming the
+        range and how many ports the ranks need."""
+        if self.port_range is None:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+            return f"tcp://{self.host}:{port}"
+        low, high = self.port_range
+        span = high - low + 1
+        first = random.randrange(span)
+        for i in range(span):
+            endpoint = f"tcp://{self.host}:{low + (first + i) % span}"
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as err:
+                if err.errno in (zmq.EADDRINUSE, errno.EACCES):  # taken, or privileged
+                    continue
+                raise
+            return endpoint
+        raise ArgumentError(self._ports_short(), rank=self.rank)
+
+    def _ports_short(self) -> str:
+        low, high = self.port_range or (0, 0)
+        need = self.tcp_ports()
+        links = need - 1
+        text = (f"no free tcp port left in RINGCOMM_PORT_RANGE={low}-{high} "
+                f"({high - low + 1} port{'s' if high > low else ''}) on {self.host}: rank "
+                f"{self.rank} of this group listens on {need} ({links} link"
+                f"{'s' if links != 1 else ''} to the peers it reaches over tcp, world size - 1 "
+                "under RINGCOMM_TRANSPORT=tcp, and 1 control socket)")
+        local = [r for r in range(self.world_size) if self.hosts[r] == self.hosts[self.rank]]
+        if len(local) > 1:
+            text += (f", and the {len(local)} ranks of this host listen on "
+                     f"{sum(self.tcp_ports(r) for r in local)} in all where they share the "
+                     "range")
+        return (text + ", besides the ports of any other group it is in (comm.split makes one "
+                "of its own). Widen the range (ports that other programs hold, and ports below "
+                "1024 without the privilege, are not free), or unset it")
 
     @property
     def peers(self) -> list[int]:

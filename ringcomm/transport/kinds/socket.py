@@ -6,6 +6,8 @@ pairs where an end offers no shared memory, and every pair when ``RINGCOMM_TRANS
 forces sockets. Its offer is one receiving socket per peer, bound before the offer is
 published (its address is the offer), watched by a monitor that reports the connection
 closing; a pair's sender connects a push socket to the address the receiver bound for it.
+A tcp one binds a port the system picks, or one of ``RINGCOMM_PORT_RANGE`` where that is set
+(``SetUp.bind_tcp``, as the control socket does).
 
 With ``RINGCOMM_AUTH_TOKEN`` every tcp pair speaks CURVE (``ringcomm.transport.auth``): only
 a sender holding the token gets through, and its frames are encrypted. An ipc pair stays
@@ -46,8 +48,7 @@ class SocketKind(LinkKind):
                 endpoint = f"ipc://{setup.ipc_dir}/{peer}"
                 bind_private(pull, endpoint)
             else:
-                port = pull.bind_to_random_port(f"tcp://{setup.host}")
-                endpoint = f"tcp://{setup.host}:{port}"
+                endpoint = setup.bind_tcp(pull)  # in RINGCOMM_PORT_RANGE where it is set
             self.monitors.append((pull, pull.get_monitor_socket(
                 zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_EVENTS)))
             endpoints[str(peer)] = endpoint
