@@ -1,5 +1,5 @@
 """``ringcomm bench ddp``: training step time of torch's DistributedDataParallel and of ours
-(the ``ddp`` package) over ringcomm and over Gloo, in the same processes.
+(``ringcomm_ddp``, the ``ddp/`` folder) over ringcomm and over Gloo, in the same processes.
 
     ringcomm bench ddp                       # a small MLP and a small convnet, world 2
     ringcomm bench ddp -n 2 4 --json ddp.json
@@ -128,7 +128,7 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    import ddp
+    import ringcomm_ddp as ddp
 
     wrappers = {"torch": TorchDDP, "ours": ddp.DistributedDataParallel}
     torch.manual_seed(0)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch_jobs import Ranks, on_cuda
 
-import ddp
 import ringcomm  # noqa: F401 - registers the backend
+import ringcomm_ddp as ddp  # the ddp/ folder, as it is installed
 
 # --------------------------------------------------------------------------- the pool
 

@@ -3,9 +3,9 @@ module imports itself back through others.
 
 Read from the source (every ``import``, including those under ``TYPE_CHECKING`` and inside
 functions), so a cycle hidden from the interpreter still counts. The packages beside the
-library are held to the same: ``ddp/`` uses only ringcomm's public front, ``bench/``
-(imported as ``ringcomm_bench``) may use anything, nothing uses ``bench/``, and neither has
-an import cycle.
+library are held to the same: ``ddp/`` (imported as ``ringcomm_ddp``) uses only ringcomm's
+public front, ``bench/`` (imported as ``ringcomm_bench``) may use anything, nothing uses
+``bench/``, and neither has an import cycle.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import ddp
 import ringcomm
 import ringcomm_bench
+import ringcomm_ddp
 
 PACKAGE = Path(ringcomm.__file__).parent
 BASE = "base"  # ringcomm.errors, ringcomm._support, ringcomm._version: usable everywhere
@@ -139,10 +139,10 @@ def test_no_import_cycles() -> None:
 # --------------------------------------------------------------------------- ddp/ and bench/
 
 # every package of the tree, by the name it is imported as, and its folder (bench/ installs
-# as ringcomm_bench)
-PACKAGES = {"ringcomm": PACKAGE, "ddp": Path(ddp.__file__).parent,
-            "ringcomm_bench": Path(ringcomm_bench.__file__).parent}
-BENCH = "ringcomm_bench"
+# as ringcomm_bench, ddp/ as ringcomm_ddp)
+DDP, BENCH = "ringcomm_ddp", "ringcomm_bench"
+PACKAGES = {"ringcomm": PACKAGE, DDP: Path(ringcomm_ddp.__file__).parent,
+            BENCH: Path(ringcomm_bench.__file__).parent}
 
 # Ways into bench/ from outside it: none. ``ringcomm bench`` finds the harness's command
 # line through the ``ringcomm.commands`` entry points, not an import. An exception listed
@@ -163,19 +163,20 @@ def _files() -> dict[str, Path]:
 
 FILES = _files()
 GRAPH = {m: imported(path, m, set(PACKAGES), FILES.__contains__) for m, path in FILES.items()}
-OUTSIDE = sorted(m for m in GRAPH if m.split(".")[0] in ("ddp", BENCH))
+OUTSIDE = sorted(m for m in GRAPH if m.split(".")[0] in (DDP, BENCH))
 
 
 def test_the_packages_beside_the_library_are_read() -> None:
-    assert {"ddp.module", "ddp.join", "ringcomm_bench.sweep", "ringcomm_bench.backends"} <= \
-        set(OUTSIDE)
+    assert {"ringcomm_ddp.module", "ringcomm_ddp.join", "ringcomm_bench.sweep",
+            "ringcomm_bench.backends"} <= set(OUTSIDE)
+    assert "ringcomm_ddp" in GRAPH["ringcomm_bench.ddp_step"]  # imported inside a function
     assert "ringcomm_bench.sweep" in GRAPH["ringcomm_bench.cli"]  # imported inside main()
 
 
-@pytest.mark.parametrize("module", [m for m in OUTSIDE if m.startswith("ddp")])
+@pytest.mark.parametrize("module", [m for m in OUTSIDE if m.split(".")[0] == DDP])
 def test_ddp_uses_only_ringcomms_front(module: str) -> None:
     """ddp/ is a user of the library like any other: its internals may change under it."""
-    wrong = sorted(t for t in GRAPH[module] if t.split(".")[0] != "ddp" and t != "ringcomm")
+    wrong = sorted(t for t in GRAPH[module] if t.split(".")[0] != DDP and t != "ringcomm")
     assert not wrong, f"{module} imports {wrong}: ddp/ may use the ringcomm package itself only"
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "ringcomm-0.1.0"
 BUILD = "import sys, setuptools.build_meta as backend; print(backend.build_{kind}(sys.argv[1]))"
 # the tree's folders of importable code, and the names they install as
-INSTALLED_AS = {"ringcomm": "ringcomm", "ddp": "ddp", "bench": "ringcomm_bench"}
+INSTALLED_AS = {"ringcomm": "ringcomm", "ddp": "ringcomm_ddp", "bench": "ringcomm_bench"}
 # what the tests, the Makefile and the README need beside tests/ and examples/
 SDIST_ROOT_FILES = ["LICENSE", "README.md", "Makefile", "constraints.txt", "pyproject.toml",
                     "MANIFEST.in"]
@@ -78,11 +78,14 @@ def built(tmp_path_factory) -> Built:
 
 
 @pytest.mark.timeout(90)
-def test_the_harness_installs_as_ringcomm_bench_never_as_bench(built):
-    """A top-level ``bench`` in site-packages would clash with other projects' folders."""
+def test_bench_and_ddp_install_under_names_of_ours(built):
+    """A top-level ``bench`` or ``ddp`` in site-packages would clash with other
+    distributions of those names: the folders install as ``ringcomm_bench`` and
+    ``ringcomm_ddp``."""
     top = {name.split("/")[0] for name in built.wheel}
-    assert top == {"ringcomm", "ddp", "ringcomm_bench", f"{NAME}.dist-info"}
+    assert top == {"ringcomm", "ringcomm_ddp", "ringcomm_bench", f"{NAME}.dist-info"}
     assert {"ringcomm_bench/cli.py", "ringcomm_bench/__main__.py"} <= set(built.wheel)
+    assert {"ringcomm_ddp/__init__.py", "ringcomm_ddp/module.py"} <= set(built.wheel)
     assert not [n for n in built.wheel if "/results/" in n]  # measured figures stay home
 
 
