@@ -645,6 +645,18 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def _device_problem(where: str) -> str | None:
+    """Why the device runtime ``--device`` names cannot be had here (None: it can), asked
+    in this process before any rank starts: every rank would otherwise fail on it alone."""
+    from ringcomm.errors import ArgumentError
+
+    try:
+        runtime = device.runtime_of(where)
+    except ArgumentError as err:
+        return str(err)
+    return None if runtime.available() else f"the {runtime.name} runtime sees no device"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ringcomm bench``; returns the exit status."""
     from rich.console import Console
@@ -658,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         s, worlds = settings_from(args)
     except ValueError as err:
         parser.error(str(err))
+    if s.device is not None and (why := _device_problem(s.device)) is not None:
+        print(f"ringcomm bench: --device {s.device}: {why}", file=sys.stderr)  # one line
+        return 2
     out = Console(width=None if sys.stdout.isatty() else 180)
     err_console = Console(stderr=True)
     if os.environ.get("RINGCOMM_ALGO"):

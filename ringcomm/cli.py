@@ -21,8 +21,10 @@ collective rank by rank: which chunk goes to which neighbour in which round; wit
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ._version import __version__
 from .errors import ArgumentError
@@ -64,6 +66,31 @@ _SCHEDULES = _schedule_entries()
 _EPILOG = ("Most users meet ringcomm through torch: dist.init_process_group(\"ringcomm\") "
            "under torchrun. RINGCOMM_DEBUG=INFO prints one line per rank at start-up, "
            "DEBUG one per op.")
+
+
+def _check_output(path: str | None, option: str, *, makes_folders: bool = False) -> None:
+    """Refuse an output file that cannot be written before the work that ends by writing it
+    (a whole run, for ``explain`` and ``tune``), rather than fail with a traceback after.
+    ``makes_folders``: the command creates missing folders itself, so only the nearest
+    existing one must be writable."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ArgumentError(f"{option} {path} is a folder: name a file to write")
+    folder = target.parent
+    if makes_folders:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+    elif not folder.exists():
+        raise ArgumentError(f"{option} {path}: the folder {folder} does not exist; create it "
+                            "or name a file in a folder that does")
+    if not folder.is_dir():
+        raise ArgumentError(f"{option} {path}: {folder} is a file, not a folder; name a file "
+                            "in a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{option} {path}: the folder {folder} is not writable here; "
+                            "name a file in one that is")
 
 
 def _print_choices(args: argparse.Namespace) -> None:
@@ -137,6 +164,8 @@ def _explain(args: argparse.Namespace) -> None:
 
     if args.world_size < 1:
         raise ArgumentError(f"--world-size must be at least 1, got {args.world_size}")
+    _check_output(args.svg, "--svg")
+    _check_output(args.html, "--html")
     ex = explain(args.collective, args.algo, args.world_size, args.count, root=args.root,
                  op=args.op, segment=args.segment,
                  hosts=hosts_layout(args.hosts) if args.hosts else None)
@@ -158,14 +187,19 @@ def _explain(args: argparse.Namespace) -> None:
 
 
 def _serve_store(args: argparse.Namespace) -> None:
-    from .bootstrap.store import main as store_main
+    from .bootstrap.store import serve
+    from .errors import StoreError
 
-    store_main(["--host", args.host, "--port", str(args.port)])
+    try:
+        serve(args.host, args.port)
+    except StoreError as err:  # the port is taken, the address is not this host's...
+        raise SystemExit(f"ringcomm store: error: {err}") from None
 
 
 def _tune(args: argparse.Namespace) -> None:
     from . import tune
 
+    _check_output(args.output, "-o", makes_folders=True)
     argv = ["-n", *map(str, args.world_sizes)] + (["--quick"] if args.quick else [])
     argv += ["--device", args.device] if args.device else []
     tune.main(argv + (["-o", args.output] if args.output else []))
@@ -181,11 +215,15 @@ def _trace(args: argparse.Namespace) -> None:
     if args.action == "merge":
         from .observe.merge import main as merge
 
-        print(merge(args.source, args.output or "trace.json"))
+        output = args.output or "trace.json"
+        _check_output(output, "-o")
+        print(merge(args.source, output))
     else:
         from .observe.plot import main as plot
 
-        print(plot(args.source, args.output or "timeline.png"))
+        output = args.output or "timeline.png"
+        _check_output(output, "-o")
+        print(plot(args.source, output))
 
 
 def _plugin(name: str, argv: list[str]) -> None:

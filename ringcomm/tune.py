@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import ArgumentError
 from .plan import cost
 from .schedules import ALLREDUCE
 
@@ -345,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="tune the device engines (cuda-ipc, staged) on this device "
                         "instead, keeping the host constants the profile file holds")
     args = parser.parse_args(argv)
+    if bad := [n for n in args.world_sizes if n < 2]:
+        raise ArgumentError(
+            f"-n {' '.join(map(str, bad))}: tuning times ranks exchanging data, so every "
+            "world size must be 2 or more (e.g. -n 2 4)")
     path = args.output or cost.profile_path()
     from pathlib import Path
 

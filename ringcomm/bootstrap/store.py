@@ -528,6 +528,21 @@ class TorchStore(Store):
         return f"TorchStore({self.store!r})"
 
 
+def serve(host: str, port: int) -> None:
+    """Serve a store on ``host:port`` until interrupted (``ringcomm store``). A port that is
+    not one is an ``ArgumentError``; one that cannot be bound a ``StoreError``."""
+    server = StoreServer(host, port)
+    locked = "clients must hold RINGCOMM_AUTH_TOKEN" if config.value("auth_token") else \
+        "no RINGCOMM_AUTH_TOKEN: any client that reaches it is served"
+    print(f"ringcomm store serving on {host}:{server.port} ({locked})", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m ringcomm.bootstrap.store --port P``: serve a store until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bootstrap.store",
@@ -539,18 +554,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
     args = parser.parse_args(argv)
     try:
-        server = StoreServer(args.host, args.port)
-    except (StoreError, ArgumentError) as err:
+        serve(args.host, args.port)
+    except ArgumentError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except StoreError as err:
         raise SystemExit(f"error: {err}") from None
-    locked = "clients must hold RINGCOMM_AUTH_TOKEN" if config.value("auth_token") else \
-        "no RINGCOMM_AUTH_TOKEN: any client that reaches it is served"
-    print(f"ringcomm store serving on {args.host}:{server.port} ({locked})", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
 
 
 if __name__ == "__main__":

@@ -410,6 +410,10 @@ class StoreServer:
 
     def __init__(self, host: str = LOOPBACK, port: int = 0,
                  auth_token: str | None = None) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            # ZeroMQ would bind 99999 as 34463 and -1 as 65535 without a word
+            raise ArgumentError(f"store port {port!r} is not a TCP port: use 1 to 65535, or 0 "
+                                "for a free one")
         keys = auth.keys_for(config.value("auth_token") if auth_token is None else auth_token)
         self._ctx = zmq.Context(1)
         what = f"the store on {host}:{port or '*'}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import ArgumentError
 from .timeline import FORMAT
 
 
@@ -47,18 +48,49 @@ class Merged:
         return "\n".join(lines)
 
 
+def load_timeline(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; an ``ArgumentError`` saying what is wrong with a file
+    that is missing, unreadable, not JSON or not a trace (a dict with a list of
+    ``traceEvents``), so that the commands name the file instead of showing a traceback."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ArgumentError(f"{path}: no such file; name a timeline that RINGCOMM_TRACE or "
+                            "`ringcomm trace merge` wrote") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ArgumentError(f"{path} cannot be read ({err}); name a timeline that "
+                            "RINGCOMM_TRACE or `ringcomm trace merge` wrote") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ArgumentError(f"{path} is not JSON ({err.msg} at line {err.lineno}, column "
+                            f"{err.colno}); name a timeline that RINGCOMM_TRACE or "
+                            "`ringcomm trace merge` wrote") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("traceEvents"), list):
+        raise ArgumentError(f"{path} is JSON but not a trace (no list of traceEvents); name "
+                            "a timeline that RINGCOMM_TRACE or `ringcomm trace merge` wrote")
+    return raw
+
+
 def read_rank_files(folder: str | Path) -> list[dict[str, Any]]:
-    """Every rank's timeline in ``folder`` (``rank<r>.json``), in rank order."""
+    """Every rank's timeline in ``folder`` (``rank<r>.json``), in rank order; an
+    ``ArgumentError`` naming what is wrong with a folder or file that is not such a run."""
+    if not Path(folder).is_dir():
+        what = "is a file, not a folder" if Path(folder).exists() else "does not exist"
+        raise ArgumentError(f"{folder} {what}: merge reads the folder RINGCOMM_TRACE named, "
+                            "with a rank<N>.json per rank (plot draws one file)")
     paths = sorted(Path(folder).glob("rank*.json"),
                    key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
     if not paths:
-        raise FileNotFoundError(f"no timelines (rank<N>.json) in {folder}: run with "
-                                "RINGCOMM_TRACE set to that folder first")
+        raise ArgumentError(f"no timelines (rank<N>.json) in {folder}: run with "
+                            "RINGCOMM_TRACE set to that folder first")
     files = []
     for path in paths:
-        raw = json.loads(path.read_text())
-        if raw.get("otherData", {}).get("format") != FORMAT:
-            raise ValueError(f"{path} is not a ringcomm timeline ({FORMAT})")
+        raw = load_timeline(path)
+        other = raw.get("otherData")
+        if not isinstance(other, dict) or other.get("format") != FORMAT:
+            raise ArgumentError(f"{path} is not a ringcomm timeline ({FORMAT}); leave only "
+                                "the rank<N>.json files of one traced run in the folder")
         files.append(raw)
     return files
 
@@ -73,7 +105,7 @@ def merge(files: list[dict[str, Any]]) -> Merged:
         other = raw["otherData"]
         rank = int(other["rank"])
         if rank in offsets:
-            raise ValueError(f"two timelines of rank {rank}: merge one run at a time")
+            raise ArgumentError(f"two timelines of rank {rank}: merge one run at a time")
         offset = float(other["clock"]["offset_us"])
         offsets[rank] = offset
         errors[rank] = other["clock"]["error_us"]
@@ -90,6 +122,15 @@ def merge(files: list[dict[str, Any]]) -> Merged:
 
 
 def main(folder: str, output: str) -> str:
-    merged = merge(read_rank_files(folder))
+    """``ringcomm trace merge``: what it prints. A rank file whose fields are damaged is an
+    ``ArgumentError`` naming the folder, like any other bad input."""
+    files = read_rank_files(folder)
+    try:
+        merged = merge(files)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        if isinstance(err, ArgumentError):
+            raise
+        raise ArgumentError(f"the timelines in {folder} are damaged ({type(err).__name__}: "
+                            f"{err}); trace the run again") from None
     Path(output).write_text(json.dumps(merged.trace))
     return merged.report() + f"\nwrote {output} ({len(merged.trace['traceEvents'])} events)"

@@ -10,10 +10,12 @@ message to or from that peer. matplotlib comes with the ``bench`` extra.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from ..errors import ArgumentError
+from .merge import load_timeline
 
 STEP_COLOURS = {
     "send": "#4C72B0", "recv": "#55A868", "recv+reduce": "#C44E52",
@@ -37,7 +39,15 @@ def _rows(events: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], dict[tup
 
 
 def plot(trace: dict[str, Any], output: str | Path, *, title: str | None = None) -> Path:
-    """Draw ``trace`` (a merged or single-rank timeline) into ``output`` (PNG, SVG...)."""
+    """Draw ``trace`` (a merged or single-rank timeline) into ``output`` (PNG, SVG...). A
+    timeline with nothing to draw is refused before matplotlib (seconds to import) loads."""
+    events = trace["traceEvents"]
+    rows, names = _rows(events)
+    if not rows:
+        raise ArgumentError("the timeline holds no events to draw: trace a run that "
+                            "runs at least one op")
+    spans = [e for e in events if e.get("ph") == "X"]
+    t0 = min(e["ts"] for e in spans)
     try:
         import matplotlib
 
@@ -47,12 +57,6 @@ def plot(trace: dict[str, Any], output: str | Path, *, title: str | None = None)
     except ImportError as err:
         raise SystemExit("ringcomm trace plot needs matplotlib: pip install "
                          "'ringcomm[bench]'") from err
-    events = trace["traceEvents"]
-    rows, names = _rows(events)
-    if not rows:
-        raise ValueError("the timeline holds no events to draw")
-    spans = [e for e in events if e.get("ph") == "X"]
-    t0 = min(e["ts"] for e in spans)
     index = {row: i for i, row in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.6))
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -101,5 +105,13 @@ def plot(trace: dict[str, Any], output: str | Path, *, title: str | None = None)
 
 
 def main(path: str, output: str) -> str:
-    trace = json.loads(Path(path).read_text())
-    return f"wrote {plot(trace, output, title=Path(path).name)}"
+    """``ringcomm trace plot``: what it prints. A file that is not a timeline, or holds
+    events without the fields drawn, is an ``ArgumentError`` naming it."""
+    trace = load_timeline(path)
+    try:
+        drawn = plot(trace, output, title=Path(path).name)
+    except (AttributeError, KeyError, TypeError) as err:
+        raise ArgumentError(f"{path} holds events that cannot be drawn ({type(err).__name__}: "
+                            f"{err}); plot draws timelines that RINGCOMM_TRACE or `ringcomm "
+                            "trace merge` wrote") from None
+    return f"wrote {drawn}"

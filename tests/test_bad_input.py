@@ -1,0 +1,204 @@
+"""Every bad input is named: one line on stderr saying what was wrong and what to do, exit
+status 2, never a traceback or a hang (issue 37).
+
+Commands that would start ranks or serve for ever when the check is missing (``tune``,
+``store``, ``bench``) run in fresh interpreters, as a user types them, under a timeout; the
+others run ``ringcomm.cli.main`` in this process, where an uncaught exception fails the test
+as a traceback would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringcomm.cli import main
+
+
+def one_line(stderr: str) -> str:
+    """The single line of ``stderr``, after checking there is one and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def refused_by_a_fresh_ringcomm(*argv: str) -> str:
+    """``python -m ringcomm ARGV``'s one line on stderr, after checking it exits 2 within a
+    few seconds. It runs in a session of its own, so that a command that hangs instead is
+    killed with every rank it started."""
+    proc = subprocess.Popen([sys.executable, "-m", "ringcomm", *argv], text=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"ringcomm {' '.join(argv)} still ran after 20 s\n{out}\n{err}")
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out}\n{err}"
+    return one_line(err)
+
+
+def refused_in_process(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """``ringcomm ARGV``'s one line on stderr, run in this process, after checking it exits
+    2 and printed nothing else (so no work ran before the refusal)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    return one_line(err)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("sizes", [["0"], ["2", "1"]], ids=["0", "2 1"])
+def test_tune_refuses_world_sizes_below_two(sizes):
+    line = refused_by_a_fresh_ringcomm("tune", "-n", *sizes)
+    assert f"-n {sizes[-1]}: " in line and "must be 2 or more" in line
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_store_refuses_a_port_that_is_not_one(port):
+    line = refused_by_a_fresh_ringcomm("store", "--port", port)
+    assert f"store port {port} is not a TCP port: use 1 to 65535, or 0 for a free one" in line
+
+
+def _cupy_imports() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.timeout(40)
+def test_bench_on_cuda_without_cupy_says_so_before_starting_ranks():
+    if _cupy_imports():
+        pytest.skip("CuPy imports here")
+    line = refused_by_a_fresh_ringcomm("bench", "--device", "cuda", "--quick")
+    assert line.startswith("ringcomm bench: --device cuda: ")
+    assert "CuPy does not import" in line and "pip install" in line
+
+
+def _timeline(rank: int) -> dict:
+    """A rank file of ringcomm's form with one op, as ``Timeline.write`` leaves it."""
+    from ringcomm.observe.timeline import FORMAT
+
+    return {"traceEvents": [{"ph": "X", "pid": rank, "tid": 0, "ts": 10.0, "dur": 5.0,
+                             "name": "allreduce", "cat": "op"}],
+            "otherData": {"format": FORMAT, "rank": rank,
+                          "clock": {"offset_us": 0.0, "error_us": None}}}
+
+
+def _spoil(case: str, folder: Path) -> Path:
+    """The folder to merge for ``case``, made from ``folder``: a good run of two ranks."""
+    second = _timeline(1)
+    if case == "missing folder":
+        return folder / "nowhere"
+    if case == "a file":
+        return folder / "rank0.json"
+    if case == "empty folder":
+        (folder / "empty").mkdir()
+        return folder / "empty"
+    if case == "bad JSON":
+        (folder / "rank1.json").write_text("not json")
+    elif case == "not a trace":
+        (folder / "rank1.json").write_text("[1, 2]")
+    elif case == "another format":
+        second["otherData"]["format"] = "other"
+        (folder / "rank1.json").write_text(json.dumps(second))
+    elif case == "damaged clock":
+        del second["otherData"]["clock"]["offset_us"]
+        (folder / "rank1.json").write_text(json.dumps(second))
+    return folder
+
+
+MERGE_CASES = {
+    "missing folder": "does not exist: merge reads the folder RINGCOMM_TRACE named",
+    "a file": "is a file, not a folder",
+    "empty folder": "no timelines (rank<N>.json) in",
+    "bad JSON": "rank1.json is not JSON (Expecting value at line 1, column 1)",
+    "not a trace": "rank1.json is JSON but not a trace",
+    "another format": "rank1.json is not a ringcomm timeline",
+    "damaged clock": "are damaged (KeyError: 'offset_us')",
+}
+
+
+@pytest.mark.parametrize("case", MERGE_CASES)
+def test_trace_merge_names_what_is_wrong(case, tmp_path, capsys):
+    folder, output = tmp_path / "traces", tmp_path / "trace.json"
+    folder.mkdir()
+    for rank in (0, 1):
+        (folder / f"rank{rank}.json").write_text(json.dumps(_timeline(rank)))
+    line = refused_in_process(capsys, "trace", "merge", str(_spoil(case, folder)), "-o",
+                              str(output))
+    assert line.startswith("ringcomm: error: ") and MERGE_CASES[case] in line, line
+    assert not output.exists()
+
+
+def test_trace_merge_takes_a_good_run(tmp_path, capsys):
+    """The cases above spoil this run; unspoiled, it merges."""
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(_timeline(rank)))
+    main(["trace", "merge", str(tmp_path), "-o", str(tmp_path / "trace.json")])
+    assert "wrote" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "trace.json").read_text())["traceEvents"]) == 2
+
+
+def test_trace_merge_checks_its_output_folder_first(tmp_path, capsys):
+    (tmp_path / "rank0.json").write_text(json.dumps(_timeline(0)))
+    output = tmp_path / "nowhere" / "trace.json"
+    line = refused_in_process(capsys, "trace", "merge", str(tmp_path), "-o", str(output))
+    assert f"-o {output}: the folder {output.parent} does not exist; create it" in line
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such file; name a timeline"),
+    ("{", "is not JSON (Expecting property name"),
+    ('{"events": []}', "is JSON but not a trace (no list of traceEvents)"),
+    ('{"traceEvents": []}', "holds no events to draw"),
+    ('{"traceEvents": [{"ph": "X", "pid": 0, "tid": 0}]}', "holds events that cannot be drawn"),
+])
+def test_trace_plot_names_what_is_wrong(content, message, tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_text(content)
+    line = refused_in_process(capsys, "trace", "plot", str(path), "-o",
+                              str(tmp_path / "t.png"))
+    assert line.startswith("ringcomm: error: ") and message in line, line
+
+
+def test_trace_plot_checks_its_output_folder_first(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_timeline(0)))
+    line = refused_in_process(capsys, "trace", "plot", str(path), "-o",
+                              str(tmp_path / "nowhere" / "t.png"))
+    assert f"the folder {tmp_path / 'nowhere'} does not exist; create it" in line
+
+
+@pytest.mark.parametrize("option", ["--svg", "--html"])
+def test_explain_checks_its_output_folder_before_the_run(option, tmp_path, capsys):
+    target = tmp_path / "nowhere" / "ring.out"
+    line = refused_in_process(capsys, "explain", "-n", "4", option, str(target))
+    assert line == (f"ringcomm: error: {option} {target}: the folder {target.parent} does not "
+                    "exist; create it or name a file in a folder that does")
+    line = refused_in_process(capsys, "explain", option, str(tmp_path))
+    assert f"{option} {tmp_path} is a folder: name a file to write" in line
+
+
+def test_tune_checks_its_output_before_measuring(tmp_path, capsys):
+    line = refused_in_process(capsys, "tune", "-n", "2", "-o", str(tmp_path))
+    assert f"-o {tmp_path} is a folder" in line
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = refused_in_process(capsys, "tune", "-n", "2", "-o", str(afile / "sub" / "p.json"))
+    assert f"{afile} is a file, not a folder" in line
