@@ -45,9 +45,10 @@ docs: $(STAMP)
 	$(PY) docs/build_tutorial.py
 	$(PY) docs/build_reference.py
 
-# The figures the README quotes: allreduce 8 B..256 MiB with every ringcomm algorithm and its
-# automatic choice against gloo, the other collectives, DDP training and the peak memory of a
-# 256 MiB allreduce, at worlds 2 and 4 (about 15 minutes on 2 cores).
+# The figures README.md and docs/benchmarks.md quote (make docs reads them): allreduce
+# 8 B..256 MiB with every ringcomm algorithm and its automatic choice against gloo, the other
+# collectives, DDP training and the peak memory of a 256 MiB allreduce, at worlds 2 and 4
+# (about 15 minutes on 2 cores).
 RESULTS := bench/results
 bench: $(STAMP)
 	$(VENV)/bin/ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 256M -f 2 --reps 9 \

@@ -260,9 +260,9 @@ def added_ratio(rows: list[dict], model: str, world: int, ddp: str = "torch",
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's DDP table: per model and world size, the step times and the added-time
-    ratios of ringcomm to Gloo under torch's DDP (over the local step, and beyond DDP's own
-    cost)."""
+    """The DDP table docs/benchmarks.md quotes: per model and world size, the step times
+    and the added-time ratios of ringcomm to Gloo under torch's DDP (over the local step,
+    and beyond DDP's own cost)."""
     def cell(model: str, world: int, backend: str, impl: str | None) -> str:
         ms = step_ms(rows, model, world, backend, impl)
         return "-" if ms is None else f"{ms:.2f}"

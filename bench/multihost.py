@@ -25,8 +25,8 @@ Predicted times on several hosts are the cost model's for the layout the communi
 found (``comm.hosts``), priced with the link constants its ranks agreed at init
 (``comm.settings.remote``, measured by ``ringcomm.bootstrap.link_probe``), the agreed
 local constants and the cores per rank of the agreed topology: what the communicator's own
-choice is made from. ``python -m ringcomm_bench.multihost table A.json [B.json ...]`` prints the
-README's table of saved runs.
+choice is made from. ``python -m ringcomm_bench.multihost table A.json [B.json ...]`` prints
+docs/benchmarks.md's table of saved runs.
 """
 
 from __future__ import annotations
@@ -383,8 +383,8 @@ def _ms(us: float | None) -> str:
 
 
 def markdown(runs: list[dict], sizes: set[int] | None = None) -> str:
-    """The README's table: per saved run (one link each) and size, busbw and time of ring,
-    hier and the automatic choice with the model's time beside each."""
+    """The table docs/benchmarks.md quotes: per saved run (one link each) and size, busbw
+    and time of ring, hier and the automatic choice with the model's time beside each."""
     head = ["link", "size", "ring busbw (GB/s)", "ring ms (pred)", "hier busbw (GB/s)",
             "hier ms (pred)", "hier / ring busbw", "auto: chosen", "auto busbw (GB/s)",
             "auto ms (pred)", "auto / faster"]
@@ -419,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = sub.add_parser("rank", help="one rank inside its host (started by the driver)")
     rank.add_argument("dir", type=Path)
     rank.add_argument("rank", type=int)
-    table = sub.add_parser("table", help="the README's table of saved --hosts runs")
+    table = sub.add_parser("table",
+                           help="the table of saved --hosts runs docs/benchmarks.md quotes")
     table.add_argument("json", type=Path, nargs="+")
     table.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                        help="only these sizes (e.g. 1M 16M 64M)")

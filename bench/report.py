@@ -313,9 +313,10 @@ def print_targets(summary: list[dict], console: Any) -> None:
 
 
 def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
-    """The README's tables: per collective and world size, ringcomm's own choice (direct and,
-    where measured, through torch) against Gloo, NCCL and MPI where measured, each peer's
-    time over ours (the torch row where measured) at each size; then the target summary."""
+    """The tables docs/benchmarks.md quotes: per collective and world size, ringcomm's own
+    choice (direct and, where measured, through torch) against Gloo, NCCL and MPI where
+    measured, each peer's time over ours (the torch row where measured) at each size; then
+    the target summary."""
     out = []
     for (collective, world, dtype, op), group in groups(rows).items():
         peers = [b for b in PEERS if any(r["library"] == b for r in group)]
@@ -466,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("json", type=Path)
     p.add_argument("--plot-dir", type=Path, default=None)
-    p.add_argument("--markdown", action="store_true", help="print the README's tables")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the markdown tables docs/benchmarks.md quotes")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                    help="only these sizes in the markdown tables (e.g. 8 64K 1M)")
     args = p.parse_args(argv)

@@ -350,8 +350,8 @@ def _us(us: float) -> str:
 
 def _machine(data: dict[str, Any]) -> str:
     m = data["machine"]
-    return (f"{m['cpus']} cores ({m.get('cpu_model', 'unknown CPU')}), torch {m['torch']}, "
-            f"ringcomm at commit {m.get('git_commit', '?')}, {data['date'][:10]}")
+    return (f"{m['cpus']} cores of an {m.get('cpu_model', 'unknown CPU')}, torch "
+            f"{m['torch']}, ringcomm at commit {m.get('git_commit', '?')}, {data['date'][:10]}")
 
 
 def headline() -> str:
@@ -397,19 +397,20 @@ def headline() -> str:
         ddp_rows.append([model, str(world), f"{local:.1f} ms", f"{ours:.1f} ms",
                          f"{gloo:.1f} ms", f"{ratio:.2f}x"])
     return (
-        "Allreduce of float32, sum, time per call (median of "
-        f"{sweep['settings']['reps']} repetitions, slowest rank; ranks on one host; "
-        f"{_machine(sweep)}; every result checked). Gloo's column gives its time over "
-        "ringcomm's through torch:\n\n"
+        para("Allreduce of float32, sum, time per call (median of "
+             f"{sweep['settings']['reps']} repetitions, slowest rank; ranks on one host; "
+             f"{_machine(sweep)}; every result checked). Gloo's column gives its time over "
+             "ringcomm's through torch:") + "\n\n"
         + table(head, body) + "\n\n"
-        f"From `{RESULTS}/allreduce.json`, written by `{reproduce('allreduce.json')}` "
-        "(`make bench`).\n\n"
-        "Training a step with torch's `DistributedDataParallel` (forward, backward with its "
-        "allreduces, SGD), and the time DDP adds over the local step on ringcomm as a share of "
-        f"what it adds on Gloo ({_machine(ddp)}):\n\n"
+        + para(f"From `{RESULTS}/allreduce.json`, written by `{reproduce('allreduce.json')}` "
+               "(`make bench`).") + "\n\n"
+        + para("A training step with torch's `DistributedDataParallel` (forward, backward with "
+               "its allreduces, SGD), and the time DDP adds over the local step on ringcomm "
+               f"as a share of what it adds on Gloo ({_machine(ddp)}):") + "\n\n"
         + table(["model", "ranks", "local step", "on ringcomm", "on Gloo", "added: ringcomm / "
                  "Gloo"], ddp_rows) + "\n\n"
-        f"From `{RESULTS}/ddp.json`, written by `{reproduce('ddp.json')}` (`make bench`).")
+        + para(f"From `{RESULTS}/ddp.json`, written by `{reproduce('ddp.json')}` "
+               "(`make bench`)."))
 
 
 def trace_cost() -> str:
@@ -438,19 +439,66 @@ def peak_memory() -> str:
     data = _load("peak_memory.json")
     rows = []
     for result in data["results"]:
-        peaks = [r.get("peak_mib") for r in result["ranks"]]
-        base = [r.get("baseline_mib") for r in result["ranks"]]
+        ranks = result["ranks"]
+        assert all(r["wrong"] == 0 for r in ranks)
         rows.append([str(result["world_size"]), f"{result['tensor_mib']} MiB",
-                     f"{statistics.mean(b for b in base if b is not None):.0f} MiB",
-                     f"{max(p for p in peaks if p is not None):.0f} MiB"])
-    return (table(["ranks", "tensor", "baseline RSS (mean of ranks)", "peak RSS (largest "
-                   "rank)"], rows) + "\n\n"
+                     f"{statistics.mean(r['baseline_mib'] for r in ranks):.0f} MiB",
+                     f"{statistics.mean(r['allocated_mib'] for r in ranks):.0f} MiB",
+                     f"{max(r['peak_mib'] for r in ranks):.0f} MiB",
+                     f"{max(r['peak_over_tensor'] for r in ranks):.2f}x"])
+    return (table(["ranks", "array", "before it (mean of ranks)", "with it", "peak (largest "
+                   "rank)", "peak / array"], rows) + "\n\n"
             f"`{RESULTS}/peak_memory.json`, written by `.venv/bin/python -m "
             "ringcomm_bench.peak_memory --world-sizes 2 4 --mib 256 --json "
             f"{RESULTS}/peak_memory.json` (`make bench`).")
 
 
+# what each extra of pyproject.toml is for; its packages are read from pyproject.toml
+EXTRAS_FOR = {
+    "bench": "`ringcomm bench` (tables, progress, plots); without it the command names this "
+             "extra",
+    "teach": "`ringcomm explain --animate`, which draws in the terminal (the text, SVG and "
+             "page need nothing more)",
+    "test": "the test suite and type checks (`make test`); selenium drives Debian's chromium "
+            "for the explain page's browser test",
+    "cuda": "device memory reduced on the GPU, CUDA 12: CuPy arrays and CUDA tensors "
+            "([gpu.md](docs/gpu.md)); CuPy is imported only when a device is used",
+    "cuda13": "the same, for CUDA 13",
+    "mpi": "`ringcomm bench --peers mpi`: MPI's collectives as a peer in the benchmark "
+           "(MPICH's wheels, with `mpiexec`); the library never imports mpi4py",
+}
+
+
+def _optional_dependencies() -> dict[str, list[str]]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the installed metadata says the same
+        from importlib.metadata import metadata
+
+        extras: dict[str, list[str]] = {}
+        for line in metadata("ringcomm").get_all("Requires-Dist") or []:
+            found = re.match(r"(.+?)\s*;\s*extra == \"(.+)\"", line)
+            if found:
+                extras.setdefault(found.group(2), []).append(found.group(1))
+        return extras
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"]
+
+
+def extras() -> str:
+    """The README's table of extras, from pyproject.toml."""
+    rows = []
+    for name, requirements in _optional_dependencies().items():
+        if name not in EXTRAS_FOR:
+            raise SystemExit(f"{GENERATOR}: pyproject.toml has an extra {name!r} that "
+                             "EXTRAS_FOR does not describe; add a line for it")
+        packages = ", ".join(re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0] for r in requirements)
+        rows.append([code(name), packages, EXTRAS_FOR[name]])
+    return table(["extra", "installs", "for"], rows)
+
+
 BUILDERS: dict[str, Callable[[], str]] = {
+    "extras": extras,
     "headline-figures": headline,
     "trace-cost": trace_cost,
     "peak-memory": peak_memory,

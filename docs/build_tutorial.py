@@ -585,7 +585,8 @@ the {len(below)} sizes below {size(measured)}, and the ring at every size from {
 up. The crossover differs from the model's above because in this run {cores}: while a
 tree's leaves wait they leave their core to others, which the model run alongside the sweep
 knew (it put the crossover at {size(predicted)}). The whole sweep, with every algorithm and
-the automatic choice, is in the README's *Benchmarks*.
+the automatic choice, is plotted in `bench/results/plots/`; [benchmarks.md](benchmarks.md)
+has its tables.
 """
 
 

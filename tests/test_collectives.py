@@ -189,7 +189,7 @@ def test_ringcomm_schedule_lists_every_flat_algorithm_of_the_table(capsys):
     assert capsys.readouterr().out.startswith("broadcast (binomial), rank 1 of 3")
     cli.main(["schedule", "allreduce", "-n", "3", "-c", "6", "-s", "1", "--rank", "0"])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[:3] == [  # as the README shows it
+    assert printed[:3] == [  # as docs/architecture.md shows it
         "allreduce (ring), rank 0 of 3, 14 steps",
         "     0  send data[0:1] -> rank 1   (reduce-scatter round 0, chunk 0 seg 0)",
         "     1  recv from rank 2, data[2:3] (op) msg -> rank 1   (reduce-scatter round 0, "

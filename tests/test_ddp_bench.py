@@ -33,10 +33,10 @@ def test_quick_run_times_both_ddps_on_both_backends_and_their_weights_agree(tmp_
             assert r["max_weight_diff"] is None, r
 
 
-def test_the_added_time_ratio_and_the_readme_table_come_from_the_saved_rows(tmp_path):
-    """``python -m ringcomm_bench.report ddp.json --markdown`` prints the README's table, with
-    (ringcomm - local) / (gloo - local) per model and world size, and the same beyond DDP's
-    own cost, (ringcomm - none) / (gloo - none); '-' where a row is missing."""
+def test_the_added_time_ratio_and_the_ddp_table_come_from_the_saved_rows(tmp_path):
+    """``python -m ringcomm_bench.report ddp.json --markdown`` prints docs/benchmarks.md's
+    table, with (ringcomm - local) / (gloo - local) per model and world size, and the same
+    beyond DDP's own cost, (ringcomm - none) / (gloo - none); '-' where a row is missing."""
     from ringcomm_bench import ddp_step
 
     def row(model: str, world: int, backend: str, ddp: str | None, ms: float) -> dict:

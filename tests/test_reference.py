@@ -86,3 +86,18 @@ def test_the_support_matrix_agrees_with_the_communicator():
     seen = run_group(1, rank, timeout=30)[0]
     assert {(n, op): v for n, row in cells.items() for op, v in row.items()} == seen
     assert re.search(r"dtype uint16 is not supported", page)
+
+
+# a measured figure: a time, a bandwidth or a ratio
+FIGURE = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:us|ms|GB/s|MB/s|x)\b")
+GENERATED = re.compile(r"<!-- generated: .+? -->\n.*?<!-- end generated -->", re.S)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
+def test_every_figure_quoted_comes_from_a_results_file(page):
+    """Outside its generated blocks (made from bench/results/ and checked above) a page
+    quotes no measured figure."""
+    text = GENERATED.sub("", (ROOT / page).read_text())
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands
+    assert not FIGURE.findall(text), FIGURE.findall(text)
+    assert "<!-- generated: " in (ROOT / page).read_text()

@@ -20,8 +20,8 @@ Chrome's trace-event format (one process per rank, a thread per track), which Pe
 ``chrome://tracing`` open; ``ringcomm trace merge`` puts several ranks' files on one clock
 with the offsets each file carries (``clock``), and ``ringcomm trace plot`` draws them.
 
-Recording costs a few microseconds a step and a message (measured in the README); a group
-without a timeline has no wrapper at all, so tracing off costs nothing.
+Recording costs a few microseconds a step and a message (measured in docs/benchmarks.md); a
+group without a timeline has no wrapper at all, so tracing off costs nothing.
 """
 
 from __future__ import annotations
