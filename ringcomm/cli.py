@@ -206,9 +206,13 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _env(args: argparse.Namespace) -> None:
-    from .environment import report
+    from .environment import problems, report
 
     print(report())
+    if found := problems():
+        print(f"ringcomm env: {found} RINGCOMM_* variable{'s' if found > 1 else ''} set here "
+              f"{'are' if found > 1 else 'is'} invalid or unknown: see the lines marked ! "
+              "under settings", file=sys.stderr)
 
 
 def _trace(args: argparse.Namespace) -> None:

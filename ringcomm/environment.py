@@ -34,7 +34,6 @@ def _cores() -> str:
 def report() -> str:
     """The report, as lines of ``name: value`` under a few headings."""
     from .plan import cost
-    from .plan.settings import SETTINGS
     from .transport import shm_ring
     from .transport.files import ipc_base
 
@@ -49,17 +48,8 @@ def report() -> str:
     found = "found" if path.exists() else "absent: the built-in defaults are used"
     lines += ["cost profile", f"  path: {path} ({found})",
               "  set RINGCOMM_PROFILE to use another; `ringcomm tune` writes one"]
-    lines.append("settings (class: what happens when ranks differ)")
-    for s in SETTINGS:
-        if s.env is None:
-            continue
-        value = os.environ.get(s.env)
-        shown = "unset" if value is None else "set (not shown)" if s.secret else repr(value)
-        lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning} (default: "
-                     f"{s.shown_default})")
-    others = sorted(k for k in os.environ if k.startswith("RINGCOMM_")
-                    and k not in {s.env for s in SETTINGS})
-    lines += [f"  {k} = {os.environ[k]!r}" for k in others]
+    lines.append("settings (class: what happens when ranks differ; ! marks a problem)")
+    lines += _settings_lines()
     from .transport.kinds import KINDS
 
     lines.append("link kinds, asked in this order for each pair (the first that serves it "
@@ -77,6 +67,46 @@ def report() -> str:
               "RINGCOMM_SOCKET_IFNAME, else the route to the store)"]
     lines += device_report()
     return "\n".join(lines)
+
+
+def _settings_lines() -> list[str]:
+    """Every setting's variable with its value, then the other ``RINGCOMM_*`` variables
+    set here; a value its setting refuses and a variable ringcomm does not know are
+    flagged with what to do, since either would otherwise pass unnoticed in a long report."""
+    from .core import config, variables
+
+    lines = []
+    for s in config.SETTINGS:
+        if s.env is None:
+            continue
+        value = os.environ.get(s.env)
+        shown = "unset" if value is None else "set (not shown)" if s.secret else repr(value)
+        lines.append(f"  {s.env} = {shown}  [{s.scope.value}] {s.meaning} (default: "
+                     f"{s.shown_default})")
+        problem = config.read(s.name).problem
+        if problem is not None:
+            raw = "the value" if s.secret else repr(value)
+            fate = "ignored" if s.name == "debug" else "ringcomm.init refuses it"
+            lines.append(f"    ! invalid: {raw} {problem}; {fate}: unset it for the default "
+                         f"({s.shown_default})")
+    unknown = variables.unknown()
+    for k in sorted(k for k in os.environ if k.startswith(variables.PREFIX)
+                    and k not in variables.settings_variables()):
+        reader = variables.OUTSIDE_THE_TABLE.get(k)
+        lines.append(f"  {k} = {os.environ[k]!r}" + (f"  (read by {reader})" if reader else ""))
+        if k in unknown:
+            lines.append(f"    ! unknown: {variables.unknown_message(k, unknown[k])}")
+    return lines
+
+
+def problems() -> int:
+    """How many ``RINGCOMM_*`` variables set here are refused or unknown (the report marks
+    each with !)."""
+    from .core import config, variables
+
+    refused = sum(config.read(s.name).problem is not None for s in config.SETTINGS
+                  if s.env is not None)
+    return refused + len(variables.unknown())
 
 
 def device_report() -> list[str]:

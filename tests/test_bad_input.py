@@ -4,21 +4,31 @@ status 2, never a traceback or a hang (issue 37).
 Commands that would start ranks or serve for ever when the check is missing (``tune``,
 ``store``, ``bench``) run in fresh interpreters, as a user types them, under a timeout; the
 others run ``ringcomm.cli.main`` in this process, where an uncaught exception fails the test
-as a traceback would.
+as a traceback would. ``ringcomm env`` and ``init`` name unknown ``RINGCOMM_*`` variables
+and ``env`` flags refused values.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from mp_helpers import free_port
 
+import ringcomm
+from ringcomm.bootstrap import rendezvous
 from ringcomm.cli import main
+from ringcomm.core import variables
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def one_line(stderr: str) -> str:
@@ -202,3 +212,74 @@ def test_tune_checks_its_output_before_measuring(tmp_path, capsys):
     afile.write_text("")
     line = refused_in_process(capsys, "tune", "-n", "2", "-o", str(afile / "sub" / "p.json"))
     assert f"{afile} is a file, not a folder" in line
+
+
+# --------------------------------------------------------------------------- the environment
+
+
+def test_env_flags_refused_values_and_unknown_variables(monkeypatch, capsys):
+    monkeypatch.setenv("RINGCOMM_SPIN_US", "abc")
+    monkeypatch.setenv("RINGCOMM_TRANSPORT", "udp")
+    monkeypatch.setenv("RINGCOMM_ALOG", "ring")
+    monkeypatch.setenv("RINGCOMM_ZZZZZZ", "1")
+    monkeypatch.setenv("RINGCOMM_TEST_RUNTIME", "fake")  # read by the tests: known
+    main(["env"])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+
+    def below(variable: str) -> str:
+        """The line after ``variable``'s own: its flag, if it has one."""
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  {variable} = "))
+        return lines[at + 1]
+
+    assert below("RINGCOMM_SPIN_US") == (
+        "    ! invalid: 'abc' is not a number of microseconds from 0 to 1e+06; ringcomm.init "
+        "refuses it: unset it for the default (50.0)")
+    assert below("RINGCOMM_TRANSPORT").startswith(
+        "    ! invalid: 'udp' is not one of auto, ipc, tcp; ringcomm.init refuses it")
+    assert below("RINGCOMM_ALOG") == (
+        "    ! unknown: RINGCOMM_ALOG is not a ringcomm setting (did you mean RINGCOMM_ALGO?), "
+        "so ringcomm ignores it")
+    assert below("RINGCOMM_ZZZZZZ") == (
+        "    ! unknown: RINGCOMM_ZZZZZZ is not a ringcomm setting, so ringcomm ignores it")
+    assert "  RINGCOMM_TEST_RUNTIME = 'fake'  (read by the tests" in out
+    assert sum(line.startswith("    ! ") for line in lines) == 4
+    assert one_line(err) == ("ringcomm env: 4 RINGCOMM_* variables set here are invalid or "
+                             "unknown: see the lines marked ! under settings")
+
+
+def test_init_warns_of_an_unknown_variable_once_and_runs(monkeypatch, caplog):
+    monkeypatch.setenv("RINGCOMM_ALOG", "ring")
+    monkeypatch.setattr(rendezvous, "_WARNED_OF", set())
+    caplog.set_level(logging.WARNING, logger="ringcomm")
+    for _ in range(2):
+        with ringcomm.init(0, 1, store=f"127.0.0.1:{free_port()}", timeout=30) as comm:
+            x = np.ones(2)
+            comm.allreduce(x)
+    warned = [r.getMessage() for r in caplog.records if "RINGCOMM_ALOG" in r.getMessage()]
+    assert warned == ["RINGCOMM_ALOG is not a ringcomm setting (did you mean RINGCOMM_ALGO?), "
+                      "so ringcomm ignores it; `ringcomm env` lists the settings"]
+    assert [r.levelname for r in caplog.records if "RINGCOMM_ALOG" in r.getMessage()] == \
+        ["WARNING"]
+
+
+def test_every_ringcomm_variable_the_sources_read_is_known():
+    """A variable read outside the settings table must be listed in OUTSIDE_THE_TABLE, or
+    ``ringcomm env`` and ``init`` would call it unknown."""
+    me = Path(__file__).resolve()
+    found: set[str] = set()
+    for folder in ("ringcomm", "bench", "tests", "ddp", "examples"):
+        for path in (REPO / folder).rglob("*"):
+            if path.suffix in (".py", ".sh") and path.resolve() != me:
+                found |= set(re.findall(r"RINGCOMM_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    assert found - variables.known() == set()
+    assert "RINGCOMM_TEST_RUNTIME" in found  # the scan sees variables outside the table
+
+
+def test_the_likely_intended_variable():
+    assert variables.likely_meant("RINGCOMM_ALOG") == "RINGCOMM_ALGO"
+    assert variables.likely_meant("RINGCOMM_SPINUS") == "RINGCOMM_SPIN_US"
+    assert variables.likely_meant("RINGCOMM_TRANSPROT") == "RINGCOMM_TRANSPORT"
+    assert variables.likely_meant("RINGCOMM_ZZZZZZ") is None
+    assert variables.unknown({"RINGCOMM_ALGO": "ring", "RINGCOMM_ALOG": "x", "PATH": "/"}) \
+        == {"RINGCOMM_ALOG": "RINGCOMM_ALGO"}

@@ -43,7 +43,7 @@ from typing import Any
 
 from .._support import check_platform
 from .._version import __version__
-from ..core import config, waits
+from ..core import config, variables, waits
 from ..engines.exchange import StoreExchange
 from ..errors import ArgumentError, CommError, StoreError
 from ..observe.clock import through_store
@@ -93,6 +93,7 @@ def init(
     the host; ``"auto"`` (the default) is cuda where CuPy sees a GPU. Must match.
     """
     check_platform()  # Linux only: say so before anything else
+    _warn_of_unknown_variables()
     rank = rank if rank is not None else env_int("RANK")
     world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
     if rank is None or world_size is None:
@@ -196,6 +197,21 @@ def init(
     if log.isEnabledFor(logging.INFO):
         log.info("%s", summary(comm))
     return comm
+
+
+_WARNED_OF: set[str] = set()  # the unknown variables already named in this process
+
+
+def _warn_of_unknown_variables() -> None:
+    """Log a warning naming each ``RINGCOMM_*`` variable set here that ringcomm does not
+    know, with the setting it likely stands for: a misspelled one would otherwise leave its
+    setting at the default without a word. A warning, not an error, since a variable of the
+    user's own may share the prefix; once per name per process."""
+    for name, meant in variables.unknown().items():
+        if name not in _WARNED_OF:
+            _WARNED_OF.add(name)
+            log.warning("%s; `ringcomm env` lists the settings",
+                        variables.unknown_message(name, meant))
 
 
 def _timeline_folder(trace: str | os.PathLike[str], generation: int) -> str:
