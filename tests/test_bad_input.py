@@ -5,7 +5,7 @@ Commands that would start ranks or serve for ever when the check is missing (``t
 ``store``, ``bench``) run in fresh interpreters, as a user types them, under a timeout; the
 others run ``ringcomm.cli.main`` in this process, where an uncaught exception fails the test
 as a traceback would. ``ringcomm env`` and ``init`` name unknown ``RINGCOMM_*`` variables
-and ``env`` flags refused values.
+and ``env`` flags refused values; a collective's argument error carries one prefix.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import pytest
 from mp_helpers import free_port
 
 import ringcomm
+from ringcomm import ArgumentError
 from ringcomm.bootstrap import rendezvous
 from ringcomm.cli import main
 from ringcomm.core import variables
+from ringcomm.runtime.local import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -283,3 +285,55 @@ def test_the_likely_intended_variable():
     assert variables.likely_meant("RINGCOMM_ZZZZZZ") is None
     assert variables.unknown({"RINGCOMM_ALGO": "ring", "RINGCOMM_ALOG": "x", "PATH": "/"}) \
         == {"RINGCOMM_ALOG": "RINGCOMM_ALGO"}
+
+
+# --------------------------------------------------------------------------- the Python API
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_alltoall_with_blocks_of_two_sizes_is_the_same_argument_error(world):
+    def rank(comm):
+        with pytest.raises(ArgumentError) as info:
+            comm.alltoall(np.zeros(3 * world), np.zeros(2 * world))
+        return str(info.value)
+
+    for r, message in enumerate(run_group(world, rank)):
+        assert message == (
+            f"[rank {r}, alltoall] this rank's block to itself has 2 elements in x but 3 in "
+            f"out: block {r} of x and of out must be the same size (give in_splits and "
+            "out_splits, or x and out of the same size)")
+
+
+def test_a_collective_argument_error_has_one_prefix():
+    def rank(comm):
+        x = np.zeros(2)
+        calls = {"gather": lambda: comm.gather(None, x),
+                 "scatter": lambda: comm.scatter(x, None),
+                 "scatter ": lambda: comm.scatter(x, [x, x]),
+                 "split": lambda: comm.split(-2)}
+        messages = []
+        for name, call in calls.items():
+            with pytest.raises(ArgumentError) as info:
+                call()
+            assert str(info.value).startswith(f"[rank 0, {name.strip()}] ")
+            messages.append(str(info.value))
+        return messages
+
+    (messages,) = run_group(1, rank)
+    for message in messages:
+        prefix, _, rest = message.partition("] ")
+        op = prefix.rpartition(", ")[2]
+        assert not rest.startswith((f"{op}:", f"{op} ")), message
+
+
+def test_no_raise_site_starts_its_message_with_an_op_name():
+    """An error of a collective gets ``[rank R, OP]`` from its ``op=`` or from the
+    communicator's wrapper, so a message that starts with the op's name says it twice."""
+    from ringcomm.plan.collectives import COLLECTIVES
+
+    ops = "|".join(sorted(set(COLLECTIVES) | {"split", "send", "recv", "barrier", "close"}))
+    raise_site = re.compile(rf"(Error|Timeout|Aborted)\(\s*f?[\"']({ops})( #\S*)?: ")
+    doubled = [f"{path.relative_to(REPO)}: {match.group(0)!r}"
+               for path in (REPO / "ringcomm").rglob("*.py")
+               for match in raise_site.finditer(path.read_text())]
+    assert doubled == []

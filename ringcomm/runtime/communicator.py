@@ -361,7 +361,7 @@ class Communicator:
         for value, what in ((color, "color"), (key, "key")):
             if value is not None and (not isinstance(value, (int, np.integer)) or
                                       isinstance(value, bool) or value < 0):
-                raise ArgumentError(f"split: {what} must be a non-negative int or None, got "
+                raise ArgumentError(f"{what} must be a non-negative int or None, got "
                                     f"{value!r}", rank=self.rank, op="split")
         mine = np.array([-1 if color is None else color,
                          self.rank if key is None else key], np.int64)
@@ -476,7 +476,7 @@ class Communicator:
         buffers: dict[str, Buffer] = {"input": data}
         if self.rank == root:
             if out is None:
-                raise ArgumentError("gather: the root must pass `out` for the result")
+                raise ArgumentError("the root must pass `out` for the result")
             result = as_buffer(out, name="out", reads=False)
             self._check_same_dtype(result, data, "out", "x")
             self._check_size(result, data.count * self.world_size, "out", "world_size * x.size")
@@ -494,11 +494,11 @@ class Communicator:
         buffers: dict[str, Buffer] = {"output": result}
         if self.rank == root:
             if inputs is None:
-                raise ArgumentError("scatter: the root must pass `inputs`")
+                raise ArgumentError("the root must pass `inputs`")
             if isinstance(inputs, (list, tuple)):
                 if len(inputs) != self.world_size:
                     raise ArgumentError(
-                        f"scatter: {len(inputs)} inputs for a world of {self.world_size}")
+                        f"{len(inputs)} inputs for a world of {self.world_size}: pass one per rank")
                 parts = [as_buffer(t, name=f"inputs[{i}]", writable=False)
                          for i, t in enumerate(inputs)]
                 for i, part in enumerate(parts):
@@ -532,6 +532,12 @@ class Communicator:
         self._check_same_dtype(result, data, "out", "x")
         send_counts = self._splits(in_splits, data, "in_splits", "x")
         recv_counts = self._splits(out_splits, result, "out_splits", "out")
+        if send_counts[self.rank] != recv_counts[self.rank]:  # the one block a rank can check
+            raise ArgumentError(
+                f"this rank's block to itself has {send_counts[self.rank]} elements in x but "
+                f"{recv_counts[self.rank]} in out: block {self.rank} of x and of out must be the "
+                "same size (give in_splits and out_splits, or x and out of the same size)",
+                rank=self.rank)
         return self._collective("alltoall", {"input": data, "output": result}, out,
                                 data.nbytes, async_op, send_counts=send_counts,
                                 recv_counts=recv_counts)
