@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from mp_helpers import free_port, transport_pair
 
 import ringcomm
-from ringcomm import RecordError, StoreError
+from ringcomm import PeerLostError, RecordError, StoreError
 from ringcomm.bootstrap.store import StoreClient, StoreServer
 from ringcomm.transport import files, shm_ring
 from ringcomm.transport.board import size as board_size
@@ -492,3 +492,20 @@ def test_the_symlinked_ringcomm_folder_is_called_a_symlink(tmp_path):
     with pytest.raises(ringcomm.ArgumentError, match="is a symbolic link"):
         files.private_folder(str(link))
     assert stat.S_ISLNK(os.lstat(link).st_mode)  # refused, not replaced
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_whose_folder_is_gone_is_a_peer_that_left_not_a_stranger(lookalike):
+    """A rank removes its folder as it fails: its peers, reading its record afterwards, say
+    it left the set-up (``PeerLostError``), not that a stranger wrote the record."""
+    rec = record(str(lookalike), shm_ring.new_token())
+    shutil.rmtree(lookalike)
+    with StoreServer("127.0.0.1", 0) as server, \
+            StoreClient(server.address, timeout=10) as writer, \
+            StoreClient(server.address, timeout=10) as store:
+        writer.set("links/record/0", json.dumps(rec).encode())
+        with pytest.raises(PeerLostError) as info:
+            GroupTransport(1, 2, store, hosts=["h", "h"], timeout=3)
+    err = info.value
+    assert (err.rank, err.peer) == (1, 0), err
+    assert "left the set-up" in str(err) and "stranger" not in str(err), err

@@ -29,7 +29,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import RecordError
+from ..errors import PeerLostError, RecordError
 from . import files, pipe, shm_ring
 
 MAX_RING_BYTES = 1 << 40  # far above any ring a rank makes, far below what breaks a size
@@ -72,6 +72,14 @@ class Check:
             "did not start answers at its address, or someone rewrote its keys); nothing it "
             "names was opened. Give every rank RINGCOMM_AUTH_TOKEN, and let rank 0 serve the "
             "store (RINGCOMM_STORE=serve)", rank=self.rank, peer=self.peer)
+
+    def gone(self, field: str, path: str) -> PeerLostError:
+        """What a name of a well-formed record that is not on disk means: the peer removes
+        its folder as it fails, so it left the set-up (nothing was opened)."""
+        return PeerLostError(
+            f"rank {self.peer}'s {field} names {path}, which is gone: rank {self.peer} left "
+            "the set-up (a rank removes its folder as it fails or is killed) before this rank "
+            "opened its links; its own error says why", rank=self.rank, peer=self.peer)
 
     def mapping(self, field: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -128,6 +136,8 @@ class Check:
         for path in (os.path.dirname(folder), folder):
             try:
                 why = files.folder_refusal(path, os.lstat(path))
+            except FileNotFoundError:
+                raise self.gone(field, path) from None
             except OSError as err:
                 why = f"{path} cannot be looked at ({err.strerror})"
             if why is not None:
@@ -140,6 +150,8 @@ class Check:
         path = os.path.join(folder, name)
         try:
             why = pipe.fifo_refusal(path, os.lstat(path))
+        except FileNotFoundError:
+            raise self.gone(field, path) from None
         except OSError as err:
             why = f"{path} cannot be looked at ({err.strerror})"
         if why is not None:
