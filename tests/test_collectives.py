@@ -180,12 +180,12 @@ def test_ringcomm_schedule_lists_every_flat_algorithm_of_the_table(capsys):
         "allreduce", "allreduce_tree", "allreduce_dbtree", "allreduce_hd", "allreduce_rd",
         "allreduce_board", "allreduce_twoshot", "reduce_scatter", "allgather", "allgather_board",
         "broadcast",
-        "broadcast_tree", "broadcast_board", "reduce", "gather", "scatter", "alltoall",
+        "broadcast_binomial", "broadcast_board", "reduce", "gather", "scatter", "alltoall",
         "barrier", "barrier_board"]
     listed = sum(len([a for a in spec.algorithms if a not in HOST_AWARE])
                  for spec in COLLECTIVES.values())
     assert len(cli._SCHEDULES) == listed
-    cli.main(["schedule", "broadcast_tree", "-n", "3", "-c", "4", "--rank", "1", "--root", "2"])
+    cli.main(["schedule", "broadcast_binomial", "-n", "3", "-c", "4", "--rank", "1", "--root", "2"])
     assert capsys.readouterr().out.startswith("broadcast (binomial), rank 1 of 3")
     cli.main(["schedule", "allreduce", "-n", "3", "-c", "6", "-s", "1", "--rank", "0"])
     printed = capsys.readouterr().out.splitlines()

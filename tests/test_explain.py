@@ -182,7 +182,8 @@ def test_command_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None
     assert "allreduce (hd) on 5 ranks" in out and "(unfold): 1 message" in out
     assert ET.parse(svg).getroot().tag == f"{SVG}svg"
     assert html.read_text().lstrip().lower().startswith("<!doctype html>")
-    main(["explain", "--collective", "broadcast", "--algo", "tree", "-n", "4", "--root", "2"])
+    main(["explain", "--collective", "broadcast", "--algo", "binomial", "-n", "4", "--root",
+          "2"])
     assert "broadcast (binomial) on 4 ranks" in capsys.readouterr().out
 
 

@@ -25,7 +25,7 @@ CASES: dict[str, dict[str, Any]] = {
     "ring-allreduce-4": dict(algorithm="ring", world_size=4),
     "hd-allreduce-5": dict(algorithm="hd", world_size=5),
     "hier-allreduce-2x2": dict(algorithm="hier", hosts=hosts_layout("2x2")),
-    "tree-broadcast-5": dict(collective="broadcast", algorithm="tree", world_size=5),
+    "binomial-broadcast-5": dict(collective="broadcast", algorithm="binomial", world_size=5),
 }
 # the parser's checks also cover buffers only some ranks hold and a rooted reduce's scratch
 PARSED = {**CASES, "gather-3": dict(collective="gather", world_size=3),

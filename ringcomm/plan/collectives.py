@@ -65,7 +65,6 @@ class Algorithm:
     name: str
     summary: str  # one line for people (``ringcomm schedule --help``)
     build: Builder
-    label: str = ""  # the word ``ringcomm schedule`` appends to the collective's name
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -74,7 +73,9 @@ class Algorithm:
 
     @property
     def word(self) -> str:
-        return self.label or self.name
+        """The word ``ringcomm schedule`` appends to the collective's name: the algorithm's
+        one name, as everywhere else (``broadcast_binomial``)."""
+        return self.name
 
 
 def _fold(op: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -296,7 +297,7 @@ _TABLE = (
                       rooted.broadcast_chain(r, n, root, c, s)),
             Algorithm("binomial", "binomial tree from the root (small messages)",
                       lambda r, n, c, s, root, **_:
-                      rooted.broadcast_binomial(r, n, root, c), label="tree"),
+                      rooted.broadcast_binomial(r, n, root, c)),
             Algorithm("board", "the root posts on the shared board, every rank takes it and "
                       "checks every header (one host, small messages)",
                       lambda r, n, c, s, root, **_: board.broadcast(r, n, root, c))),

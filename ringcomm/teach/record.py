@@ -77,9 +77,8 @@ class Call:
 
 
 def resolve(collective: str, algorithm: str | None) -> str:
-    """The name the table of collectives gives ``algorithm`` of ``collective`` (which also
-    answers to the word ``ringcomm schedule`` uses: ``tree`` for broadcast's binomial one),
-    or the collective's main algorithm over links (the ring for an allreduce)."""
+    """The name the table of collectives gives ``algorithm`` of ``collective``, or the
+    collective's main algorithm over links (the ring for an allreduce)."""
     spec = COLLECTIVES.get(collective)
     if spec is None:
         raise ArgumentError(f"unknown collective {collective!r}; use one of "
