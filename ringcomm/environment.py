@@ -139,9 +139,9 @@ def device_report() -> list[str]:
     lines.append(f"  runtime: {runtime.name} (memory {runtime.memory!r})")
     lines += [f"    {key}: {value}" for key, value in about.items()]
     if not about.get("mps", "").startswith("on"):
-        lines.append("  ranks that share one GPU without MPS take turns on it (about 250 us a "
-                     "switch on an H100); an MPS daemon lets their kernels run at once "
-                     "(docs/gpu.md: MPS)")
+        lines.append("  ranks that share one GPU without MPS take turns on it (every switch "
+                     "between processes costs time); an MPS daemon lets their kernels run at "
+                     "once (docs/gpu.md: MPS)")
     engine = config.read("device_engine").value
     lines.append("  device engines (RINGCOMM_DEVICE_ENGINE=" + engine + "): " + {
         "auto": "cuda-ipc where every rank is on one host, else staged; staged always",

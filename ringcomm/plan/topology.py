@@ -129,8 +129,9 @@ class Topology:
             else:
                 how = ("no MPS" if not served else f"MPS serves only rank(s) "
                        f"{', '.join(map(str, served))}") + (
-                    ": their kernels take turns on the GPU (about 250 us a switch on an "
-                    "H100); an MPS daemon lets them run at once (docs/gpu.md)")
+                    ": their kernels take turns on the GPU (every switch between "
+                    "processes costs time); an MPS daemon lets them run at once "
+                    "(docs/gpu.md)")
             lines.append(f"ranks {', '.join(map(str, ranks))} share GPU {facts.gpu} on "
                          f"{facts.hostname}; {how}")
         return "; ".join(lines)
