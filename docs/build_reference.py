@@ -230,8 +230,12 @@ def _dtype_op_table() -> str:
 def _nccl_lines() -> str:
     import numpy as np
 
+    from ringcomm.core.algorithms import NCCL_OWN
     from ringcomm.core.device.nccl import nccl_dtype, nccl_op
     from ringcomm.core.dtypes import DTYPE_NAMES, REDUCE_OPS
+    from ringcomm.plan.collectives import COLLECTIVES
+
+    own = NCCL_OWN - {"allreduce"}
 
     moved = [n for d, n in DTYPE_NAMES.items() if _refused(lambda d=d: nccl_dtype(d)) is None]
     lacking = [n for d, n in DTYPE_NAMES.items() if n not in moved]
@@ -242,10 +246,12 @@ def _nccl_lines() -> str:
             f"the reduce ops {', '.join(reduced)}; it has no "
             f"{', '.join(lacking)} type and no {', '.join(lacking_ops)} reduction. "
             "ringcomm's schedules on the nccl engine move bytes and reduce on the device "
-            "themselves, so they take everything the table above allows. The nccl engine's "
-            "automatic choice of NCCL's own allreduce does not yet look at the dtype or the "
-            "op: for those NCCL lacks, force a schedule (`algorithm=\"ring\"`, or "
-            "`RINGCOMM_ALGO`).")
+            "themselves, so they take everything the table above allows. On the nccl engine "
+            f"NCCL's own call runs {', '.join(c for c in COLLECTIVES if c in own)} (allreduce "
+            "where the cost model prices it cheapest) whatever the dtype and op, so a dtype "
+            "or op NCCL lacks fails there with a `ValueError` naming it: for those, force a "
+            "schedule (`algorithm=` on the communicator, `RINGCOMM_ALGO` for allreduce) or "
+            "use the cuda-ipc or staged engine.")
 
 
 def _torch_lines() -> str:
@@ -292,28 +298,30 @@ def support_page() -> str:
     aliases = ", ".join(f"`{a}` for `{o}`" for a, o in _OP_ALIASES.items())
     return (HEADER.format(source="the code's own tables and checks") + "# What runs where\n\n"
             "## Collectives, engines and algorithms\n\n"
-            "An *engine* runs a collective's schedule: `links` (messages between pairs of "
-            "ranks: pipes and shared memory on one host, ZeroMQ tcp between hosts), `board` "
-            "(the shared memory all ranks of one host map; host memory only), and for device "
-            "memory (CuPy arrays, CUDA tensors) `cuda-ipc` (ranks of one host), `staged` "
-            "(through page-locked host memory, across hosts too) and `nccl` (asked for with "
-            "`RINGCOMM_DEVICE_ENGINE=nccl`). Each cell lists the algorithms that run the "
-            "collective on that engine; which one a call gets is the selector's choice "
-            "(`ringcomm schedule --choices` prints it), and `algorithm=` forces one. Point-to-"
-            "point `send` and `recv` go over the links.\n\n"
+            + para("An *engine* runs a collective's schedule: `links` (messages between pairs "
+                   "of ranks: pipes and shared memory on one host, ZeroMQ tcp between hosts), "
+                   "`board` (the shared memory all ranks of one host map; host memory only), "
+                   "and for device memory (CuPy arrays, CUDA tensors) `cuda-ipc` (ranks of "
+                   "one host), `staged` (through page-locked host memory, across hosts too) "
+                   "and `nccl` (asked for with `RINGCOMM_DEVICE_ENGINE=nccl`). Each cell lists "
+                   "the algorithms that run the collective on that engine; which one a call "
+                   "gets is the selector's choice (`ringcomm schedule --choices` prints it), "
+                   "and `algorithm=` forces one. Point-to-point `send` and `recv` go over the "
+                   "links.") + "\n\n"
             + _engines_table() + "\n\n"
-            "Every algorithm has one name, the same in `algorithm=`, `RINGCOMM_ALGO` (allreduce "
-            "only), traces, errors, `ringcomm schedule` and `ringcomm explain`:\n\n"
+            + para("Every algorithm has one name, the same in `algorithm=`, `RINGCOMM_ALGO` "
+                   "(allreduce only), traces, errors, `ringcomm schedule` and `ringcomm "
+                   "explain`:") + "\n\n"
             + _registry_table() + "\n\n"
             "## Dtypes and reduce ops\n\n"
-            f"Every collective takes the dtypes below. The reducing ones ({', '.join(reducing)}) "
-            "take a reduce op, defined for these dtypes (an `ArgumentError` before anything is "
-            "sent otherwise); the host engines and the device engines reduce with the same "
-            f"table. Aliases: {aliases}.\n\n"
-            + dtype_table + "\n\n"
-            f"Any other dtype is refused by every collective with an `ArgumentError`: "
-            f"\"{refusal}\".\n\n"
-            + _torch_lines() + "\n\n" + _nccl_lines() + "\n")
+            + para("Every collective takes the dtypes below. The reducing ones "
+                   f"({', '.join(reducing)}) take a reduce op, defined for these dtypes (an "
+                   "`ArgumentError` before anything is sent otherwise); the host engines and "
+                   f"the device engines reduce with the same table. Aliases: {aliases}.")
+            + "\n\n" + dtype_table + "\n\n"
+            + para("Any other dtype is refused by the communicator's collectives with an "
+                   f"`ArgumentError`: \"{refusal}\".") + "\n\n"
+            + para(_torch_lines()) + "\n\n" + para(_nccl_lines()) + "\n")
 
 
 # ----------------------------------------------------------------------------- figures
