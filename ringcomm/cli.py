@@ -39,7 +39,7 @@ _Builder = Callable[[int, int, int, int, int], Schedule]
 def _schedule_entries() -> dict[str, tuple[str, _Builder]]:
     """``ringcomm schedule``'s names, from the table of collectives: each collective's main
     algorithm under the collective's name, its others as ``NAME_WORD`` (``allreduce_tree``,
-    ``broadcast_tree``); none that needs the hosts' layout, which this command has no
+    ``broadcast_binomial``); none that needs the hosts' layout, which this command has no
     option for. Name -> (help, builder(rank, world_size, count, segment, root))."""
     entries: dict[str, tuple[str, _Builder]] = {}
     for spec in COLLECTIVES.values():
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "animated page, --animate steps through them in the terminal.")
     explain.add_argument("--algo", default=None, metavar="NAME",
                          help="the algorithm: for allreduce ring (default), tree, dbtree, hd, "
-                         "rd, hier (with --hosts); for broadcast chain (default) or tree; the "
+                         "rd, hier (with --hosts); for broadcast chain (default) or binomial; the "
                          "others have one")
     explain.add_argument("--collective", default="allreduce", choices=list(COLLECTIVES))
     explain.add_argument("-n", "--world-size", type=int, default=4)
