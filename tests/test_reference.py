@@ -85,7 +85,7 @@ def test_the_support_matrix_agrees_with_the_communicator():
 
     seen = run_group(1, rank, timeout=30)[0]
     assert {(n, op): v for n, row in cells.items() for op, v in row.items()} == seen
-    assert re.search(r"dtype uint16 is not supported", page)
+    assert re.search(r"dtype\s+uint16\s+is\s+not\s+supported", page)
 
 
 # a measured figure: a time, a bandwidth or a ratio
