@@ -606,8 +606,8 @@ def ddp_job(folder: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    import ddp
     import ringcomm  # noqa: F401 - registers the backend
+    import ringcomm_ddp as ddp
 
     dist.init_process_group("ringcomm")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -192,8 +192,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("transport", Scope.MUST_MATCH, "RINGCOMM_TRANSPORT", "transport",
             "auto, ipc or tcp: auto links ranks of one host by pipes and shared memory "
             "where both ends offer them, else by ipc sockets, and other hosts by tcp; ipc "
-            "uses ipc sockets where auto would use tcp; tcp makes every pair a tcp socket "
-            "(no shared memory, no board)", "auto", _choice(*TRANSPORT_MODES)),
+            "is auto, but ranks on different hosts get ipc sockets instead of tcp, which "
+            "works only where they see the same files (network namespaces of one machine); "
+            "tcp makes every pair a tcp socket (no shared memory, no board)", "auto",
+            _choice(*TRANSPORT_MODES)),
     Setting("segment_bytes", Scope.AGREED, None, "segment_bytes",
             "bytes per message segment", None, None,
             "the profile's tuned size, else 2 MiB"),
