@@ -248,10 +248,10 @@ def _nccl_lines() -> str:
             "ringcomm's schedules on the nccl engine move bytes and reduce on the device "
             "themselves, so they take everything the table above allows. On the nccl engine "
             f"NCCL's own call runs {', '.join(c for c in COLLECTIVES if c in own)} (allreduce "
-            "where the cost model prices it cheapest) whatever the dtype and op, so a dtype "
-            "or op NCCL lacks fails there with a `ValueError` naming it: for those, force a "
-            "schedule (`algorithm=` on the communicator, `RINGCOMM_ALGO` for allreduce) or "
-            "use the cuda-ipc or staged engine.")
+            "where the cost model prices it cheapest) for the dtypes and ops it takes; the "
+            "others run as ringcomm's schedules there (`comm.choose(collective, x, op=...)` "
+            "says which and why), and forcing NCCL's own call on them (`algorithm='nccl'`) "
+            "is an `ArgumentError`.")
 
 
 def _torch_lines() -> str:

@@ -244,3 +244,32 @@ def test_nccl_own_allreduce_against_the_schedules_bit_for_bit(nccl_engine: None)
                 assert own.tobytes() == ours.tobytes(), algorithm
             else:
                 np.testing.assert_allclose(ours, own, rtol=1e-5, atol=1e-2)
+
+
+def test_dtypes_and_reductions_nccls_own_calls_lack_run_as_nccl_groups(
+        nccl_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's own calls take no bool, int16 or complex and no bitwise reduction: those go
+    through ringcomm's schedules as NCCL groups (bytes), right, on the nccl engine; forcing
+    NCCL's own call on them is an ArgumentError saying so."""
+    import device_cases
+
+    for name, dtype in (("bool", np.bool_), ("int16", np.int16), ("complex64", np.complex64)):
+        monkeypatch.setitem(device_cases.DTYPES, name, dtype)
+    cases: list[Case] = [
+        ("broadcast", 5, "bool", "sum", 0, None), ("allgather", 5, "bool", "sum", 0, None),
+        ("allreduce", 37, "int16", "sum", 0, None), ("reduce", 5, "int16", "max", 2, None),
+        ("reduce_scatter", 5, "int16", "sum", 0, None),
+        ("allreduce", 37, "complex64", "sum", 0, None),
+        ("allreduce", 37, "int32", "band", 0, None), ("allreduce", 37, "int64", "bxor", 0, None),
+        ("broadcast", 5, "complex64", "sum", 1, None)]
+    assert set(run_matrix(3, cases)) == {"nccl"}
+
+    def forced(comm):
+        x = to_device(comm.device, np.ones(8, np.int16))
+        choice = comm.choose("allreduce", x)
+        with pytest.raises(CommError, match="does not take this dtype"):
+            comm.allreduce(x, algorithm="nccl")
+        return choice
+    choice = run_group(2, forced, device="fake")[0]
+    assert (choice.engine, choice.algorithm) != ("nccl", "nccl"), choice
+    assert "does not take this dtype" in choice.why, choice

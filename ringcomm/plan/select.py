@@ -87,16 +87,17 @@ class Selector:
         self.group = group
         self._priced: dict[tuple[int, int], str] = {}
         self._priced_device: dict[tuple[int, int, str], str] = {}
-        self._made: dict[tuple[str, int, int, str, str | None], Choice] = {}
+        self._made: dict[tuple[str, int, int, str, str | None, bool], Choice] = {}
         self._fixed: dict[str, Choice] = {}  # the collectives whose choice has no size
         self._one_shot = board_schedules.one_shot_bytes(group.world_size)
 
     def choose(self, collective: str, nbytes: int, itemsize: int = 4, *,
-               memory: str = HOST, forced: str | None = None) -> Choice:
+               memory: str = HOST, forced: str | None = None, native: bool = True) -> Choice:
         """The choice for ``collective`` on a buffer of ``nbytes`` (allgather: one rank's
         input) of ``itemsize``-byte elements in ``memory``, ``forced`` naming one of the
         collective's algorithms (an ``ArgumentError`` where it is unknown or cannot run
-        here). Made once
+        here); ``native``: whether NCCL's own call takes the dtype and the reduction
+        (``nccl_takes``; the same on every rank, as they are). Made once
         per call shape (once per collective where its size does not matter): a program
         makes the same few calls over and over."""
         if collective in _SIZE_FREE and memory is HOST and forced is None:
@@ -105,20 +106,21 @@ class Selector:
                 choice = self._fixed[collective] = self._make(collective, 0, itemsize,
                                                               memory, forced)
             return choice
-        key = (collective, nbytes, itemsize, memory, forced)
+        key = (collective, nbytes, itemsize, memory, forced, native)
         choice = self._made.get(key)
         if choice is None:
-            choice = self._make(collective, nbytes, itemsize, memory, forced)
+            choice = self._make(collective, nbytes, itemsize, memory, forced, native)
             if len(self._made) >= 1024:  # many shapes: keep the latest
                 del self._made[next(iter(self._made))]
             self._made[key] = choice
         return choice
 
     def _make(self, collective: str, nbytes: int, itemsize: int, memory: str,
-              forced: str | None) -> Choice:
+              forced: str | None, native: bool = True) -> Choice:
         group = self.group
         if memory == group.device_memory and group.device_engines:
-            engine, algorithm, why = self._on_device(collective, nbytes, itemsize, forced)
+            engine, algorithm, why = self._on_device(collective, nbytes, itemsize, forced,
+                                                     native)
             return Choice(engine, algorithm, group.segment_bytes, why)
         engine, algorithm, why = self._rule(collective, nbytes, itemsize, forced)
         if memory != HOST:
@@ -126,19 +128,20 @@ class Selector:
         return Choice(engine, algorithm, group.segment_bytes, why)
 
     def _on_device(self, collective: str, nbytes: int, itemsize: int,
-                   forced: str | None) -> tuple[str, str, str]:
+                   forced: str | None, native: bool = True) -> tuple[str, str, str]:
         """Device memory on the group's preferred device engine (cuda-ipc where the group
         has it, else staged), with what the links would run: the same schedules, never
         the board's."""
         engine = self.group.device_engines[0]
-        algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced)
+        algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced,
+                                                native)
         return engine, algorithm, f"{engine} for device memory; {why}"
 
     def _device_algorithm(self, engine: str, collective: str, nbytes: int, itemsize: int,
-                          forced: str | None) -> tuple[str, str]:
+                          forced: str | None, native: bool = True) -> tuple[str, str]:
         group = self.group
         if engine == NCCL:
-            return self._nccl_algorithm(collective, nbytes, itemsize, forced)
+            return self._nccl_algorithm(collective, nbytes, itemsize, forced, native)
         if collective != "allreduce":
             _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
             return algorithm, why
@@ -163,22 +166,31 @@ class Selector:
         return chosen, f"the cost model's cheapest with its {source} constants"
 
     def _nccl_algorithm(self, collective: str, nbytes: int, itemsize: int,
-                        forced: str | None) -> tuple[str, str]:
+                        forced: str | None, native: bool = True) -> tuple[str, str]:
         """On the nccl engine: NCCL's own call (``nccl``) for the collectives that have one,
         against ringcomm's schedules as NCCL groups, by the cost model for an allreduce;
-        the schedules the links would run for the others."""
+        the schedules the links would run for the others, and for dtypes and reductions
+        NCCL's own calls do not take (``native`` False)."""
         group = self.group
         if forced is not None and forced.lower() == NCCL:
             if collective not in NCCL_OWN:
                 raise ArgumentError(f"NCCL has no call of its own for {collective}; leave "
                                     "the algorithm unset (its schedules run as NCCL groups)")
+            if not native:
+                raise ArgumentError(f"NCCL's own {collective} does not take this dtype or "
+                                    "reduction (it takes int8, uint8, int32, uint32, int64, "
+                                    "uint64, float16, float32, float64, bfloat16 and sum, "
+                                    "prod, max, min, avg); leave the algorithm unset (its "
+                                    "schedules run as NCCL groups)")
             return NCCL, "forced by algorithm="
         if collective == "allreduce":
             schedules = forced is not None or group.settings.algorithm is not None
         else:
             schedules = forced is not None or collective not in NCCL_OWN
-        if schedules:  # what the links would run, as NCCL groups
+        if schedules or not native:  # what the links would run, as NCCL groups
             _, algorithm, why = self._rule(collective, nbytes, itemsize, forced, board=False)
+            if not native and not schedules and collective in NCCL_OWN:
+                why += "; NCCL's own call does not take this dtype or reduction"
             return algorithm, f"{why}, as NCCL groups"
         if collective != "allreduce":
             return NCCL, "NCCL's own call"

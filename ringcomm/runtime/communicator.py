@@ -47,6 +47,7 @@ from ..core.arrays import (
     as_buffer,
 )
 from ..core.config import DEFAULT_INLINE_BYTES
+from ..core.device.nccl import nccl_takes
 from ..core.dtypes import dtype_name, reduce_op
 from ..engines.base import Engine
 from ..engines.device_channel import Exchange
@@ -243,23 +244,28 @@ class Communicator:
         return self._ops.idle
 
     def choose(self, collective: str, size: Any, itemsize: int = 4, *,
-               algorithm: str | None = None, memory: str = HOST) -> Choice:
+               algorithm: str | None = None, memory: str = HOST,
+               op: str | None = None) -> Choice:
         """How this communicator runs ``collective`` on ``size``: a number of bytes (of
         ``itemsize``-byte elements, in ``memory``: host, or a device runtime's,
         ``comm.device.memory``), or the array or tensor itself (a CUDA tensor, a CuPy
         array, a numpy array: its bytes, element size and memory are read from it). The
         engine, algorithm, segment size, and why; the selector's choice, the same on every
-        rank.
+        rank. Given the array, ``op`` names the reduction (as the collective would take it):
+        on the nccl engine, NCCL's own call does not take every dtype and reduction.
 
         Example::
 
             comm.choose("allreduce", torch.ones(1024, device="cuda")).engine  # "cuda-ipc"
         """
+        native = True
         if not isinstance(size, (int, np.integer)):
             data = as_buffer(size, name="x", reads=False)
             size, itemsize, memory = data.nbytes, data.dtype.itemsize, data.memory
+            native = memory is HOST or nccl_takes(
+                data.dtype, None if op is None else reduce_op(op, data.dtype).name)
         return self.selector.choose(collective, int(size), itemsize, memory=memory,
-                                    forced=algorithm)
+                                    forced=algorithm, native=native)
 
     def describe(self) -> str:
         """How this rank reaches its peers (the kind of each link, and why), the engines
@@ -407,7 +413,9 @@ class Communicator:
             return x
         rop = reduce_op(op, data.dtype)
         choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
-                                      memory=data.memory, forced=algorithm)
+                                      memory=data.memory, forced=algorithm,
+                                      native=data.memory is HOST
+                                      or nccl_takes(data.dtype, rop.name))
         return self._ops.submit(CollectiveCall(
             _ALLREDUCE, data.dtype, {"data": data}, x, choice, data.memory, rop,
             count=data.count), async_op)
@@ -685,8 +693,10 @@ class Communicator:
             for buf in others:
                 if buf.memory is not HOST:
                     memory = buf.memory
-        choice = self.selector.choose(name, nbytes, first.dtype.itemsize, memory=memory,
-                                      forced=forced)
+        choice = self.selector.choose(
+            name, nbytes, first.dtype.itemsize, memory=memory, forced=forced,
+            native=memory is HOST or nccl_takes(first.dtype, None if reduce is None
+                                                else reduce.name))
         return self._ops.submit(CollectiveCall(
             COLLECTIVES[name], first.dtype, buffers, result, choice, memory, reduce, arg, count,
             send_counts, recv_counts), async_op)

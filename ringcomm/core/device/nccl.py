@@ -119,6 +119,13 @@ NCCL_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint
                "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
 
 
+def nccl_takes(dtype: np.dtype, op: str | None = None) -> bool:
+    """Whether NCCL's own calls take ``dtype`` (and the reduction named ``op``): where they
+    do not (bool, complex, int16, uint16; the bitwise reductions), the nccl engine runs
+    ringcomm's schedules as NCCL groups, which move bytes."""
+    return np.dtype(dtype).name in NCCL_DTYPES and (op is None or op in NCCL_OPS)
+
+
 def nccl_dtype(dtype: np.dtype) -> int:
     """NCCL's number for ``dtype``; an error naming it where NCCL has none (bool, complex)."""
     try:
