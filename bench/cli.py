@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from ringcomm._support import install_hint
+
 # what the harness needs beyond ringcomm itself: the `bench` extra in pyproject.toml
-EXTRA = "pip install 'ringcomm[bench]'"
+EXTRA = install_hint("bench")
 NEEDS = ("rich", "matplotlib")
 
 

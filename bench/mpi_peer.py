@@ -52,10 +52,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ringcomm._support import install_hint
+
 from .buffers import Buffers, Reference
 from .common import timed
 
-EXTRA = "pip install 'ringcomm[mpi]'"
+EXTRA = install_hint("mpi")
 TOKEN_ENV = "RINGCOMM_BENCH_MPI_TOKEN"  # tells our MPI ranks apart from any other connection
 _OPS = ("sum", "prod", "min", "max")
 

@@ -448,9 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{device.COPY}, {device.GLOO_CUDA}, {device.TORCH_CUDA}, nccl")
     p.add_argument("--peers", nargs="+", default=[], metavar="PEER",
                    choices=[name for name, runner in RUNNERS.items() if runner.peer],
-                   help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install "
-                   "'ringcomm[mpi]') in processes of their own started by mpiexec, taking "
-                   "turns with the backends in every repetition; reported as backend mpi")
+                   help="mpi: also run MPI's collectives (mpi4py, MPICH: pip install -e "
+                   "'.[mpi]' in ringcomm's checkout) in processes of their own started by "
+                   "mpiexec, taking turns with the backends in every repetition; reported as "
+                   "backend mpi")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     p.add_argument("--quick", action="store_true",

@@ -57,7 +57,14 @@ def import_core(module: str) -> ModuleType:
         raise MissingDependencyError(
             f"ringcomm needs {package} (import name {top!r}), which could not be imported: "
             f"{err}. Install it with `pip install {package}`, or reinstall ringcomm "
-            f"(`pip install ringcomm` pulls in all its dependencies)", name=top) from err
+            f"(`{install_hint()}` pulls in all its dependencies)", name=top) from err
+
+
+def install_hint(extra: str | None = None) -> str:
+    """The command that installs ringcomm with ``extra`` (None: its dependencies alone):
+    ringcomm is installed from its checkout, editable."""
+    what = "." if extra is None else f"'.[{extra}]'"
+    return f"pip install -e {what} in ringcomm's checkout"
 
 
 def configure_logging(level: str | None) -> None:

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ._support import install_hint
 from ._version import __version__
 from .errors import ArgumentError
 from .plan.collectives import COLLECTIVES, Collective
@@ -244,8 +245,7 @@ def _plugin(name: str, argv: list[str]) -> None:
         command = found[0].load()
     except ImportError as err:
         raise SystemExit(f"ringcomm {name}: the benchmark harness cannot be loaded ({err}); "
-                         "install ringcomm with its extra: pip install 'ringcomm[bench]'"
-                         ) from None
+                         f"install ringcomm with its extra: {install_hint('bench')}") from None
     raise SystemExit(command(argv))
 
 

@@ -380,7 +380,7 @@ def test_peers_mpi_without_mpi4py_names_the_extra():
                           text=True, timeout=55)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs mpi4py and MPICH" in proc.stderr, proc.stderr
-    assert "pip install 'ringcomm[mpi]'" in proc.stderr
+    assert "pip install -e '.[mpi]' in ringcomm's checkout" in proc.stderr
     assert "Traceback" not in proc.stderr and "starting ranks" not in proc.stderr
 
 

@@ -221,5 +221,5 @@ def test_the_animation_without_rich_says_which_extra(monkeypatch: pytest.MonkeyP
     import sys
 
     monkeypatch.setitem(sys.modules, "rich.console", None)  # as if rich were not installed
-    with pytest.raises(ArgumentError, match=r"pip install 'ringcomm\[teach\]'"):
+    with pytest.raises(ArgumentError, match=r"pip install -e '\.\[teach\]' in ringcomm's checkout"):
         animate(explain("allreduce", "ring", 2), delay=0)

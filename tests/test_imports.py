@@ -155,7 +155,7 @@ print(json.dumps(errors))
     for kind, message in errors:
         assert kind == "MissingDependencyError"
         assert f"ringcomm needs {package}" in message and f"pip install {package}" in message
-        assert "pip install ringcomm" in message
+        assert "pip install -e . in ringcomm's checkout" in message
 
 
 # --------------------------------------------------------------------------- in process

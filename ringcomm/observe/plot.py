@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .._support import install_hint
 from ..errors import ArgumentError
 from .merge import load_timeline
 
@@ -55,8 +56,8 @@ def plot(trace: dict[str, Any], output: str | Path, *, title: str | None = None)
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as err:
-        raise SystemExit("ringcomm trace plot needs matplotlib: pip install "
-                         "'ringcomm[bench]'") from err
+        raise SystemExit("ringcomm trace plot needs matplotlib: "
+                         f"{install_hint('bench')}") from err
     index = {row: i for i, row in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.6))
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from .._support import install_hint
 from ..errors import ArgumentError
 from .explanation import Explanation
 from .rounds import Round
@@ -27,7 +28,7 @@ def animate(ex: Explanation, *, delay: float = 1.5, console: Console | None = No
         from rich.live import Live
     except ImportError:
         raise ArgumentError("--animate draws with rich, which is not installed: "
-                            "pip install 'ringcomm[teach]'") from None
+                            f"{install_hint('teach')}") from None
     console = console or Console()
     frames = [frame(ex, i) for i in range(len(ex.rounds))]
     if not console.is_terminal:
