@@ -360,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.run(args)
     except ArgumentError as err:
         parser.exit(2, f"ringcomm: error: {err}\n")
+    except BrokenPipeError:  # the reader left (``ringcomm explain ... | head``): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's own flush at exit
+        os.dup2(devnull, sys.stdout.fileno())       # must not fail on the closed pipe either
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

@@ -337,3 +337,17 @@ def test_no_raise_site_starts_its_message_with_an_op_name():
                for path in (REPO / "ringcomm").rglob("*.py")
                for match in raise_site.finditer(path.read_text())]
     assert doubled == []
+
+
+@pytest.mark.timeout(40)
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """``ringcomm explain ... | head -1``: the closed pipe ends the command quietly."""
+    proc = subprocess.Popen([sys.executable, "-m", "ringcomm", "explain", "-n", "16", "-c",
+                             "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as head does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 0, err
+    assert first.startswith(b"allreduce (ring) on 16 ranks"), first
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
