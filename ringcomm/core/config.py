@@ -292,8 +292,9 @@ SETTINGS: tuple[Setting, ...] = (
             "unless one answers there, and warns when it joins one it did not start). "
             "Read by rank 0 alone", "auto", _choice(*STORE_ROLES)),
     Setting("auth_token", Scope.LOCAL, "RINGCOMM_AUTH_TOKEN", "auth_token",
-            "a shared secret: the store and every rank-to-rank tcp connection admit only "
-            "peers that hold it (and encrypt); never published or logged", None, _text,
+            "a shared secret: the store, every rank-to-rank tcp connection and every "
+            "rank's control socket (over ipc too) admit only peers that hold it (and "
+            "encrypt); never published or logged", None, _text,
             "unset: no authentication", secret=True),
 )
 BY_NAME = MappingProxyType({s.name: s for s in SETTINGS})
