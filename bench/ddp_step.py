@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--ddp", nargs="+", default=list(DDPS), choices=DDPS,
-                   help="DDP implementations: torch's, ours (the ddp package), or both")
+                   help="DDP implementations: torch's, ours (ringcomm_ddp, the ddp/ folder), "
+                   "or both")
     p.add_argument("--steps", type=int, default=10, help="training steps per repetition")
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per replica")

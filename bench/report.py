@@ -170,8 +170,16 @@ TARGETS = [
 NOISE_NOTE = ("noise: the band (lower to upper quartile) the target's value moves in from "
               "one repetition to the next at the worst size, each repetition timing every "
               "backend back to back; 'within noise': the bound lies inside it, so this run "
-              "cannot say whether the target is met. The 'same' row: one schedule timed "
-              "twice (auto, and its algorithm forced), their medians apart by that factor.")
+              "cannot say whether the target is met.")
+SAME_NOTE = ("The 'noise: auto vs its own algorithm forced' row: one schedule timed twice "
+             "(auto, and its algorithm forced), their medians apart by that factor.")
+
+
+def noise_note(summary: list[dict]) -> str:
+    """``NOISE_NOTE``, and ``SAME_NOTE`` where the summary has that row (a run that forced
+    the algorithm its automatic choice took)."""
+    same = any(t.get("kind") == "same" for t in summary)
+    return f"{NOISE_NOTE} {SAME_NOTE}" if same else NOISE_NOTE
 
 
 def _reps(row: dict) -> list[float]:
@@ -296,7 +304,8 @@ def print_targets(summary: list[dict], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="allreduce targets (worst size)", title_justify="left",
-                  show_edge=False, pad_edge=False, caption=NOISE_NOTE, caption_justify="left")
+                  show_edge=False, pad_edge=False, caption=noise_note(summary),
+                  caption_justify="left")
     for name in ("world", "dtype", "target", "row", "bound", "worst", "at size", "noise",
                  "sizes met", ""):
         table.add_column(name, justify="left" if name in ("target", "dtype", "row", "")
@@ -361,7 +370,7 @@ def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
                        f"{_bound(t)} | {_value(t, t['worst'])} ({format_size(t['at_bytes'])}"
                        f"{flag}) | {_noise(t)} | "
                        f"{t['sizes_met']}/{t['sizes']} |")
-        out += ["", NOISE_NOTE]
+        out += ["", noise_note(summary)]
     return "\n".join(out)
 
 

@@ -3,7 +3,7 @@
     ringcomm bench                                     # every collective, world 2, 8 B..128 MiB
     ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 256M -f 2 --json out.json
     ringcomm bench --backends ringcomm ringcomm/torch gloo --peers mpi   # MPI as a peer
-    ringcomm bench --quick                             # under a minute
+    ringcomm bench --quick                             # a short smoke run
     ringcomm bench ddp                                 # DDP training step (bench/ddp_step.py)
     ringcomm bench --device cuda --collectives allreduce   # device memory (bench/device.py)
 
@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run in under a minute: 1K, 32K, 1M at world 2, few repetitions")
+                   help="a short smoke run: 1K, 32K, 1M at world 2, few repetitions")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds without progress before the run is declared hung")
     p.add_argument("--hosts", default=None, metavar="HxR",
