@@ -899,8 +899,9 @@ Everything above is a *schedule*: a list of steps per rank (send this chunk, rec
 that one) that ringcomm prints, prices and runs. An *engine* is what carries out a schedule's
 steps, and the same schedules run on each:
 
-- `links`: messages over named pipes and shared memory on one host, ZeroMQ `tcp://` between
-  hosts (what `explain` and the sweep above use);
+- `links`: messages between pairs of ranks, over named pipes and shared memory on one host,
+  ZeroMQ `tcp://` between hosts (what the sweep's forced ring and tree above use; `explain`
+  runs the same engine over in-memory links);
 - `board`: one host's shared-memory board, where ranks post their data and read each
   other's: one-shot for small vectors, two-shot (a reduce-scatter and an all-gather again)
   for larger ones (what ran the DDP allreduces above);
