@@ -314,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "store", help="serve a rendezvous store until interrupted",
         description="Serve the key-value store ranks meet through, apart from any rank: "
         "start it, then give every rank store='HOST:PORT' (ringcomm.init), and rank 0 "
-        "connects to it instead of serving one itself.")
+        "joins it instead of serving one itself: quietly with RINGCOMM_STORE=join, with "
+        "a warning by default (RINGCOMM_STORE=serve refuses it).")
     store.add_argument("--host", default="127.0.0.1",
                        help="interface address to listen on (default: loopback, for ranks "
                        "of this host only; 0.0.0.0 for all, then set RINGCOMM_AUTH_TOKEN too)")
