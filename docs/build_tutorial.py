@@ -241,7 +241,8 @@ With unequal local batches ({", ".join(map(str, unequal.sizes))} samples):
 - weighted {uw} = {vector(unequal.weighted)}: the full-batch gradient (they
   differ by {gap(unequal.weighted)}, rounding).
 
-`ddp.DistributedDataParallel(model, average="samples")` does the weighted version: each rank
+ringcomm's own DDP (`import ringcomm_ddp as ddp`, from the `ddp/` folder) does the weighted
+version with `ddp.DistributedDataParallel(model, average="samples")`: each rank
 multiplies its gradients by B_i before the allreduce, the total B travels in the same
 allreduce, and the sum is divided by it. Everything else on this page is about the
 allreduce itself: how to add up one vector per rank, fast, so every rank gets the sum.
@@ -847,7 +848,7 @@ def section_ddp(png_path: str) -> str:
 A training step cannot allreduce the gradients before backward has computed them, but it
 need not wait for *all* of them: backward runs the model from the last layer to the first,
 so the last layer's gradients are final long before the first layer's. DDP (here ringcomm's
-own, `ddp/`) groups the gradients into *buckets* of about `bucket_cap_mb` each, in the order
+own, `ringcomm_ddp`) groups the gradients into *buckets* of about `bucket_cap_mb` each, in the order
 backward produces them, and launches an asynchronous allreduce of a bucket as soon as its
 last gradient is in, while backward goes on computing the rest. One allreduce per parameter
 would pay alpha hundreds of times a step; one for the whole model could only start at the
