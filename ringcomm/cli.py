@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     explain.add_argument("-n", "--world-size", type=int, default=4)
     explain.add_argument("-c", "--count", type=int, default=None,
                          help="elements of the vector, or of one rank's block for the "
-                         "collectives with a block per rank (default: one per rank; two)")
+                         "collectives with a block per rank (default: one element per "
+                         "rank for a vector, two for a block)")
     explain.add_argument("-s", "--segment", type=int, default=0,
                          help="elements per message (default: whole chunks)")
     explain.add_argument("--hosts", default=None, metavar="HxR",
