@@ -100,6 +100,16 @@ def test_the_wheel_has_every_module_of_the_tree(built):
 
 
 @pytest.mark.timeout(90)
+def test_the_wheel_and_the_sdist_carry_the_kernel_sources(built):
+    """The device kernels' CUDA C is package data, read and compiled where it is used."""
+    sources = {path.relative_to(ROOT).as_posix()
+               for path in (ROOT / "ringcomm").rglob("*.cu")}
+    assert "ringcomm/engines/kernels/allreduce.cu" in sources
+    assert sources - set(built.wheel) == set()
+    assert sources - set(built.sdist) == set()
+
+
+@pytest.mark.timeout(90)
 def test_the_wheel_is_typed_and_licensed(built):
     assert "ringcomm/py.typed" in built.wheel  # type checkers read the annotations (PEP 561)
     meta = built.metadata()

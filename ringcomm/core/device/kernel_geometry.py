@@ -1,0 +1,75 @@
+"""Where the device allreduce kernels put things: the signal pad's slots, each rank's slice,
+each block's units. One description for every side that must agree with
+``ringcomm/engines/kernels/allreduce.cu``: the launcher that will size pads and grids (a
+later slice of issue 36), and the numpy mirror of the kernels (``ringcomm.testing
+.fake_kernels``). A test compares the constants here with the CUDA source's.
+
+Why the mirror takes these from here rather than computing its own: a slice or a block
+assignment that differed from the kernel's would make the mirror test another algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+MAX_RANKS = 8  # kMaxRanks
+MAX_BLOCKS = 128  # kMaxBlocks
+MAX_THREADS = 512  # kMaxThreads
+VECTOR_BYTES = 16  # kVectorBytes: one vector load
+PHASES = ("start", "end")  # kPhaseStart, kPhaseEnd: a pad row each
+FLAG_BYTES = 4  # one unsigned int
+PAD_WORDS = len(PHASES) * MAX_BLOCKS * MAX_RANKS
+PAD_BYTES = PAD_WORDS * FLAG_BYTES  # 8 KiB: a multiple of 16, so data after it stays aligned
+
+
+def pad_slot(phase: str, block: int, rank: int) -> int:
+    """The word of a pad that block ``block`` of rank ``rank`` writes at ``phase``
+    (``pad_slot`` in the kernel)."""
+    return (PHASES.index(phase) * MAX_BLOCKS + block) * MAX_RANKS + rank
+
+
+def vector_width(itemsize: int) -> int:
+    """Elements in one 16-byte vector load (``vector_width<T>()``): 1 for 16-byte items."""
+    return max(1, VECTOR_BYTES // itemsize)
+
+
+def aligned(pointer: int) -> bool:
+    """Whether ``pointer`` takes vector loads. A one-shot loads vectors where every data
+    buffer and its output are aligned, a two-shot where every data buffer is (each rank maps
+    them at the same offsets, so every rank cuts the same slices); else one element at a
+    time."""
+    return pointer % VECTOR_BYTES == 0
+
+
+def two_shot_slice(units: int, rank: int, world: int) -> tuple[int, int]:
+    """The units ``[lo, hi)`` rank ``rank`` reduces and writes everywhere: ceil(units /
+    world) each, the last ones shorter or empty (``slice_of``). The elements after the last
+    whole vector belong to rank ``world - 1``."""
+    per = -(-units // world)
+    lo = min(per * rank, units)
+    return lo, min(lo + per, units)
+
+
+def grid_stride(first: int, end: int, block: int, blocks: int,
+                threads: int) -> Iterator[tuple[int, int]]:
+    """The units of ``[first, end)`` that block ``block`` handles, one ``(lo, hi)`` range per
+    turn of the kernel's grid-stride loop: turn ``k`` gives its threads units
+    ``first + (k * blocks + block) * threads`` onwards, one each."""
+    step = blocks * threads
+    lo = first + block * threads
+    while lo < end:
+        yield lo, min(lo + threads, end)
+        lo += step
+
+
+def check_launch(world: int, blocks: int, threads: int) -> None:
+    """What every launch must hold (the host checks before launching; the mirror too):
+    the pads have room for ``blocks`` and ``world``, and a block has a thread per rank to
+    meet with."""
+    if not 1 <= world <= MAX_RANKS:
+        raise ValueError(f"the kernels serve 1 to {MAX_RANKS} ranks, not {world}")
+    if not 1 <= blocks <= MAX_BLOCKS:
+        raise ValueError(f"blocks must be 1 to {MAX_BLOCKS} (the pad's rows), not {blocks}")
+    if not world <= threads <= MAX_THREADS:
+        raise ValueError(f"threads per block must be {world} (one per rank, to meet) to "
+                         f"{MAX_THREADS}, not {threads}")
