@@ -35,12 +35,12 @@ def read_json(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(got[0])
 
 
-def close_during_op(world: int, env: dict[str, str]) -> list[dict]:
+def close_during_op(world: int, env: dict[str, str], *extra: str) -> list[dict]:
     """Run ``close_rank.py`` on ``world`` ranks; every rank's last line."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "close_rank.py"), str(r),
-                               str(world), str(port)], stdin=subprocess.PIPE,
+                               str(world), str(port), *extra], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**base, **env})
              for r in range(world)]
@@ -90,3 +90,12 @@ def test_close_during_an_op_on_the_board_is_an_abort(world):
 def test_close_during_an_op_over_links_is_an_abort(world, transport):
     check(close_during_op(world, {"RINGCOMM_BOARD": "0", "RINGCOMM_TRANSPORT": transport}),
           "links")
+
+
+@pytest.mark.timeout(60)
+def test_close_aborts_the_op_even_with_another_threads_op_queued():
+    """Another thread's async receive, queued on the worker while the allreduce waits, does
+    not hide the allreduce from close: it is aborted, and the receive fails too."""
+    results = close_during_op(2, {"RINGCOMM_BOARD": "0"}, "post-recv")
+    check(results, "links")
+    assert results[0]["recv"]["type"] == "CommAborted", results[0]

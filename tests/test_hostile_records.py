@@ -509,3 +509,13 @@ def test_a_peer_whose_folder_is_gone_is_a_peer_that_left_not_a_stranger(lookalik
     err = info.value
     assert (err.rank, err.peer) == (1, 0), err
     assert "left the set-up" in str(err) and "stranger" not in str(err), err
+
+
+@pytest.mark.timeout(30)
+def test_a_folder_under_no_ringcomm_folder_is_refused_as_a_record_no_rank_writes(lookalike):
+    """A rank's own folder goes as it fails, but the user's ringcomm-<uid> folder above it
+    stays: a record naming one that does not exist is a stranger's (RecordError)."""
+    parent = os.path.basename(os.path.dirname(lookalike))
+    folder = f"/nonexistent-{os.getpid()}/{parent}/{os.path.basename(lookalike)}"
+    err = rank_1_reads(record(folder, shm_ring.new_token()))
+    assert "does not exist" in str(err), err

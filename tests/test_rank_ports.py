@@ -215,7 +215,9 @@ def test_the_bounds_are_what_a_peer_may_send():
     assert largest_notice == zmq_control.MAX_NOTICE_BYTES
     # a segment (or the largest message sent whole, whichever is larger) and no more
     assert socket_link.payload_bound(64 << 20) == 64 << 20
-    assert socket_link.payload_bound(0) == socket_link.SMALLEST_BOUND == 16 << 20
+    assert socket_link.payload_bound(2 << 20) == 2 << 20  # the default segment
+    assert socket_link.payload_bound(1) == socket_link.SMALLEST_BOUND == 64 << 10
+    assert socket_link.payload_bound(0) == socket_link.UNAGREED_BOUND  # none agreed
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.linger = 0
@@ -311,7 +313,7 @@ def test_refused_greetings_are_logged_at_a_bounded_rate_with_a_count(curve_pair,
 
 @pytest.mark.timeout(60)
 def test_a_segment_larger_than_the_links_admit_is_refused_with_what_to_do(monkeypatch):
-    """A link admits frames of the segment agreed at init (at least 16 MiB): a larger
+    """A link admits frames of the segment agreed at init (2 MiB by default): a larger
     segment later would have its messages dropped, so it is refused up front."""
     from mp_helpers import free_port
 
@@ -321,10 +323,64 @@ def test_a_segment_larger_than_the_links_admit_is_refused_with_what_to_do(monkey
     monkeypatch.delenv("RINGCOMM_AUTH_TOKEN", raising=False)
     with ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
                        timeout=20) as comm:
-        comm.segment_bytes = 8 << 20  # within the least bound
+        comm.segment_bytes = 1 << 20  # within the agreed segment
         with pytest.raises(ArgumentError, match=r"ringcomm.init\(segment_bytes=67108864\)"):
             comm.segment_bytes = 64 << 20
-        assert comm.segment_bytes == 8 << 20
+        assert comm.segment_bytes == 1 << 20
     with ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", timeout=20,
                        segment_bytes=64 << 20) as comm:
         comm.segment_bytes = 64 << 20
+
+
+@pytest.mark.timeout(60)
+def test_what_a_peer_sends_fits_what_its_link_admits(monkeypatch):
+    """Over tcp, with links that admit the agreed segment (2 MiB): a binomial broadcast
+    asked for by name on 4 MiB goes segment by segment (sent whole, the link dropped it as
+    a stranger's and the receiver blamed a healthy root), and two ranks that each send
+    128 MiB before they receive find their messages queued (a connection holds about
+    256 MiB of unread segments)."""
+    from mp_helpers import free_port
+
+    import ringcomm
+
+    monkeypatch.delenv("RINGCOMM_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RINGCOMM_TRANSPORT", "tcp")
+    store = f"127.0.0.1:{free_port()}"
+    results: list[object] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            with ringcomm.init(rank=r, world_size=2, store=store, timeout=20) as comm:
+                x = np.full(1 << 20, float(r + 1), np.float32)  # 4 MiB
+                comm.broadcast(x, root=0, algorithm="binomial")
+                out = np.empty(32 << 20, np.float32)  # 128 MiB each way
+                comm.send(np.full(32 << 20, float(r + 1), np.float32), 1 - r)
+                comm.recv(out, 1 - r)
+                results[r] = (float(x.min()), float(x.max()), float(out[0]), float(out[-1]))
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            results[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert results == [(1.0, 1.0, 2.0, 2.0), (1.0, 1.0, 1.0, 1.0)], results
+
+
+@pytest.mark.timeout(60)
+def test_a_peers_abort_behind_stale_probes_is_seen_and_the_probes_go(tcp_pair):
+    """Probes about ops this rank is past are dropped when it completes an op, not sent
+    round again on every op; an abort behind a queue of them is still seen."""
+    a, b = tcp_pair
+    for seq in range(1, 41):  # a peer that asked, again and again, about ops long done
+        b.control.probe(0, expected(seq, 8, sender=0), f"allreduce #{seq}")
+    time.sleep(0.3)  # they arrive
+    a.check_aborted(50, "allreduce #50")  # nothing to raise; the stale probes go
+    assert not a.control.socket.poll(200, zmq.POLLIN), "stale probes still queued"
+    for seq in range(51, 71):
+        b.control.probe(0, expected(seq - 20, 8, sender=0), f"allreduce #{seq - 20}")
+    b.abort(60, "rank 1 gives up")
+    time.sleep(0.3)
+    with pytest.raises(RemoteError, match="rank 1 gives up"):
+        a.check_aborted(60, "allreduce #60")

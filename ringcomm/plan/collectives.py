@@ -297,7 +297,7 @@ _TABLE = (
                       rooted.broadcast_chain(r, n, root, c, s)),
             Algorithm("binomial", "binomial tree from the root (small messages)",
                       lambda r, n, c, s, root, **_:
-                      rooted.broadcast_binomial(r, n, root, c)),
+                      rooted.broadcast_binomial(r, n, root, c, s)),
             Algorithm("board", "the root posts on the shared board, every rank takes it and "
                       "checks every header (one host, small messages)",
                       lambda r, n, c, s, root, **_: board.broadcast(r, n, root, c))),

@@ -561,7 +561,9 @@ class Communicator:
         """Send ``x`` to rank ``dst``; matched, in order, by ``recv(src=this rank)`` there.
 
         Completes once the data has left this process (the receiver need not have posted
-        its receive yet, except for large payloads that wait in the socket)."""
+        its receive yet, except for large payloads: past what its link queues, about
+        256 MiB over sockets, a blocking send waits for the receiver, so two ranks that
+        both send first exchange with ``async_op=True``)."""
         data = as_buffer(x, name="x", writable=False).staged_for(HOST_ONLY)
         self._check_rank(dst, "dst", allow_self=False)
         self._check_tag(tag)

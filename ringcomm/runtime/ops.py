@@ -145,7 +145,9 @@ class OpRunner:
             = queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._outstanding = 0  # ops issued and not finished (posted receives count as busy)
-        self._inline = False  # a collective runs on its caller's thread (not the worker's)
+        # callers inside an op: running it on their own thread, or waiting for the worker to
+        # run their blocking op (``closing``: closing under them is an abort)
+        self._callers = 0
         self.p2p = P2PEngine(self)
         self._worker = threading.Thread(target=self._work, name=f"ringcomm-rank{self.rank}",
                                         daemon=True)
@@ -183,7 +185,8 @@ class OpRunner:
             # start anything meanwhile: its queue is empty and no receive is posted.
             inline = inline and self.idle
             self._outstanding += 1
-            self._inline = inline
+            waits = inline or not async_op
+            self._callers += waits
         if inline:
             assert isinstance(item, tuple)  # only collectives run inline
             try:
@@ -195,15 +198,20 @@ class OpRunner:
                     return Work.finished(name, self.timeout, error=err)
                 raise
             finally:
-                self._inline = False
-                self._op_done()
+                self._op_done(caller=True)
             return Work.finished(name, self.timeout, result) if async_op else result
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         work = Work(future, name, self.timeout)
         if isinstance(item, P2POp):
             item.work = work
         self._queue.put((item, future))
-        return work if async_op else work.wait()
+        if async_op:
+            return work
+        try:
+            return work.wait()
+        finally:
+            with self._count_lock:
+                self._callers -= 1
 
     def _small(self, call: CollectiveCall) -> bool:
         return all(b.nbytes <= self.inline_bytes for b in call.buffers.values())
@@ -215,9 +223,10 @@ class OpRunner:
         memory lent only for the call (a view that keeps nothing alive) is safe to use."""
         return self._outstanding == 0 and not self.p2p.busy
 
-    def _op_done(self) -> None:
+    def _op_done(self, caller: bool = False) -> None:
         with self._count_lock:
             self._outstanding -= 1
+            self._callers -= caller
 
     # ------------------------------------------------------------------ the fast entry
     def allreduce_now(self, data: Buffer, op: str) -> bool:
@@ -242,7 +251,7 @@ class OpRunner:
                     self.p2p.busy:  # ``idle`` spelled out: the hottest path
                 return False
             self._outstanding += 1
-            self._inline = True
+            self._callers += 1
         seq = next(self._seq)
         if plan is _ALONE:  # the values stay; a staged buffer still goes through its stages
             try:
@@ -251,8 +260,7 @@ class OpRunner:
                 staged.after_op()
                 self._completed = seq + 1
             finally:
-                self._inline = False
-                self._op_done()
+                self._op_done(caller=True)
             return True
         engine, planned = plan
         name = f"allreduce #{seq}"
@@ -266,8 +274,7 @@ class OpRunner:
             self.p2p.fail_all(err)
             raise
         finally:
-            self._inline = False
-            self._op_done()
+            self._op_done(caller=True)
         return True
 
     def _plan(self, data: Buffer, op: str) -> Any:
@@ -362,13 +369,14 @@ class OpRunner:
             self.hang.settle()  # before the group's store is closed
 
     def closing(self) -> bool:
-        """No op starts from here on (``Communicator.close``); whether a collective runs
-        on its caller's thread now: ``close``, on another thread, must not close what it
-        uses under it, so that op is aborted first (``abort``). One on the worker finishes
-        first (``stop`` waits for it)."""
+        """No op starts from here on (``Communicator.close``); whether a caller is inside
+        an op now (running it on its thread, or waiting for the worker to run it): ``close``,
+        on another thread, must not close what that op uses under it, nor wait out its
+        timeout, so it is aborted first (``abort``). Async ops queued with nobody waiting
+        finish first (``stop`` waits for them)."""
         with self._count_lock:
             self.closed = True
-            return self._inline
+            return self._callers > 0
 
     def abort(self, reason: str) -> None:
         """Give up now (``Communicator.abort``): no op starts from here on, the op in flight,

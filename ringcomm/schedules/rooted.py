@@ -11,6 +11,8 @@ large ``N``, independent of ``n``.
 
 *Binomial tree* (small messages). Broadcast in ``ceil(log2 n)`` rounds: in round ``j`` every
 rank that has the data sends it ``2^j`` positions on. Cost ``ceil(log2 n) (alpha + N beta)``.
+Chosen for small messages, which are one segment; a larger one (asked for by name) goes
+segment by segment, as every message does (a link admits a segment at most).
 
 Non-root ranks' data is left untouched by reduce: partials travel through scratch.
 """
@@ -40,19 +42,25 @@ def broadcast_chain(rank: int, world_size: int, root: int, count: int, segment: 
 
 
 @lru_cache(maxsize=512)
-def broadcast_binomial(rank: int, world_size: int, root: int, count: int) -> Schedule:
+def broadcast_binomial(rank: int, world_size: int, root: int, count: int,
+                       segment: int = 0) -> Schedule:
+    """``segment`` elements per message (0: the whole vector in one)."""
     n, steps = world_size, StepList()
     p = (rank - root) % n
-    region = Region(DATA, 0, count)
-    mask = 1
-    if p > 0:
-        parent_bit = 1 << (p.bit_length() - 1)
-        steps.recv((rank - parent_bit) % n, region, phase="broadcast",
-                   round=parent_bit.bit_length() - 1)
-        mask = parent_bit << 1
-    while p + mask < n:
-        steps.send((rank + mask) % n, region, phase="broadcast", round=mask.bit_length() - 1)
-        mask <<= 1
+    parent_bit = 1 << (p.bit_length() - 1) if p > 0 else 0
+    pieces = segments(0, count, segment) if segment > 0 and count > 0 else [(0, count)]
+    for k, (o, c) in enumerate(pieces):
+        region = Region(DATA, o, c)
+        label = {} if len(pieces) == 1 else {"segment": k}
+        mask = 1
+        if p > 0:
+            steps.recv((rank - parent_bit) % n, region, phase="broadcast",
+                       round=parent_bit.bit_length() - 1, **label)
+            mask = parent_bit << 1
+        while p + mask < n:
+            steps.send((rank + mask) % n, region, phase="broadcast",
+                       round=mask.bit_length() - 1, **label)
+            mask <<= 1
     return steps.build("broadcast", "binomial", rank, n)
 
 

@@ -79,7 +79,8 @@ class Check:
         return PeerLostError(
             f"rank {self.peer}'s {field} names {path}, which is gone: rank {self.peer} left "
             "the set-up (a rank removes its folder as it fails or is killed) before this rank "
-            "opened its links; its own error says why", rank=self.rank, peer=self.peer)
+            "opened its links, and its own error says why; or whoever wrote its record named "
+            "a folder that never was (nothing was opened)", rank=self.rank, peer=self.peer)
 
     def mapping(self, field: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -137,6 +138,9 @@ class Check:
             try:
                 why = files.folder_refusal(path, os.lstat(path))
             except FileNotFoundError:
+                if path != folder:  # the user's ringcomm folder stays; a rank's own goes
+                    raise self.refuse(field, folder, f"is refused: {path} does not exist"
+                                      ) from None
                 raise self.gone(field, path) from None
             except OSError as err:
                 why = f"{path} cannot be looked at ({err.strerror})"

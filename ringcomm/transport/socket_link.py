@@ -42,11 +42,12 @@ from .zmq_control import PolledLink, ZmqControl
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking (pyzmq's own limit)
 _SEND_POLL_S = 0.05  # how often a wait for a send looks for a lost peer or an abort
 _LOST_GRACE_S = 1.0  # a send to a peer whose connection closed may still be finishing
-# The least frame a link admits whatever the segment: 8 times the default segment, so that
-# segments may be changed after init (``Communicator.segment_bytes``, ``ringcomm tune``) up
-# to it; the messages sent whole are smaller (a binomial broadcast's, up to
+# The least frame a link admits whatever the segment: every message is cut into segments,
+# and the few that are not are smaller (a binomial broadcast's, up to
 # ``plan.select.SMALL_BROADCAST_BYTES``; an abort's text, 4 KiB; a device notice)
-SMALLEST_BOUND = 16 << 20
+SMALLEST_BOUND = 64 << 10
+# the bound of a transport made without an agreed segment (tools and tests set one up alone)
+UNAGREED_BOUND = 16 << 20
 QUEUE_BYTES = 256 << 20  # about the most one connection's unread messages may hold
 _LEAST_QUEUED = 2  # messages a receiving socket queues per connection, however large
 _ADDRESSES_KEPT = 64  # accepted connections whose address a link remembers at once
@@ -54,8 +55,10 @@ _ADDRESSES_KEPT = 64  # accepted connections whose address a link remembers at o
 
 def payload_bound(segment_bytes: int) -> int:
     """The largest payload a link admits in one message, with ``segment_bytes`` agreed at
-    init: schedules cut messages into segments, and the few sent whole are smaller than
-    ``SMALLEST_BOUND``; a communicator's segment may not grow past it later."""
+    init (0: none agreed): schedules cut messages into segments, and the few sent whole are
+    smaller than ``SMALLEST_BOUND``; a communicator's segment may not grow past it later."""
+    if segment_bytes <= 0:
+        return UNAGREED_BOUND
     return max(int(segment_bytes), SMALLEST_BOUND)
 
 

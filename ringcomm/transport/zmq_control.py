@@ -44,7 +44,7 @@ _ABORT_GRACE_MS = 500  # a peer that closed may have failed on an abort still on
 STALL_PROBE_S = 1.0  # a receive stalled this long asks its peer which op it is in
 WAKE_ENDPOINT = "inproc://ringcomm-wake"  # the control socket's own door, for ``wake``
 _CONTROL_EVERY = 8  # a spinning receive polls (control plane, pipe) on every 8th turn
-_CHECKED_AT_ONCE = 16  # notices ``check_aborted`` reads at most (a stranger's flood)
+_CHECKED_AT_ONCE = QUEUED_NOTICES + 1  # notices ``check_aborted`` reads at most: a queue, whole
 
 
 def decode_notice(frames: list[bytes], rank: int,
@@ -167,9 +167,10 @@ class ZmqControl(ControlPlane):
     def check_aborted(self, seq: int, op: str) -> None:
         """Raise the ``RemoteError`` of a peer's abort waiting here that names collective
         ``seq`` or an earlier one (the first the peer does not complete). Looks at a few
-        notices at most; the others (probes, aborts of later ops, this rank's own wake) go
-        back to the socket for the waits that take them. Costs one socket option read when
-        nothing is waiting."""
+        notices at most: probes about op ``seq`` or an earlier one are stale (this rank is
+        past them) and dropped; the others (probes of later ops, aborts of later ops, this
+        rank's own wake) go back to the socket for the waits that take them. Costs one poll
+        when nothing is waiting."""
         sock = self.socket
         if not sock.poll(0, zmq.POLLIN):
             return
@@ -188,17 +189,23 @@ class ZmqControl(ControlPlane):
                     continue
                 if probed is None and header.sender != self.rank and header.seq <= seq:
                     raise remote_error(header, payload, self.rank, op)
+                if probed is not None and probed.seq <= seq:
+                    continue  # a peer asked about an op this rank is done with
                 back.append(frames)
         finally:
             for frames in back:
-                self._send_own(frames)
+                try:
+                    self._send_own(frames, zmq.NOBLOCK)
+                except zmq.Again:  # the socket's queue is full (of a stranger's notices)
+                    self.refusals.warning("a notice dropped", "rank %d's control plane "
+                                          "dropped a notice: its queue is full", self.rank)
 
-    def _send_own(self, frames: list[bytes]) -> None:
-        """Put a notice back on this rank's own control socket (through ``WAKE_ENDPOINT``)."""
+    def _send_own(self, frames: list[bytes], flags: int = 0) -> None:
+        """Put a notice on this rank's own control socket (through ``WAKE_ENDPOINT``)."""
         with self._wake_lock:
             if self._wake is None:
                 self._wake = self._connect(WAKE_ENDPOINT)
-            self._wake.send_multipart(frames)
+            self._wake.send_multipart(frames, flags)
 
     def explain_loss(self, op: str) -> None:
         """Before reporting a lost peer: an abort from some rank, arriving within a grace
