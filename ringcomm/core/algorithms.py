@@ -25,6 +25,9 @@ BOARD = "board"  # the shared board: posts and takes in memory all local ranks m
 CUDA_IPC = "cuda-ipc"  # device memory of one host's ranks, mapped by each other
 STAGED = "staged"  # device memory through page-locked host memory and the links
 NCCL = "nccl"  # device memory through NCCL's communicator (CuPy's cupy.cuda.nccl)
+# device memory of one host's ranks, one kernel per op over regions every rank maps, the
+# ranks meeting through flags in device memory (``ringcomm.plan.kernel_path``)
+CUDA_KERNEL = "cuda-kernel"
 # in the selector's order of preference (NCCL only where asked for: RINGCOMM_DEVICE_ENGINE)
 DEVICE_ENGINES: tuple[str, ...] = (NCCL, CUDA_IPC, STAGED)
 
@@ -63,6 +66,12 @@ _ROWS = (
                   "everyone's post, then takes everyone's folded chunk"),
     AlgorithmName("nccl", NCCL, False,
                   "NCCL's own collective, on the nccl engine (device memory)"),
+    AlgorithmName("kernel-oneshot", CUDA_KERNEL, False,
+                  "one kernel: every rank reduces every rank's mapped data into its own "
+                  "output (device memory, small messages)"),
+    AlgorithmName("kernel-twoshot", CUDA_KERNEL, False,
+                  "one kernel, in place: each rank reduces its 1/p slice from every rank and "
+                  "writes it into every rank's buffer (device memory, large messages)"),
 )
 
 ALGORITHMS = MappingProxyType({row.name: row for row in _ROWS})
@@ -73,6 +82,8 @@ WIRE_CODES = MappingProxyType({name: code for code, name in enumerate(WIRE_NAMES
 # and those of the shared board (taken by size where a group has one, never priced).
 ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allreduce)
 ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
+# the allreduce algorithms of the kernel path (cuda-kernel engine): one launch each, no steps
+ALLREDUCE_KERNELS: tuple[str, ...] = ("kernel-oneshot", "kernel-twoshot")
 # the collectives NCCL has a call of its own for: the ``nccl`` algorithm's
 NCCL_OWN = frozenset({"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"})
 

@@ -82,6 +82,40 @@ DEFAULT_DEVICE_PARAMS: dict[str, CostParams] = {
 # NCCL's own collective is one kernel: its ring's steps pay no launch each, about this
 NCCL_STEP_ALPHA = 1e-6
 
+# The kernel path (engine cuda-kernel), by algorithm. UNMEASURED DEFAULTS: no GPU has run
+# these kernels yet; ``ringcomm tune --device cuda`` is to measure them (a profile's
+# "devices" entries under these names replace them). alpha: the launch plus the blocks'
+# two meetings through system-scope flags (vLLM's one-shot: about 7 us for 0.5 MB on an
+# H100 pair, mostly this; the two-shot's grid does more per byte, so a little more).
+# beta: per byte a rank's kernel reads or writes, its peers' mapped memory included (HBM
+# at about 1.5 TB/s each way, shared by the ranks of one GPU); gamma: per byte reduced.
+DEFAULT_KERNEL_PARAMS: dict[str, CostParams] = {
+    "kernel-oneshot": CostParams(alpha=6e-6, beta=0.67e-12, gamma=0.5e-12),
+    "kernel-twoshot": CostParams(alpha=10e-6, beta=0.67e-12, gamma=0.5e-12),
+}
+DEFAULT_DEVICE_PARAMS.update(DEFAULT_KERNEL_PARAMS)
+
+
+def kernel_allreduce(algorithm: str, world_size: int, nbytes: int,
+                     params: CostParams) -> float:
+    """Predicted seconds of the kernel path's allreduce of ``nbytes``: one launch
+    (``alpha``) plus the bytes one rank's kernel moves and reduces. One-shot: it reads
+    every rank's ``nbytes`` and writes its own output, ``(p + 1) * nbytes`` moved, ``(p -
+    1) * nbytes`` reduced; two-shot: it reads its 1/p slice from every rank and writes it
+    to every rank, ``2 * nbytes`` moved, ``(p - 1) / p * nbytes`` reduced. So the one-shot
+    wins small messages (its launch costs less) and the two-shot large ones (``ringcomm
+    .plan.select``)."""
+    p = world_size
+    moved: float
+    reduced: float
+    if algorithm == "kernel-oneshot":
+        moved, reduced = (p + 1) * nbytes, (p - 1) * nbytes
+    elif algorithm == "kernel-twoshot":
+        moved, reduced = 2 * nbytes, (p - 1) * nbytes / p
+    else:
+        raise ValueError(f"{algorithm!r} is no algorithm of the kernel path")
+    return params.alpha + moved * params.beta + reduced * params.gamma
+
 
 def nccl_own_allreduce(world_size: int, nbytes: int, itemsize: int,
                        params: CostParams) -> float:

@@ -21,7 +21,19 @@ The rules, per collective:
 - barrier: the board where there is one; else dissemination;
 - the others: their one algorithm over links.
 
-Device memory a group's device engines move (``device_memory``) goes to one of them:
+Device memory a group's device engines move (``device_memory``) goes to one of them. An
+allreduce goes to the kernel path (engine ``cuda-kernel``: one kernel per op over regions
+every rank maps, the ranks meeting through flags in device memory) wherever the group's
+verdict (``Group.kernel``, ``ringcomm.plan.kernel_path``) says it can run: its kernels run at
+once, its runtime can launch them, it made the engine. Between its one-shot (small) and
+two-shot (large) the cost model's kernel prices choose (``cost.kernel_allreduce``). Why an
+engine of its own and not algorithms of ``cuda-ipc``: an engine here is how bytes move
+between ranks, and the kernel path moves them differently (no messages and no schedule
+steps: one launch, like NCCL's own call on the ``nccl`` engine), owns other memory (a
+region with a signal pad per rank) and may run only where the verdict holds, while
+``cuda-ipc`` runs everywhere on one host; so the selector can take it or leave it whole.
+Where the verdict fails (ranks sharing a GPU without MPS: the kernels would spin for ever)
+the reason goes into the choice of the path taken instead. Otherwise:
 ``nccl`` where the group asked for it (NCCL's own call for the collectives that have one,
 an allreduce priced against the schedules as NCCL groups), else ``cuda-ipc`` where the
 group has it (every rank on one host), else ``staged``, with the
@@ -37,7 +49,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..core.algorithms import ALGORITHMS, BOARD, LINKS, NCCL, NCCL_OWN, engines_of
+from ..core.algorithms import (
+    ALGORITHMS,
+    ALLREDUCE_KERNELS,
+    BOARD,
+    CUDA_KERNEL,
+    LINKS,
+    NCCL,
+    NCCL_OWN,
+    engines_of,
+)
 from ..core.arrays import HOST
 from ..errors import ArgumentError
 from ..schedules import ALLREDUCE, ON_BOARD
@@ -45,6 +66,7 @@ from ..schedules import board as board_schedules
 from ..transport.board import SLOT_BYTES
 from . import cost
 from .collectives import COLLECTIVES
+from .kernel_path import Verdict
 from .settings import Settings
 from .topology import Topology
 
@@ -65,6 +87,9 @@ class Group:
     segment_bytes: int
     device_engines: tuple[str, ...] = ()  # in order of preference: cuda-ipc, staged
     device_memory: str | None = None  # the memory they move
+    # whether an allreduce of device memory may take the kernel path (cuda-kernel), and
+    # why (``kernel_path.kernel_path``); None where the group has no device runtime
+    kernel: Verdict | None = None
 
 
 @dataclass(frozen=True)
@@ -132,10 +157,50 @@ class Selector:
         """Device memory on the group's preferred device engine (cuda-ipc where the group
         has it, else staged), with what the links would run: the same schedules, never
         the board's."""
+        kernel = self.group.kernel
+        if collective == "allreduce":
+            chosen = self._kernel_allreduce(nbytes, forced)
+            if chosen is not None:
+                return chosen
         engine = self.group.device_engines[0]
         algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced,
                                                 native)
-        return engine, algorithm, f"{engine} for device memory; {why}"
+        why = f"{engine} for device memory; {why}"
+        if collective == "allreduce" and kernel is not None and not kernel.ok:
+            why += f"; not the kernel path ({CUDA_KERNEL}): {kernel.why}"
+        return engine, algorithm, why
+
+    def _kernel_allreduce(self, nbytes: int, forced: str | None) -> tuple[str, str, str] | None:
+        """The kernel path for an allreduce of device memory, where the group's verdict
+        holds and nothing forces another algorithm: its one-shot or two-shot, whichever the
+        cost model's kernel prices say is cheaper (``cost.kernel_allreduce``). A forced
+        kernel algorithm where the verdict fails is an ``ArgumentError`` saying why."""
+        group = self.group
+        kernel = group.kernel
+        name = forced.lower() if isinstance(forced, str) else forced
+        if name in ALLREDUCE_KERNELS:
+            if kernel is None or not kernel.ok:
+                why = kernel.why if kernel is not None else "the group has no device runtime"
+                raise ArgumentError(f"allreduce algorithm {forced!r} runs on the kernel path "
+                                    f"({CUDA_KERNEL}), which this group cannot take: {why}; "
+                                    "leave the algorithm unset for the automatic choice")
+            return CUDA_KERNEL, name, f"{CUDA_KERNEL} for device memory ({kernel.why}); " \
+                                      "forced by algorithm="
+        if forced is not None or group.settings.algorithm is not None:
+            return None
+        if kernel is None or not kernel.ok:
+            return None
+        key = (nbytes, 0, CUDA_KERNEL)
+        chosen = self._priced_device.get(key)
+        if chosen is None:
+            chosen = self._priced_device[key] = min(
+                ALLREDUCE_KERNELS, key=lambda a: cost.kernel_allreduce(
+                    a, group.world_size, nbytes, group.settings.device_cost(a)))
+        tuned = any(a in group.settings.device_params for a in ALLREDUCE_KERNELS)
+        return CUDA_KERNEL, chosen, (
+            f"{CUDA_KERNEL} for device memory ({kernel.why}); the "
+            f"{'one' if chosen == 'kernel-oneshot' else 'two'}-shot kernel: the cost "
+            f"model's cheaper with its {'tuned' if tuned else 'default'} kernel constants")
 
     def _device_algorithm(self, engine: str, collective: str, nbytes: int, itemsize: int,
                           forced: str | None, native: bool = True) -> tuple[str, str]:
@@ -257,6 +322,10 @@ class Selector:
         group = self.group
         if forced is not None:
             name = forced.lower() if isinstance(forced, str) else forced
+            if name in ALLREDUCE_KERNELS:
+                raise ArgumentError(f"allreduce algorithm {forced!r} runs on the kernel path, "
+                                    "on device memory only (a device array of the group's "
+                                    "runtime); leave the algorithm unset for host memory")
             if name in ON_BOARD:
                 self._check_board(name, nbytes)
             elif name not in ALLREDUCE:

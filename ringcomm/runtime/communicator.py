@@ -186,7 +186,9 @@ class Communicator:
         return Selector(Group(self.world_size, self.transport.board is not None,
                               self.settings, self.topology, self._segment_bytes,
                               tuple(n for n in DEVICE_ENGINES if n in lanes),
-                              None if self.device is None else self.device.memory))
+                              None if self.device is None else self.device.memory,
+                              devices.kernel_verdict(self.device, self.topology,
+                                                     self.settings, lanes)))
 
     def adopt(self, settings: Settings) -> None:
         """Run with ``settings`` from now on: every rank must adopt the same at the same
@@ -283,6 +285,10 @@ class Communicator:
             sharing = self.topology.gpu_sharing()
             if sharing:
                 lines.append(f"gpus: {sharing}")
+            kernel = self.selector.group.kernel
+            if kernel is not None:
+                lines.append(f"kernel path (cuda-kernel, device allreduce): "
+                             f"{'yes' if kernel.ok else 'no'}: {kernel.why}")
         if self.wiring.wrappers:
             lines.append("wrappers: " + ", ".join(w.name for w in self.wiring.wrappers))
         return "\n".join(lines)

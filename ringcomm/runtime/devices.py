@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ..core import device as devices
-from ..core.algorithms import CUDA_IPC, NCCL, STAGED
-from ..core.device.mps import mps_state
+from ..core.algorithms import CUDA_IPC, CUDA_KERNEL, NCCL, STAGED
 from ..core.device.runtime import DeviceRuntime
 from ..engines.cuda_ipc import IpcChannel
 from ..engines.device import DeviceLane
@@ -25,6 +25,7 @@ from ..engines.device_channel import Exchange
 from ..engines.nccl import NcclChannel, open_channel
 from ..engines.staged import StagedChannel
 from ..errors import ArgumentError
+from ..plan.kernel_path import Verdict, kernel_path
 from ..plan.settings import Settings
 from ..plan.topology import Topology
 from ..transport.base import Transport
@@ -61,7 +62,7 @@ def gpu_facts(mode: str | None) -> dict[str, Any]:
         if not runtime.available():
             return {}
         return {"gpu": runtime.device_identity(runtime.current_device()),
-                "mps": mps_state().on}
+                "mps": runtime.mps().on}
     except Exception as err:  # noqa: BLE001 - a fact we cannot read is a fact left out
         log.debug("no GPU facts here: %s", err)
         return {}
@@ -122,6 +123,19 @@ def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
                                 "host only; use auto or staged")
         return False, f"the ranks span {len(topology.hosts)} hosts"
     return True, "every rank is on one host"
+
+
+def kernel_verdict(runtime: DeviceRuntime | None, topology: Topology, settings: Settings,
+                   lanes: Mapping[str, Any]) -> Verdict | None:
+    """Whether this group's allreduces of device memory may take the kernel path, and why
+    (``ringcomm.plan.kernel_path``): from the agreed facts and settings, the runtime's
+    ability to launch the kernels and whether the group made the engine (``lanes``), so the
+    same on every rank. None without a device runtime."""
+    if runtime is None:
+        return None
+    if settings.device_engine != "auto":
+        return Verdict(False, f"RINGCOMM_DEVICE_ENGINE={settings.device_engine}")
+    return kernel_path(topology, runtime.kernel_launch(), CUDA_KERNEL in lanes)
 
 
 def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,

@@ -20,7 +20,7 @@ from ..plan.settings import Settings
 from ..plan.topology import RankFacts, Topology
 from ..transport.inmemory import InMemoryNetwork, InMemoryTransport
 from .communicator import Communicator
-from .devices import gpu_facts
+from .devices import gpu_facts, named_runtime, runtime_name
 
 
 def simulated_hosts(world_size: int, hosts: Sequence[Sequence[int]]) -> Topology:
@@ -47,6 +47,7 @@ def run_group(
     board: bool = False,
     device: str | None = None,
     wrappers: Sequence[Wrapper] = (),
+    gpus: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm)`` on every rank of an in-process group; return the results.
 
@@ -63,6 +64,9 @@ def run_group(
     threads.
     ``wrappers`` stand in front of every rank's links and engines (the same objects on
     every rank, so one that keeps state tells the ranks apart).
+    ``gpus`` (with ``device``): the device index of each rank (its current device while the
+    communicator is made, and its ``gpu`` fact): ``[0, 1]`` puts two ranks on GPUs of their
+    own, ``[0, 0]`` on one; by default every rank shares this thread's current device.
     """
     net = InMemoryNetwork(world_size, board=board and hosts is None)
     topology = None if hosts is None else simulated_hosts(world_size, hosts)
@@ -72,8 +76,19 @@ def run_group(
 
     wrapping = [*wrappers, *([StepLog(trace)] if trace is not None else [])]
     settings = Settings.local(segment_bytes=segment_bytes, device=device)
+    if gpus is not None and (settings.device == "off" or len(gpus) != world_size
+                             or hosts is not None):
+        raise ValueError(f"gpus={list(gpus)}: one device index per rank of {world_size}, "
+                         "with a device and without hosts")
     if topology is None and settings.device != "off":  # its ranks share this process's GPU
-        topology = Topology((RankFacts.here(**gpu_facts(settings.device)),) * world_size)
+        facts = gpu_facts(settings.device)
+        if gpus is None:
+            topology = Topology((RankFacts.here(**facts),) * world_size)
+        else:  # each rank on the device it names
+            runtime = named_runtime(runtime_name(settings.device) or "")
+            topology = Topology(tuple(
+                RankFacts.here(**{**facts, "gpu": runtime.device_identity(index)})
+                for index in gpus))
     table = Table()
 
     def make(r: int) -> Communicator:
@@ -91,6 +106,8 @@ def run_group(
         try:
             comm = comms[r]
             if comm is None:  # the device set-up is collective: every rank at once
+                if gpus is not None:
+                    named_runtime(runtime_name(settings.device) or "").set_device(gpus[r])
                 comm = comms[r] = make(r)
             results[r] = fn(comm)
         except BaseException as err:  # noqa: BLE001 - reported below

@@ -98,7 +98,7 @@ from typing import Any
 import numpy as np
 
 from ..core import config
-from ..core.device.mps import mps_state
+from ..core.device.mps import MpsState
 from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
 from ..core.dtypes import ReduceOp, finish_reduction, reduce_into
 
@@ -385,10 +385,32 @@ class FakeRuntime(DeviceRuntime):
                                   f"{self._devices} device(s)")
         return f"fake:{index}"
 
+    #: Whether MPS serves this process's fake device: off unless a test turns it on. The
+    #: fake's facts for the kernel path's verdict (``ringcomm.plan.kernel_path``), and the
+    #: rule behind each: ranks on one fake device index share one GPU
+    #: (``device_identity``), as processes on one GPU do; ranks on different indices
+    #: (``run_group(gpus=...)``; ``RINGCOMM_FAKE_DEVICES`` gives the indices) each have
+    #: their own; MPS is the machine's question (``ringcomm.core.device.mps``) for a real
+    #: GPU, but a fake device has no daemon to ask, so reading the machine would make the
+    #: fake's verdict depend on whichever daemon runs where the tests run: the fake says
+    #: off, and a test that wants MPS sets ``mps_on``.
+    mps_on = False
+
+    def mps(self) -> MpsState:
+        if self.mps_on:
+            return MpsState(True, "the fake runtime's MPS, on (FakeRuntime.mps_on)")
+        return MpsState(False, "the fake runtime's MPS, off unless a test turns it on "
+                               "(FakeRuntime.mps_on)")
+
+    def kernel_launch(self) -> str:
+        """The fake launches the allreduce kernels as their numpy mirror
+        (``ringcomm.testing.fake_kernels``)."""
+        return ""
+
     def describe(self) -> dict[str, str]:
         return {"device": "fake (numpy)", "gpu": self.device_identity(self.current_device()),
                 "devices": str(self._devices), "driver": "-", "cuda": "-",
-                "library": f"numpy {np.__version__}", "mps": str(mps_state())}
+                "library": f"numpy {np.__version__}", "mps": str(self.mps())}
 
     # ------------------------------------------------------------------------ streams
     def new_stream(self) -> FakeStream:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import ReduceOp
+from .mps import MpsState, mps_state
 
 
 class Stream(abc.ABC):
@@ -96,6 +97,17 @@ class DeviceRuntime(abc.ABC):
     def device_identity(self, index: int) -> str:
         """What names device ``index`` on this machine for every process on it (its PCI
         address): ranks on one host whose identities match share one GPU."""
+
+    def mps(self) -> MpsState:
+        """Whether an MPS daemon serves this process's GPU work (``ringcomm.core.device
+        .mps``): read from the machine; the fake says its own (``FakeRuntime.mps_on``)."""
+        return mps_state()
+
+    def kernel_launch(self) -> str:
+        """Why this runtime cannot launch ringcomm's device allreduce kernels
+        (``ringcomm/engines/kernels``), "" where it can: what the kernel path's verdict
+        needs (``ringcomm.plan.kernel_path``)."""
+        return f"the {self.name} runtime cannot launch ringcomm's allreduce kernels"
 
     @abc.abstractmethod
     def describe(self) -> dict[str, str]:

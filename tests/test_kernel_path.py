@@ -1,0 +1,175 @@
+"""Where the kernel path (cuda-kernel) may run, and the selector's choice of it: the verdict
+from the agreed facts (``ringcomm.plan.kernel_path``), the choice with and without it, and
+what ``choose()`` and ``describe()`` say, on the fake runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringcomm.core.algorithms import CUDA_IPC, CUDA_KERNEL, STAGED
+from ringcomm.errors import ArgumentError
+from ringcomm.plan import cost
+from ringcomm.plan.kernel_path import Verdict, concurrency, kernel_path
+from ringcomm.plan.select import Group, Selector
+from ringcomm.plan.settings import Settings
+from ringcomm.plan.topology import RankFacts, Topology
+from ringcomm.runtime.local import run_group
+
+
+def _facts(gpu: str = "", mps: bool = False, host: str = "h") -> RankFacts:
+    return RankFacts(host, host, (0,), 1, gpu=gpu, mps=mps)
+
+
+def _topology(*ranks: tuple[str, bool] | tuple[str, bool, str]) -> Topology:
+    return Topology(tuple(_facts(*r) for r in ranks))
+
+
+# (facts of each rank, runs at once, words the reason must hold)
+VERDICTS = [
+    ([("g0", False)], True, "one rank"),
+    ([("g0", False), ("g1", False)], True, "ranks 0,1 run at once: each on its own GPU"),
+    ([("g0", False), ("g1", False), ("g2", False), ("g3", False)], True,
+     "kernels of ranks 0-3 run at once: each on its own GPU"),
+    ([("g0", False), ("g0", False)], False,
+     "ranks 0,1 share GPU g0 without MPS: their kernels take turns, so the kernel path "
+     "would spin for ever"),
+    ([("g0", True), ("g0", True)], True, "ranks 0,1 share GPU g0 under MPS"),
+    ([("g0", True), ("g0", False)], False, "MPS serves only rank(s) 0"),
+    ([("g0", True), ("g0", True), ("g1", False)], True,
+     "ranks 0,1 share GPU g0 under MPS; rank(s) 2 each on a GPU of its own"),
+    ([("g0", True), ("g1", False), ("g1", False), ("g0", True)], False,
+     "ranks 1,2 share GPU g1 without MPS"),
+    ([("g0", False), ("", False)], False, "the GPU of rank(s) 1 is unknown"),
+    # one identity on two hosts is two GPUs
+    ([("g0", False, "a"), ("g0", False, "b")], True, "each on its own GPU"),
+]
+
+
+@pytest.mark.parametrize(("ranks", "ok", "words"), VERDICTS)
+def test_the_verdict_follows_from_the_agreed_facts(ranks, ok, words):
+    verdict = concurrency(_topology(*ranks))
+    assert verdict.ok is ok
+    assert words in verdict.why
+
+
+def test_the_path_also_needs_one_host_few_ranks_a_launch_and_the_engine():
+    own = _topology(("g0", False), ("g1", False))
+    assert kernel_path(own).ok
+    assert "spin for ever" in kernel_path(_topology(("g0", False), ("g0", False))).why
+    hosts = kernel_path(_topology(("g0", False, "a"), ("g0", False, "b")))
+    assert not hosts.ok and "span 2 hosts" in hosts.why
+    nine = kernel_path(Topology(tuple(_facts(f"g{i}") for i in range(9))))
+    assert not nine.ok and "at most 8" in nine.why
+    launch = kernel_path(own, "CuPy's launch of the kernels is not written yet")
+    assert not launch.ok and launch.why.endswith("not written yet")
+    assert "each on its own GPU" in launch.why
+    assert "no cuda-kernel engine" in kernel_path(own, engine=False).why
+
+
+def test_cupy_cannot_launch_them_yet_and_the_fake_can():
+    from ringcomm.core.device.cupy_runtime import CupyRuntime
+    from ringcomm.testing.fake_device import FakeRuntime
+
+    assert "not written yet" in CupyRuntime.kernel_launch(object.__new__(CupyRuntime))
+    assert FakeRuntime.kernel_launch(object.__new__(FakeRuntime)) == ""
+
+
+def _selector(world: int, kernel: Verdict | None) -> Selector:
+    topology = Topology(tuple(_facts(f"g{r}") for r in range(world)))
+    return Selector(Group(world, False, Settings(), topology, 1 << 20,
+                          (CUDA_IPC, STAGED), "fake-cuda", kernel))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_selector_takes_the_kernel_path_only_where_the_verdict_holds(world):
+    yes = _selector(world, Verdict(True, "each on its own GPU"))
+    small = yes.choose("allreduce", 1024, memory="fake-cuda")
+    large = yes.choose("allreduce", 256 << 20, memory="fake-cuda")
+    assert (small.engine, small.algorithm) == (CUDA_KERNEL, "kernel-oneshot")
+    assert (large.engine, large.algorithm) == (CUDA_KERNEL, "kernel-twoshot")
+    assert "each on its own GPU" in small.why and "one-shot" in small.why
+    assert "default kernel constants" in large.why and "two-shot" in large.why
+    # host memory, and other collectives, never take it
+    assert yes.choose("allreduce", 1024).engine != CUDA_KERNEL
+    assert yes.choose("allgather", 1024, memory="fake-cuda").engine == CUDA_IPC
+    no = _selector(world, Verdict(False, "ranks 0,1 share GPU g0 without MPS"))
+    for size in (1024, 256 << 20):
+        choice = no.choose("allreduce", size, memory="fake-cuda")
+        assert choice.engine == CUDA_IPC
+        assert "not the kernel path (cuda-kernel): ranks 0,1 share GPU g0 without MPS" \
+            in choice.why
+
+
+def test_one_and_two_shot_are_priced_and_cross_over():
+    params = {a: cost.DEFAULT_DEVICE_PARAMS[a] for a in ("kernel-oneshot", "kernel-twoshot")}
+    for world in (2, 4, 8):
+        def cheaper(nbytes: int, world: int = world) -> str:
+            return min(params, key=lambda a: cost.kernel_allreduce(a, world, nbytes, params[a]))
+        assert cheaper(8) == "kernel-oneshot"
+        assert cheaper(1 << 30) == "kernel-twoshot"
+    with pytest.raises(ValueError, match="no algorithm of the kernel path"):
+        cost.kernel_allreduce("ring", 2, 8, params["kernel-oneshot"])
+
+
+def test_a_forced_kernel_algorithm_runs_where_the_verdict_holds_and_is_refused_elsewhere():
+    yes = _selector(2, Verdict(True, "each on its own GPU"))
+    forced = yes.choose("allreduce", 1 << 30, memory="fake-cuda", forced="kernel-oneshot")
+    assert (forced.engine, forced.algorithm) == (CUDA_KERNEL, "kernel-oneshot")
+    assert "forced by algorithm=" in forced.why
+    link = yes.choose("allreduce", 1024, memory="fake-cuda", forced="ring")
+    assert (link.engine, link.algorithm) == (CUDA_IPC, "ring")
+    with pytest.raises(ArgumentError, match="on device memory only"):
+        yes.choose("allreduce", 1024, forced="kernel-twoshot")
+    no = _selector(2, Verdict(False, "ranks 0,1 share GPU g0 without MPS"))
+    with pytest.raises(ArgumentError, match="cannot take: ranks 0,1 share GPU g0 without"):
+        no.choose("allreduce", 1024, memory="fake-cuda", forced="kernel-twoshot")
+
+
+def _said(comm):
+    memory = comm.device.memory
+    return ([line for line in comm.describe().splitlines() if "kernel path" in line],
+            comm.choose("allreduce", 1024, memory=memory),
+            comm.selector.group.kernel)
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """The fake runtime with four devices and MPS off, as a test may change them."""
+    import ringcomm.testing  # noqa: F401 - registers the fake runtime
+    from ringcomm.core import device
+
+    rt = device.runtime("fake")
+    monkeypatch.setattr(rt, "_devices", max(4, rt.device_count()))
+    monkeypatch.setattr(rt, "mps_on", False)
+    return rt
+
+
+def test_the_fake_reports_shared_devices_without_mps_by_default(fake_devices):
+    for lines, choice, kernel in run_group(2, _said, device="fake"):
+        assert not kernel.ok
+        assert lines == ["kernel path (cuda-kernel, device allreduce): no: ranks 0,1 share "
+                         "GPU fake:0 without MPS: their kernels take turns, so the kernel "
+                         "path would spin for ever"]
+        assert choice.engine == CUDA_IPC and "without MPS" in choice.why
+
+
+def test_the_fake_reports_devices_of_their_own_and_mps_as_the_test_says(fake_devices):
+    results = run_group(3, _said, device="fake", gpus=[0, 1, 2])
+    verdicts = {kernel for _, _, kernel in results}
+    assert len(verdicts) == 1  # the same on every rank
+    (kernel,) = verdicts
+    assert "kernels of ranks 0-2 run at once: each on its own GPU" in kernel.why
+    fake_devices.mps_on = True
+    (_, _, shared), _ = run_group(2, _said, device="fake")
+    assert "ranks 0,1 share GPU fake:0 under MPS" in shared.why
+    with pytest.raises(ValueError, match="one device index per rank"):
+        run_group(2, _said, device="fake", gpus=[0])
+
+
+def test_a_device_engine_setting_other_than_auto_keeps_the_kernel_path_off(monkeypatch,
+                                                                        fake_devices):
+    monkeypatch.setenv("RINGCOMM_DEVICE_ENGINE", "staged")
+    (_, choice, kernel), _ = run_group(2, _said, device="fake", gpus=[0, 1])
+    assert not kernel.ok and kernel.why == "RINGCOMM_DEVICE_ENGINE=staged"
+    assert choice.engine == STAGED
+
