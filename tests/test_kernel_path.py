@@ -4,6 +4,9 @@ what ``choose()`` and ``describe()`` say, on the fake runtime."""
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 
 from ringcomm.core.algorithms import CUDA_IPC, CUDA_KERNEL, STAGED
@@ -173,3 +176,146 @@ def test_a_device_engine_setting_other_than_auto_keeps_the_kernel_path_off(monke
     assert not kernel.ok and kernel.why == "RINGCOMM_DEVICE_ENGINE=staged"
     assert choice.engine == STAGED
 
+
+
+# ----------------------------------------------------------------------------- the engine
+
+def _pairs():
+    from ringcomm.core.dtypes import DTYPE_NAMES, REDUCE_OPS, reduce_op
+
+    for dtype, name in DTYPE_NAMES.items():
+        for op in REDUCE_OPS:
+            try:
+                reduce_op(op, dtype)
+            except Exception:  # noqa: BLE001 - a pair the host path refuses
+                continue
+            yield name, dtype, op
+
+
+def _inputs(dtype, op: str, world: int, count: int, seed: int) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(world):
+        if dtype.kind == "b":
+            x = rng.random(count) < 0.5
+        elif dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            x = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+        elif dtype.kind == "c":
+            x = rng.normal(size=count) + 1j * rng.normal(size=count)
+        else:
+            x = rng.normal(size=count) * (1.0 if op == "prod" else 10.0)
+        out.append(np.asarray(x).astype(dtype))
+    return out
+
+
+def _expected(values: list, name: str, op: str):
+    """numpy's: the host path (reduce_into rank by rank, then finish_reduction), or for
+    float16 and bfloat16 the kernels' float32 accumulation rounded once."""
+    import functools
+
+    import numpy as np
+
+    from ringcomm.core.dtypes import REDUCE_OPS, finish_reduction, reduce_into
+
+    rop = REDUCE_OPS[op]
+    if name in ("float16", "bfloat16"):
+        acc = functools.reduce(rop.ufunc, [x.astype(np.float32) for x in values])
+        if rop.divides:
+            acc = acc / np.float32(len(values))
+        return acc.astype(values[0].dtype)
+    acc = values[0].copy()
+    for x in values[1:]:
+        reduce_into(acc, acc, x, rop)
+    finish_reduction(acc, rop, len(values))
+    return acc
+
+
+def _allreduce_everything(count: int, algorithms: tuple):
+    def fn(comm):
+        import numpy as np
+
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        wrong = []
+        digest = hashlib.sha256()  # every rank's results: the same bits on every rank
+        for seed, (name, dtype, op) in enumerate(_pairs()):
+            values = _inputs(dtype, op, comm.world_size, count, seed)
+            for algorithm in algorithms:
+                x = FakeDeviceArray.from_host(values[comm.rank])
+                comm.allreduce(x, op, algorithm=algorithm)
+                got = x.to_host()
+                want = _expected(values, name, op)
+                digest.update(got.tobytes())
+                if op == "prod" and dtype.kind == "c":
+                    # numpy's complex product fuses into FMAs where the CPU has them; the
+                    # kernel's rounds every operation: the same to the last bit or two
+                    same = np.allclose(got, want, rtol=1e-5)
+                else:
+                    same = got.tobytes() == want.tobytes() or (
+                        dtype.kind in "fc" and np.array_equal(got, want, equal_nan=True))
+                if not same:
+                    wrong.append((name, op, algorithm))
+                x.close()
+        lane = comm.wiring.lanes[CUDA_KERNEL]
+        return (wrong, lane.ops, comm.choose("allreduce", count * 4, memory=comm.device.memory),
+                digest.hexdigest())
+    return fn
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_dtype_and_op_through_the_engine_equals_numpy(fake_devices, world):
+    """Every dtype and op at worlds 1-4 through ``comm.allreduce`` of a fake device array,
+    by each kernel (forced) and by the selector's choice, on ranks with GPUs of their own:
+    copied in, run by the mirror, copied out, equal to numpy on every rank."""
+    live = fake_devices.live_allocations()
+    results = run_group(world, _allreduce_everything(45, ("kernel-oneshot", "kernel-twoshot",
+                                                          None)),
+                        device="fake", gpus=list(range(world)))
+    pairs = len(list(_pairs()))
+    assert len({digest for *_, digest in results}) == 1
+    for wrong, ops, choice, _ in results:
+        assert wrong == []
+        assert ops == 3 * pairs  # every one of them on the kernel path
+        assert choice.engine == CUDA_KERNEL
+    assert fake_devices.live_allocations() == live  # regions given back at close
+
+
+def test_an_allreduce_larger_than_the_region_runs_in_pieces(fake_devices, monkeypatch):
+    from ringcomm.engines import kernel
+
+    monkeypatch.setattr(kernel, "REGION_BYTES", 64)
+
+    def fn(comm):
+        import numpy as np
+
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        values = [np.arange(45, dtype=np.float64) * (r + 1) for r in range(comm.world_size)]
+        out = {}
+        for algorithm in ("kernel-oneshot", "kernel-twoshot"):
+            x = FakeDeviceArray.from_host(values[comm.rank])
+            comm.allreduce(x, "sum", algorithm=algorithm)
+            out[algorithm] = x.to_host()
+        return out, comm.wiring.lanes[CUDA_KERNEL].channel.op_number
+
+    for out, launches in run_group(3, fn, device="fake", gpus=[0, 1, 2]):
+        for got in out.values():
+            assert got.tolist() == (np.arange(45) * 6.0).tolist()
+        assert launches == 2 * 6  # 360 B in pieces of 64 B, twice
+
+
+def test_ranks_that_launch_different_kernels_get_a_desync(fake_devices):
+    from ringcomm.errors import DesyncError
+
+    def fn(comm):
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        x = FakeDeviceArray.from_host(np.ones(8 + comm.rank, np.float32))
+        comm.allreduce(x, algorithm="kernel-oneshot")
+
+    results = run_group(2, fn, device="fake", gpus=[0, 1], return_errors=True, timeout=10)
+    assert all(isinstance(r, DesyncError) for r in results), results
+    assert "launched different kernels" in str(results[0])

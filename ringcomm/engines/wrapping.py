@@ -28,6 +28,7 @@ from ..transport.link import Link
 from .base import Engine
 from .board import BoardEngine
 from .device import DeviceEngine, DeviceLane
+from .kernel import KernelChannel, KernelEngine
 from .links import LinkEngine
 from .nccl import NcclChannel, NcclEngine
 
@@ -97,6 +98,9 @@ class Wiring:
         for name, lane in self.lanes.items():
             if isinstance(lane.channel, NcclChannel):
                 engines[name] = NcclEngine(lane, self.transport)
+            elif isinstance(lane.channel, KernelChannel):
+                engines[name] = KernelEngine(lane, self.transport.rank,
+                                             self.transport.world_size)
             else:
                 engines[name] = DeviceEngine(lane, self.transport.rank,
                                              self.transport.world_size)

@@ -22,6 +22,7 @@ from ..core.device.runtime import DeviceRuntime
 from ..engines.cuda_ipc import IpcChannel
 from ..engines.device import DeviceLane
 from ..engines.device_channel import Exchange
+from ..engines.kernel import KernelChannel
 from ..engines.nccl import NcclChannel, open_channel
 from ..engines.staged import StagedChannel
 from ..errors import ArgumentError
@@ -135,7 +136,8 @@ def kernel_verdict(runtime: DeviceRuntime | None, topology: Topology, settings: 
         return None
     if settings.device_engine != "auto":
         return Verdict(False, f"RINGCOMM_DEVICE_ENGINE={settings.device_engine}")
-    return kernel_path(topology, runtime.kernel_launch(), CUDA_KERNEL in lanes)
+    return kernel_path(topology, runtime.kernel_launch([f.pid for f in topology.ranks]),
+                       CUDA_KERNEL in lanes)
 
 
 def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange | None,
@@ -152,6 +154,11 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
             lanes[NCCL] = DeviceLane(_nccl_channel(runtime, transport, exchange, timeout))
             return lanes
         serves, why = ipc_serves(topology, settings)
+        if exchange is not None and settings.device_engine == "auto" and kernel_path(
+                topology, runtime.kernel_launch([f.pid for f in topology.ranks])).ok:
+            lanes[CUDA_KERNEL] = DeviceLane(KernelChannel(
+                runtime, exchange, transport.rank, transport.world_size,
+                time.monotonic() + timeout))
         if serves and exchange is not None:
             channel = IpcChannel(runtime, transport, exchange, transport.rank,
                                  transport.world_size, slots=settings.ipc_slots,

@@ -29,8 +29,11 @@ memory, probes that every rank's kernels run at once and lets the selector pick 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -423,3 +426,116 @@ class MappedRegions:
         for allocation in self.allocations:
             self.rt.free(allocation)
         self.allocations.clear()
+
+
+# ----------------------------------------------------------------------------- the launch
+
+
+class MirrorGroup:
+    """The fake runtime's launch of the allreduce kernels for one group whose ranks are
+    threads of this process (``run_group``): what the ``cuda-kernel`` engine calls where a
+    GPU would launch a kernel on each rank's stream.
+
+    Each rank hands its launch (``launch``) once its inputs lie in its region; the launch of
+    the last rank to arrive runs every rank's kernel together in one ``KernelMirror``
+    (seeded by the op number, so the blocks interleave differently from op to op), and
+    every rank returns once they have run, as every rank's stream moves on once its kernel
+    ends. Launches that disagree (another size, dtype, op or algorithm: ranks that called
+    different collectives) are a ``DesyncError`` on every rank, where a GPU would hang or
+    reduce garbage; a rank whose peers never launch waits until ``deadline`` (a
+    ``CommTimeout``), where a GPU would spin."""
+
+    def __init__(self, rt: FakeRuntime, world: int, key: tuple[int, int] = (0, 0)) -> None:
+        self.rt = rt
+        self.world = world
+        self.key = key
+        self.users = 0  # channels that use it: the group's ranks (``acquire``)
+        self._cond = threading.Condition()
+        self._pending: dict[int, dict[int, Launch]] = {}
+        self._ran: dict[int, tuple[BaseException | None, int]] = {}  # error, ranks to tell
+
+    def launch(self, launch: Launch, deadline: float) -> None:
+        from ..errors import CommTimeout
+
+        launch.check()
+        number = launch.op_number
+        with self._cond:
+            launches = self._pending.setdefault(number, {})
+            launches[launch.rank] = launch
+            if len(launches) == self.world:
+                del self._pending[number]
+                error: BaseException | None = None
+                try:
+                    self._run(launches)
+                except BaseException as err:  # noqa: BLE001 - every rank raises it
+                    error = err
+                if self.world > 1:
+                    self._ran[number] = (error, self.world - 1)
+                self._cond.notify_all()
+                if error is not None:
+                    raise error
+                return
+            while number not in self._ran:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.world)) - set(launches))
+                    raise CommTimeout(f"rank(s) {', '.join(map(str, missing))} never launched "
+                                      f"their kernel of op {number} (a GPU would spin in the "
+                                      "kernel's first meeting)", rank=launch.rank,
+                                      op=f"{launch.algorithm} allreduce")
+                self._cond.wait(left)
+            error, left_to_tell = self._ran[number]
+            if left_to_tell == 1:
+                del self._ran[number]
+            else:
+                self._ran[number] = (error, left_to_tell - 1)
+        if error is not None:
+            raise error
+
+    def launch_kernel(self, *, deadline: float, **launch: Any) -> None:
+        """``launch`` of a ``Launch`` made of the keywords (what an engine hands a runtime's
+        launcher: ``DeviceRuntime.kernel_launcher``)."""
+        self.launch(Launch(**launch), deadline)
+
+    def release(self) -> None:
+        """This rank is done with the group's launcher (its channel closed)."""
+        release_group(self.key)
+
+    def _run(self, launches: dict[int, Launch]) -> None:
+        from ..errors import DesyncError
+
+        shapes = {(la.algorithm, la.count, la.dtype.str, la.op.name) for la in launches.values()}
+        if len(shapes) > 1:
+            said = "; ".join(f"rank {r}: {la.algorithm} of {la.count} x {la.dtype} "
+                             f"({la.op.name})" for r, la in sorted(launches.items()))
+            raise DesyncError(f"the ranks launched different kernels for one op: {said}")
+        mirror = KernelMirror(self.rt, schedule="random", seed=next(iter(launches.values()))
+                              .op_number)
+        for rank in sorted(launches):
+            mirror.launch(launches[rank])
+        mirror.run()
+
+
+_GROUPS: dict[tuple[int, int], MirrorGroup] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def acquire_group(rt: FakeRuntime, key: tuple[int, int], world: int) -> MirrorGroup:
+    """The launcher of the in-process group named ``key`` (rank 0's pid and region, the
+    same for every rank), made by the first rank to ask; ``release_group`` once per
+    ``acquire_group``."""
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            group = _GROUPS[key] = MirrorGroup(rt, world, key)
+        group.users += 1
+        return group
+
+
+def release_group(key: tuple[int, int]) -> None:
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(key)
+        if group is not None:
+            group.users -= 1
+            if group.users <= 0:
+                del _GROUPS[key]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -122,7 +123,7 @@ class CupyRuntime(DeviceRuntime):
         return (f"{int(props.get('pciDomainID', 0)):04x}:{int(props.get('pciBusID', 0)):02x}:"
                 f"{int(props.get('pciDeviceID', 0)):02x}.0")
 
-    def kernel_launch(self) -> str:
+    def kernel_launch(self, pids: Sequence[int] = ()) -> str:
         """Not yet: the kernels compile (``ringcomm.engines.kernels.compile_ptx``), but their
         launch through ``cupy.RawModule`` (regions mapped once, grids sized to the SMs) is
         left for a session with a GPU to write and check (issue 36), so the selector never

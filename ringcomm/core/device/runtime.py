@@ -39,6 +39,7 @@ The model is CUDA's, and every runtime keeps its rules:
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,11 +104,20 @@ class DeviceRuntime(abc.ABC):
         .mps``): read from the machine; the fake says its own (``FakeRuntime.mps_on``)."""
         return mps_state()
 
-    def kernel_launch(self) -> str:
+    def kernel_launch(self, pids: Sequence[int] = ()) -> str:
         """Why this runtime cannot launch ringcomm's device allreduce kernels
-        (``ringcomm/engines/kernels``), "" where it can: what the kernel path's verdict
-        needs (``ringcomm.plan.kernel_path``)."""
+        (``ringcomm/engines/kernels``) for ranks in processes ``pids`` (every rank's, as
+        agreed), "" where it can: what the kernel path's verdict needs
+        (``ringcomm.plan.kernel_path``)."""
         return f"the {self.name} runtime cannot launch ringcomm's allreduce kernels"
+
+    def kernel_launcher(self, key: tuple[int, int], world: int) -> Any:
+        """What launches the allreduce kernels of the group named ``key`` (rank 0's pid and
+        region): ``launch_kernel(deadline=, **launch)`` once per rank and op (the fields
+        of ``ringcomm.testing.fake_kernels.Launch``), returning once every rank's kernel
+        has run; ``release()`` at close. Only where ``kernel_launch`` says
+        ""."""
+        raise NotImplementedError(self.kernel_launch())
 
     @abc.abstractmethod
     def describe(self) -> dict[str, str]:
