@@ -9,11 +9,12 @@ import pytest
 import ringcomm.testing  # noqa: F401 - registers the fake device runtime for every test
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Up to four spawned rank processes for one module's jobs (``mp_helpers.Cluster``),
-    each started once, by the first job that needs it: a process that imports torch takes
-    seconds to start, and a module whose jobs run on two ranks only needs two."""
+@pytest.fixture(scope="session")
+def rank_processes():
+    """Up to four spawned rank processes (``mp_helpers.Cluster``), each started by the first
+    job that needs it and shared by the modules' ``cluster``: a process that imports torch
+    takes seconds to start (and to end), and a session whose jobs run on two ranks only
+    needs two."""
     from mp_helpers import Cluster
 
     c = Cluster(4)
@@ -21,6 +22,18 @@ def cluster():
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(rank_processes):
+    """The rank processes for one module's jobs. Each job starts from the process's own
+    environment (a variable a job sets is undone after it); a process that died or hung is
+    replaced. After a module in which a rank died (the others aborted their groups, which
+    may leave device memory they could not free, to be freed later), the next module
+    starts fresh processes, as it would with processes of its own."""
+    yield rank_processes
+    if rank_processes.dirty:
+        rank_processes.close()
 
 
 # --------------------------------------------------------------------------- the gpu marker

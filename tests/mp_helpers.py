@@ -13,6 +13,7 @@ keyword arguments.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import itertools
@@ -22,6 +23,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -137,12 +139,28 @@ class JobFailed(AssertionError):
     """A rank's job raised something the test did not expect back as a value."""
 
 
+def _restore_environment(environment: dict[str, str]) -> None:
+    """``os.environ`` back to ``environment``, changing only the variables that differ."""
+    for key in set(os.environ) - set(environment):
+        del os.environ[key]
+    for key, value in environment.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def _serve(slot: int, inbox: Any, outbox: Any) -> None:
-    """Worker process main loop: run jobs until told to stop (``None``)."""
+    """Worker process main loop: run jobs until told to stop (``None``).
+
+    Every job starts from the environment the process started with: the pool serves every
+    module of a test session (``conftest.cluster``), so a variable one job sets (a forced
+    engine, a ring size) must not reach the next. Told to stop, the process runs its exit
+    hooks (files a job left behind are removed, the queues are flushed) and ends without
+    tearing the interpreter down, which takes about a second with torch loaded."""
+    environment = dict(os.environ)
     while True:
         msg = inbox.get()
         if msg is None:
-            return
+            break
         job_id, name, kwargs = msg
         try:
             module, _, function = name.rpartition(".")  # "module.job": a job of another module
@@ -151,15 +169,25 @@ def _serve(slot: int, inbox: Any, outbox: Any) -> None:
             result = ("ok", job(**kwargs), "")
         except BaseException as err:  # noqa: BLE001 - sent back to the test
             result = ("err", err, traceback.format_exc())
+        finally:
+            _restore_environment(environment)
         try:
             pickle.dumps(result)
         except Exception:  # noqa: BLE001 - an unpicklable result becomes its description
             result = ("err", JobFailed(repr(result[1])), result[2])
         outbox.put((job_id, slot, *result))
+    atexit._run_exitfuncs()  # multiprocessing's among them: the outbox is flushed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class Cluster:
-    """Up to ``size`` spawned processes that run jobs as ranks of one group."""
+    """Up to ``size`` spawned processes that run jobs as ranks of one group.
+
+    ``dirty``: a job had a rank die since the processes were last closed, so the others
+    may still hold what their aborted groups could not free (``conftest.cluster`` gives
+    the next module fresh processes then)."""
 
     def __init__(self, size: int) -> None:
         self.ctx = multiprocessing.get_context("spawn")
@@ -168,6 +196,7 @@ class Cluster:
         self.procs: list[Any] = [None] * size
         self.inboxes: list[Any] = [None] * size
         self._ids = itertools.count()
+        self.dirty = False
 
     def _ensure(self, slots: range) -> None:
         for i in slots:
@@ -202,6 +231,7 @@ class Cluster:
             if p is not None:
                 p.join(max(0.1, deadline - time.monotonic()))
                 self.kill(i)
+        self.dirty = False  # a later job starts the processes afresh
 
     def run(
         self,
@@ -221,6 +251,7 @@ class Cluster:
         """
         assert world <= self.size
         self._ensure(range(world))
+        self.dirty = self.dirty or bool(dies)
         job_id = next(self._ids)
         ports = [free_port() for _ in range(4)]
         common = dict(world=world, store=f"127.0.0.1:{ports[0]}",
@@ -258,16 +289,12 @@ class Cluster:
             if not ok:  # leave no rank half-way through a job for the next test
                 for r in range(world):
                     self.kill(r)
-        out = []
-        for r in range(world):
-            if r in dies:
-                out.append(None)
-                continue
-            status, value, tb = results[r]
-            if status == "err":
-                raise JobFailed(f"{job} failed on rank {r}:\n{tb}") from value
-            out.append(value)
-        return out
+        failed = [r for r in range(world) if r not in dies and results[r][0] == "err"]
+        if failed:  # every failed rank's traceback: the first is often another's symptom
+            first = results[failed[0]][1]
+            raise JobFailed("\n".join(f"{job} failed on rank {r}:\n{results[r][2]}"
+                                      for r in failed)) from first
+        return [None if r in dies else results[r][1] for r in range(world)]
 
 
 # --------------------------------------------------------------------------- helpers for jobs
@@ -923,6 +950,9 @@ def job_fake_device_allreduce(rank: int, world: int, store: str, transport: str,
             want = sum(values(r, count) for r in range(world))
             expect_equal(f"fake-device allreduce x{count}", x.to_host().astype(np.float64),
                          want, "float32")
+            # freed now: a group without a device runtime leaves the arrays it staged held
+            # (keep_until_done) after its close, to be freed during a later job of the process
+            x.close()
             done.append(count)
     return done
 
