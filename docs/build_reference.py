@@ -183,7 +183,8 @@ def _engines_table() -> str:
     from ringcomm.plan.collectives import COLLECTIVES
     from ringcomm.schedules import HOST_AWARE
 
-    engines = [names.LINKS, names.BOARD, names.CUDA_IPC, names.STAGED, names.NCCL]
+    engines = [names.LINKS, names.BOARD, names.CUDA_IPC, names.STAGED, names.NCCL,
+               names.CUDA_KERNEL]
     one_host = {names.BOARD, names.CUDA_IPC}  # the engines of ranks that share one host
     rows = []
     for spec in COLLECTIVES.values():
@@ -195,12 +196,20 @@ def _engines_table() -> str:
                 cells[engine].append(f"{name} (several hosts)" if name in HOST_AWARE else name)
         if spec.name in names.NCCL_OWN:
             cells[names.NCCL].append(names.NCCL)
+        if spec.name == "allreduce":  # the kernel path: one launch, no schedule of steps
+            cells[names.CUDA_KERNEL] += names.ALLREDUCE_KERNELS
         rows.append([spec.name] + [", ".join(cells[e]) or "-" for e in engines])
     return table(["collective", *engines], rows)
 
 
 def _registry_table() -> str:
-    from ringcomm.core.algorithms import ALGORITHMS, NCCL, NCCL_OWN, engines_of
+    from ringcomm.core.algorithms import (
+        ALGORITHMS,
+        ALLREDUCE_KERNELS,
+        NCCL,
+        NCCL_OWN,
+        engines_of,
+    )
     from ringcomm.plan.collectives import COLLECTIVES
 
     rows = []
@@ -208,6 +217,8 @@ def _registry_table() -> str:
         used = [c.name for c in COLLECTIVES.values() if name in c.algorithms]
         if name == NCCL:
             used = [c for c in COLLECTIVES if c in NCCL_OWN]
+        if name in ALLREDUCE_KERNELS:
+            used = ["allreduce"]
         rows.append([code(name), ", ".join(engines_of(name)), ", ".join(used), row.summary])
     return table(["algorithm", "engines", "collectives", "what it does"], rows)
 

@@ -22,8 +22,10 @@ and the tests show the result is then wrong. Memory is sequentially consistent b
 steps; on the GPU the kernels get that from their release stores and acquire loads. Where
 every coroutine waits, the fake reports the hang a GPU would spin in (``FakeDeviceFault``).
 
-Not wired into the engines yet: a later slice of issue 36 maps the buffers, registers user
-memory, probes that every rank's kernels run at once and lets the selector pick the path.
+The fake's launch of the kernels for the ``cuda-kernel`` engine (``ringcomm.engines.kernel``)
+is ``MirrorGroup``: the ranks of an in-process group (threads) each hand it their launch,
+and the last to arrive runs them all. Registering user memory in place, and CuPy's launch,
+are later slices of issue 36.
 """
 
 from __future__ import annotations
