@@ -194,9 +194,14 @@ def cases(seed: int, n: int, *, worlds: tuple[int, ...] = (2, 3, 4, 5),
 
 
 def data(rank: int, count: int, dtype: str, salt: int = 0) -> np.ndarray:
-    """Values in -2..2: sums and products over a few ranks are exact in every dtype."""
-    values = (np.arange(count, dtype=np.int64) * 7 + rank * 13 + salt * 3) % 5 - 2
-    return values.astype(_dtype(dtype))
+    """Values in -2..2: sums and products over a few ranks are exact in every dtype.
+    Element ``k`` is ``(7 k + 13 rank + 3 salt) % 5 - 2``, which repeats every five
+    elements: each of the five is written into its every fifth place (every case's ranks
+    make these several times over, megabytes of them in the large cases)."""
+    values = np.empty(count, _dtype(dtype))
+    for k in range(min(count, 5)):
+        values[k::5] = (k * 7 + rank * 13 + salt * 3) % 5 - 2
+    return values
 
 
 def contribution(call: Call, rank: int, world: int) -> np.ndarray | None:
