@@ -4,6 +4,7 @@ what ``choose()`` and ``describe()`` say, on the fake runtime."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 
 import numpy as np
@@ -270,6 +271,7 @@ def test_every_dtype_and_op_through_the_engine_equals_numpy(fake_devices, world)
     """Every dtype and op at worlds 1-4 through ``comm.allreduce`` of a fake device array,
     by each kernel (forced) and by the selector's choice, on ranks with GPUs of their own:
     copied in, run by the mirror, copied out, equal to numpy on every rank."""
+    gc.collect()  # arrays earlier tests' errors held
     live = fake_devices.live_allocations()
     results = run_group(world, _allreduce_everything(45, ("kernel-oneshot", "kernel-twoshot",
                                                           None)),
@@ -319,3 +321,26 @@ def test_ranks_that_launch_different_kernels_get_a_desync(fake_devices):
     results = run_group(2, fn, device="fake", gpus=[0, 1], return_errors=True, timeout=10)
     assert all(isinstance(r, DesyncError) for r in results), results
     assert "launched different kernels" in str(results[0])
+
+
+def test_a_subgroup_makes_regions_of_its_own(fake_devices):
+    """A split of a group on the kernel path takes it too, with its own regions (its records
+    go through the parent's exchange under the subgroup's keys), and both give them back."""
+    from ringcomm.testing.fake_device import FakeDeviceArray
+
+    gc.collect()  # arrays earlier tests' errors held
+    live = fake_devices.live_allocations()
+
+    def fn(comm):
+        sub = comm.split(comm.rank % 2)
+        x = FakeDeviceArray.from_host(np.full(100, comm.rank + 1.0))
+        sub.allreduce(x)
+        y = FakeDeviceArray.from_host(np.full(100, comm.rank + 1.0))
+        comm.allreduce(y)
+        said = (x.to_host()[0], y.to_host()[0], sub.choose("allreduce", x).engine)
+        sub.close()
+        return said
+
+    assert run_group(4, fn, device="fake", gpus=[0, 1, 2, 3]) == [
+        (4.0, 10.0, CUDA_KERNEL), (6.0, 10.0, CUDA_KERNEL)] * 2
+    assert fake_devices.live_allocations() == live
