@@ -75,7 +75,13 @@ def test_cupy_cannot_launch_them_yet_and_the_fake_can():
     from ringcomm.testing.fake_device import FakeRuntime
 
     assert "not written yet" in CupyRuntime.kernel_launch(object.__new__(CupyRuntime))
-    assert FakeRuntime.kernel_launch(object.__new__(FakeRuntime)) == ""
+    fake = object.__new__(FakeRuntime)
+    assert FakeRuntime.kernel_launch(fake) == ""
+    assert FakeRuntime.kernel_launch(fake, [7, 7, 7]) == ""  # threads of one process
+    processes = FakeRuntime.kernel_launch(fake, [7, 8])  # its mirror runs in one process
+    assert "one process only" in processes
+    own = Topology(tuple(RankFacts("h", "h", (0,), pid, gpu=f"g{pid}") for pid in (7, 8)))
+    assert not kernel_path(own, processes).ok
 
 
 def _selector(world: int, kernel: Verdict | None) -> Selector:
