@@ -112,50 +112,49 @@ def test_inline_bytes_comes_from_the_environment(monkeypatch):
     assert inline_bytes() == DEFAULT_INLINE_BYTES
 
 
-TORCH_PAIR = """
-import sys, time, torch, torch.distributed as dist
-rank = int(sys.argv[1])
-dist.init_process_group("ringcomm", rank=rank, world_size=2,
-                        init_method="tcp://127.0.0.1:{port}")
-pg = dist.group.WORLD
-big = torch.ones(1 << 18)  # 1 MiB: above inline_bytes
-for async_op in (False, True):
-    big.fill_(1.0)
-    if rank == 1:
-        time.sleep({late})
-    opts = dist.AllreduceOptions()
-    opts.asyncOp = async_op
-    started = time.monotonic()
-    work = pg.allreduce([big], opts)
-    returned, done = time.monotonic() - started, work.is_completed()
-    work.wait()
-    if rank == 0:
-        print(async_op, round(returned, 2), done, big[0].item())
-    dist.barrier()
-dist.destroy_process_group()
-"""
+def job_torch_pair(rank: int, world: int, store: str, late: float, **_: object) -> list:
+    """A rank of a torch group of two (``mp_helpers.Cluster``): a 1 MiB allreduce with
+    ``asyncOp`` False, then True, rank 1 joining each ``late`` s after rank 0. For each:
+    ``asyncOp``, how long the call took, whether its Work was complete when the call
+    returned, and the result."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    # the default, not every size as on a host without a spare core (undone after the job)
+    os.environ["RINGCOMM_INLINE_BYTES"] = str(DEFAULT_INLINE_BYTES)
+    dist.init_process_group("ringcomm", rank=rank, world_size=world,
+                            init_method=f"tcp://{store}")
+    seen = []
+    try:
+        pg = dist.group.WORLD
+        big = torch.ones(1 << 18)  # 1 MiB: above inline_bytes
+        for async_op in (False, True):
+            big.fill_(1.0)
+            if rank == 1:
+                time.sleep(late)
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = async_op
+            started = time.monotonic()
+            work = pg.allreduce([big], opts)
+            returned, done = time.monotonic() - started, work.is_completed()
+            work.wait()
+            seen.append((async_op, returned, done, big[0].item()))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return seen
 
 
 @pytest.mark.timeout(90)
-def test_torch_says_when_its_caller_waits_and_such_an_op_completes_in_the_call():
+def test_torch_says_when_its_caller_waits_and_such_an_op_completes_in_the_call(cluster):
     """``dist.all_reduce(t)`` sets ``opts.asyncOp = False``: the backend then runs the op as
     a blocking call (no hand-off to the worker) and returns a completed Work, whatever its
     size; with ``asyncOp`` True a large op still returns at once and overlaps (as on a host
-    with a spare core: ``RINGCOMM_INLINE_BYTES`` at its default there)."""
-    import os
-    import subprocess
-    import sys
-
-    from mp_helpers import free_port
-
-    script = TORCH_PAIR.format(port=free_port(), late=LATE_S)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ, RINGCOMM_INLINE_BYTES=str(DEFAULT_INLINE_BYTES)))
-             for r in range(2)]
-    outs = [p.communicate(timeout=80) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    sync, asyn = (line.split() for line in outs[0][0].splitlines())
-    assert sync[0] == "False" and sync[2] == "True" and float(sync[1]) >= LATE_S * 0.8, sync
-    assert asyn[0] == "True" and asyn[2] == "False" and float(asyn[1]) < LATE_S / 2, asyn
-    assert sync[3] == asyn[3] == "2.0"
+    with a spare core: ``RINGCOMM_INLINE_BYTES`` at its default there). Rank 0's view, in
+    two processes of the shared pool, each a torch group."""
+    sync, asyn = cluster.run(2, "test_inline.job_torch_pair", late=LATE_S, timeout=80)[0]
+    assert sync[0] is False and sync[2] is True and sync[1] >= LATE_S * 0.8, sync
+    assert asyn[0] is True and asyn[2] is False and asyn[1] < LATE_S / 2, asyn
+    assert sync[3] == asyn[3] == 2.0
