@@ -1,9 +1,9 @@
 """torch.distributed on the "ringcomm" backend, with real processes on 127.0.0.1.
 
-The ranks are spawned once for the module (``tests/torch_jobs.py``) and given one job per
-test; every job creates torch's default group (tcp://, file:// or env://), checks values
-on every rank, and destroys it, so every job after the first is also a re-init in a
-process that had a group before. The examples are run as the programs they are.
+The ranks are the session's shared rank processes (``conftest.cluster``), given one job of
+``tests/torch_jobs.py`` per test; every job creates torch's default group (tcp://, file://
+or env://), checks values on every rank, and destroys it, so every job after the first is
+also a re-init in a process that had a group before. The examples are run as the programs they are.
 
 The default suite runs the collectives, the staging of tensors the group cannot use in
 place and its copies back (blocking and async), and another default device, at world 2;
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch_jobs import ONE_BITS, Ranks, free_port, vals
+from torch_jobs import ONE_BITS, OnThePool, free_port, vals
 
 import ringcomm
 from ringcomm import torch_backend
@@ -32,12 +32,10 @@ slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    r = Ranks(3)  # each rank started by the first job that needs it
-    try:
-        yield r
-    finally:
-        r.close()
+def ranks(cluster):
+    """Three ranks for the jobs of ``torch_jobs``: the session's shared rank processes, each
+    started by the first job that needs it."""
+    return OnThePool(cluster, 3)
 
 
 # --------------------------------------------------------------------------- registration

@@ -1,11 +1,12 @@
 """Real ranks for the torch-backend tests: spawned once, each test sends them a job.
 
 Starting a process that imports torch costs seconds here, so ``Ranks`` starts its processes
-once per test module and runs *jobs* on them: functions of this module that call
-``dist.init_process_group("ringcomm")`` (tcp://, file:// or env://), do their checks,
-destroy the group and return what the test asserts on. Every job re-initialises torch's
-default group in a process that has had one before, which is the re-init check too. A job
-that raises fails the test with its traceback; a hang is killed after the job's limit.
+once per test module (``OnThePool`` uses the session's shared ones) and runs *jobs* on
+them: functions of this module that call ``dist.init_process_group("ringcomm")`` (tcp://,
+file:// or env://), do their checks, destroy the group and return what the test asserts
+on. Every job re-initialises torch's default group in a process that has had one before,
+which is the re-init check too. A job that raises fails the test with its traceback; a
+hang is killed after the job's limit.
 """
 
 from __future__ import annotations
@@ -147,6 +148,41 @@ class Ranks:
             raise AssertionError(f"{job} failed on ranks {failed}:\n{said}\n"
                                  + "\n".join(results[r][2] for r in failed))
         return [results[r][1] for r in range(world)]
+
+
+class OnThePool:
+    """``Ranks``' ``run`` on the processes of an ``mp_helpers.Cluster`` (the session's shared
+    rank pool, ``conftest.cluster``): processes that have imported torch for one module's
+    jobs run the next module's too. A job gets what ``Ranks`` gives it (three free ports, an
+    init file in a folder of its own) and runs with one torch thread, as there."""
+
+    def __init__(self, cluster: Any, size: int) -> None:
+        self.cluster = cluster
+        self.size = size
+
+    def run(self, job: str, world: int | None = None, timeout: float = 60.0,
+            **kwargs: Any) -> list[Any]:
+        """Run ``job(rank=r, world=world, **kwargs)`` on ranks ``0..world-1``."""
+        with tempfile.TemporaryDirectory(prefix="ringcomm-torch-") as folder:
+            return self.cluster.run(world or self.size, f"{__name__}.job_on_the_pool",
+                                    timeout=timeout, torch_job=job, folder=folder,
+                                    **kwargs)
+
+
+def job_on_the_pool(rank: int, world: int, stores: list[str], torch_job: str, folder: str,
+                    **kwargs: Any) -> Any:
+    """A pool's job (``OnThePool``): the job of this module named ``torch_job``, with ports
+    taken from the pool's fresh store addresses."""
+    for given in ("store", "transport"):  # the pool's own, not the job's
+        kwargs.pop(given, None)
+    ports = [int(address.rsplit(":", 1)[1]) for address in stores[:3]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return globals()[torch_job](rank=rank, world=world, port=ports[0], ports=ports,
+                              file=os.path.join(folder, "init"), **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- helpers
