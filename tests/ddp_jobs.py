@@ -1,7 +1,8 @@
 """Jobs for the ``ddp/`` tests, run by real rank processes over ringcomm or gloo.
 
-The pool is ``torch_jobs.Ranks`` (processes spawned once per test module, one job per test,
-a hung job killed at its limit) serving this module's functions. Every job builds the same
+The pool is the session's shared rank processes (``torch_jobs.OnThePool`` over
+``conftest.cluster``: one job per test, a hung job killed at its limit) running this
+module's functions. Every job builds the same
 float64 model on every rank and checks, on every rank, that the gradients and weights equal
 those of one process training on the whole batch; a job returns what the test asserts on.
 """
@@ -18,20 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch_jobs import Ranks, on_cuda
+from torch_jobs import on_cuda
 
 import ringcomm  # noqa: F401 - registers the backend
 import ringcomm_ddp as ddp  # the ddp/ folder, as it is installed
-
-# --------------------------------------------------------------------------- the pool
-
-
-class DdpRanks(Ranks):
-    """``torch_jobs.Ranks`` whose processes run the jobs of this module."""
-
-    jobs_module = __name__
-    role = "ddp"
-
 
 # --------------------------------------------------------------------------- helpers
 

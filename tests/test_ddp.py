@@ -3,26 +3,22 @@ gloo: float64 gradients and weights equal to one process training on the whole b
 every mode, unused parameters, ``no_sync``, the launch order and bucket order from
 observation, and each kind of bad input as a clear error on every rank.
 
-The jobs are in ``tests/ddp_jobs.py``; two rank processes serve the whole module.
+The jobs are in ``tests/ddp_jobs.py``; two of the session's shared rank processes run them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ddp_jobs import DdpRanks
+from torch_jobs import OnThePool
 
 BACKENDS = ["ringcomm", "gloo"]
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    r = DdpRanks(2)
-    r.start()
-    try:
-        yield r
-    finally:
-        r.close()
+def ranks(cluster):
+    """2 ranks for the jobs of ``ddp_jobs``: the session's shared rank processes."""
+    return OnThePool(cluster, 2, "ddp_jobs")
 
 
 @pytest.mark.timeout(90)

@@ -1,25 +1,22 @@
 """``ddp`` beyond plain averaging, over real processes on ringcomm and gloo: exact gradients
 for unequal local batches (``average="samples"``), ``SyncBatchNorm`` against ``BatchNorm`` on
 the full batch, the communication hooks within their precision, and ``join`` with uneven
-numbers of batches. Jobs in ``tests/ddp_jobs.py``; three rank processes serve the module.
+numbers of batches. Jobs in ``tests/ddp_jobs.py``, run by three of the session's shared rank
+processes.
 """
 
 from __future__ import annotations
 
 import pytest
-from ddp_jobs import DdpRanks
+from torch_jobs import OnThePool
 
 BACKENDS = ["ringcomm", "gloo"]
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    r = DdpRanks(3)
-    r.start()
-    try:
-        yield r
-    finally:
-        r.close()
+def ranks(cluster):
+    """3 ranks for the jobs of ``ddp_jobs``: the session's shared rank processes."""
+    return OnThePool(cluster, 3, "ddp_jobs")
 
 
 @pytest.mark.timeout(60)

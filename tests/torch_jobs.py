@@ -153,34 +153,37 @@ class Ranks:
 class OnThePool:
     """``Ranks``' ``run`` on the processes of an ``mp_helpers.Cluster`` (the session's shared
     rank pool, ``conftest.cluster``): processes that have imported torch for one module's
-    jobs run the next module's too. A job gets what ``Ranks`` gives it (three free ports, an
-    init file in a folder of its own) and runs with one torch thread, as there."""
+    jobs run the next module's too. A job (a function of ``jobs_module``) gets what
+    ``Ranks`` gives it (three free ports, an init file in a folder of its own) and runs
+    with one torch thread, as there."""
 
-    def __init__(self, cluster: Any, size: int) -> None:
+    def __init__(self, cluster: Any, size: int, jobs_module: str = __name__) -> None:
         self.cluster = cluster
         self.size = size
+        self.jobs_module = jobs_module
 
     def run(self, job: str, world: int | None = None, timeout: float = 60.0,
             **kwargs: Any) -> list[Any]:
         """Run ``job(rank=r, world=world, **kwargs)`` on ranks ``0..world-1``."""
         with tempfile.TemporaryDirectory(prefix="ringcomm-torch-") as folder:
             return self.cluster.run(world or self.size, f"{__name__}.job_on_the_pool",
-                                    timeout=timeout, torch_job=job, folder=folder,
-                                    **kwargs)
+                                    timeout=timeout, jobs_module=self.jobs_module,
+                                    torch_job=job, folder=folder, **kwargs)
 
 
-def job_on_the_pool(rank: int, world: int, stores: list[str], torch_job: str, folder: str,
-                    **kwargs: Any) -> Any:
-    """A pool's job (``OnThePool``): the job of this module named ``torch_job``, with ports
-    taken from the pool's fresh store addresses."""
+def job_on_the_pool(rank: int, world: int, stores: list[str], jobs_module: str,
+                    torch_job: str, folder: str, **kwargs: Any) -> Any:
+    """A pool's job (``OnThePool``): the function ``torch_job`` of ``jobs_module``, with
+    ports taken from the pool's fresh store addresses."""
     for given in ("store", "transport"):  # the pool's own, not the job's
         kwargs.pop(given, None)
+    job = getattr(importlib.import_module(jobs_module), torch_job)
     ports = [int(address.rsplit(":", 1)[1]) for address in stores[:3]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return globals()[torch_job](rank=rank, world=world, port=ports[0], ports=ports,
-                              file=os.path.join(folder, "init"), **kwargs)
+        return job(rank=rank, world=world, port=ports[0], ports=ports,
+                   file=os.path.join(folder, "init"), **kwargs)
     finally:
         torch.set_num_threads(threads)
 
