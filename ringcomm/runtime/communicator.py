@@ -63,6 +63,7 @@ from ..plan.settings import Settings
 from ..plan.topology import Topology
 from ..transport.base import Transport
 from ..transport.group import GroupTransport
+from ..transport.header import OpKind
 from ..transport.kinds import KINDS
 from . import devices
 from .hang_report import ReportStore
@@ -665,8 +666,11 @@ class Communicator:
             except OSError as lost:  # the timeline is lost; nothing else may be
                 log.warning("rank %d: could not write its timeline: %s", self.rank, lost)
         if stray is not None:
+            what = (f"rank {stray.sender}'s part of an op it then failed in (withdrawn from "
+                    "the shared board)" if stray.kind == OpKind.ABORT else
+                    f"a message of rank {stray.sender}'s {stray.describe()}")
             err = DesyncError(
-                f"a message of rank {stray.sender}'s {stray.describe()} was still waiting "
+                f"{what} was still waiting "
                 "here, and no op of this rank took it: the ranks disagreed about an op (a "
                 "rank whose part of it only sends, like a broadcast's root, returns before it "
                 "can tell). Every rank must call the same collectives in the same order with "

@@ -386,8 +386,9 @@ class OpRunner:
         self.closed = True
         if self._failure is not None:  # failed before: the peers know (from it, or told it)
             return
-        if not self.idle:
-            self.transport.wake(reason)
+        if not self.idle:  # one wake for each thread that may wait on the control plane
+            for _ in range(1 + (self._callers > 0)):  # (a caller's op and the worker's)
+                self.transport.wake(reason)
         self._failure = CommAborted(reason, rank=self.rank)
         give_up = time.monotonic() + _ABORT_WAIT_S
         while not self.idle and time.monotonic() < give_up:

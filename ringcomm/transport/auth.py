@@ -45,6 +45,9 @@ REFUSALS_AT_ONCE = 10
 _REFUSALS = RateLimitedLog(log, per_second=REFUSALS_PER_SECOND, burst=REFUSALS_AT_ONCE)
 
 # What a socket monitor reports about a handshake (libzmq 4.3 and later).
+# What CURVE adds to a frame on the wire, which is what ZMQ_MAXMSGSIZE bounds: a MESSAGE
+# command's name, nonce, flags and MAC (about 33 B, per RFC 26), with room to spare
+FRAME_OVERHEAD = 256
 HANDSHAKE_SUCCEEDED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)

@@ -143,13 +143,13 @@ class BoardChannel(abc.ABC):
 
     def leftover(self) -> Header | None:
         """The header of a post that a peer made and this rank never took (a board op this
-        rank never ran): at close, proof that the ranks disagreed about an op."""
+        rank never ran): at close, proof that the ranks disagreed about an op. A post its
+        peer withdrew (its op failed there) is an abort's header: the peer still entered an
+        op this rank never ran."""
         board = self.board
         for peer in range(self.world_size):
             if peer != self.rank and board.posted(peer) > board.number:
-                header = board.header(peer, board.number + 1)
-                if header.kind != OpKind.ABORT:  # withdrawn: its op failed there, no desync
-                    return header
+                return board.header(peer, board.number + 1)
         return None
 
     def describe(self) -> str:

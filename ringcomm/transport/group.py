@@ -129,7 +129,7 @@ class GroupTransport(Transport):
             host = LOOPBACK
         self._sockets = Sockets(io_threads, keys, rank)
         control_socket = self._sockets.pull(secure=True)
-        control_socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
+        control_socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES + auth.FRAME_OVERHEAD)
         control = ZmqControl(rank, control_socket, {},
                              functools.partial(self._sockets.push, secure=True))
         super().__init__(rank, world_size, [None] * world_size, control)

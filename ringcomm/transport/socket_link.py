@@ -70,7 +70,7 @@ def bound_receiving(sock: zmq.Socket, segment_bytes: int) -> None:
     unread messages up to about ``QUEUE_BYTES`` per connection (then ZeroMQ stops reading
     that connection until the link takes some: the peer's sends wait in its own process)."""
     bound = payload_bound(segment_bytes)
-    sock.setsockopt(zmq.MAXMSGSIZE, bound)
+    sock.setsockopt(zmq.MAXMSGSIZE, bound + auth.FRAME_OVERHEAD)
     sock.setsockopt(zmq.RCVHWM, max(_LEAST_QUEUED, QUEUE_BYTES // bound))
 
 

@@ -24,6 +24,7 @@ import zmq
 
 from ..core.rate_limit import RateLimitedLog
 from ..errors import CommTimeout, DesyncError, PeerLostError
+from .auth import FRAME_OVERHEAD
 from .header import SIZE as HEADER_SIZE
 from .header import Header, OpKind, differences
 from .link import ControlPlane, Link, Wait, remote_error
@@ -95,7 +96,7 @@ class ZmqControl(ControlPlane):
         self._push: dict[int, zmq.Socket] = {}
         # what the socket admits, set before its first bind (ZeroMQ copies a socket's
         # options to its connections when it binds): notices, not more
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES + FRAME_OVERHEAD)
         socket.setsockopt(zmq.RCVHWM, QUEUED_NOTICES)
         socket.bind(WAKE_ENDPOINT)  # inproc: one per ZeroMQ context, so one per transport
         # every line a stranger's input makes this rank write (refused notices, refused
