@@ -283,7 +283,8 @@ class Cluster:
                 self.procs[r].join(max(0.5, deadline - time.monotonic()))
                 if self.procs[r].is_alive():
                     raise JobFailed(f"{job}: rank {r} should have died but is still running")
-            self._ensure(range(world))  # replace the dead now: they start while tests go on
+            # the dead are replaced by the next job: after a death the module's end closes
+            # the processes (``dirty``), and one started now might only be stopped
             ok = True
         finally:
             if not ok:  # leave no rank half-way through a job for the next test
