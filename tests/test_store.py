@@ -146,12 +146,14 @@ def processes():
 # imports only pytest and ringcomm: no torch, so a child starts in a fraction of a second).
 
 
-def _add_many(address: str, index: int, count: int) -> None:
+def job_add_many(rank: int, address: str, count: int, **_: object) -> None:
+    """A job of the session's rank processes (``conftest.cluster``): rank ``rank`` adds 1
+    ``count`` times, all ranks starting together."""
     with StoreClient(address, timeout=30) as store:
-        store.set(f"ready/{index}", b"1")
-        store.wait(["go"])  # all children start adding together
+        store.set(f"ready/{rank}", b"1")
+        store.wait(["go"])  # all processes start adding together
         seen = [store.add("counter", 1) for _ in range(count)]
-        store.set(f"seen/{index}", ",".join(map(str, seen)))
+        store.set(f"seen/{rank}", ",".join(map(str, seen)))
 
 
 def _park(address: str, how: str, key: str, timeout: float) -> None:
@@ -518,15 +520,15 @@ def test_threads_sharing_a_client_add_exactly(store):
 
 
 @pytest.mark.timeout(60)
-def test_processes_adding_to_one_counter_get_an_exact_total(server, store, processes):
+def test_processes_adding_to_one_counter_get_an_exact_total(server, store, cluster):
+    """Four processes (the session's rank processes, already running) add at once."""
     nprocs, count = 4, 150
-    procs = [processes(_add_many, server.address, i, count) for i in range(nprocs)]
+    adding = Call(cluster.run, nprocs, "test_store.job_add_many", address=server.address,
+                  count=count, timeout=45)
     store.wait([f"ready/{i}" for i in range(nprocs)], timeout=45)
     store.set("go", b"1")
     store.wait([f"seen/{i}" for i in range(nprocs)], timeout=45)
-    for proc in procs:
-        proc.join(15)
-        assert proc.exitcode == 0
+    assert adding.result(timeout=50) == [None] * nprocs  # every process's job returned
     assert store.get("counter") == str(nprocs * count).encode()
     # every add returned a distinct total: they were atomic
     seen = [int(v) for i in range(nprocs) for v in store.get(f"seen/{i}").split(b",")]
