@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import pytest
-from mp_helpers import free_port, in_threads, transport_group
+from mp_helpers import in_threads, transport_group
 from what_runs import Call, Tally, contribution, p2p_messages, tally
 
 from ringcomm import cli
@@ -133,38 +131,29 @@ def test_the_communicator_describes_the_kinds_each_pair_and_its_engines():
             comm.close()
 
 
-_RANK = """
-import json, sys, ringcomm
-comm = ringcomm.init(int(sys.argv[1]), 2, store=sys.argv[2], timeout=20)
-print(json.dumps({"describe": comm.describe(), "choices": {
-    peer: [c.kind, c.reason, [list(d) for d in c.declined]]
-    for peer, c in comm.transport.choices.items()}}))
-comm.close()
-"""
+def job_shared_memory_off_on_rank_1(rank: int, world: int, store: str, **_: Any) -> dict:
+    """A rank of the session's rank processes (``conftest.cluster``) through
+    ``ringcomm.init``, ``RINGCOMM_SHM=0`` on rank 1 only (the pool undoes it after the job):
+    what ``describe()`` says and the kind each pair chose, as JSON has them."""
+    import ringcomm
+
+    os.environ["RINGCOMM_SHM"] = "0" if rank else "1"
+    comm = ringcomm.init(rank, world, store=store, timeout=20)
+    try:
+        return json.loads(json.dumps({"describe": comm.describe(), "choices": {
+            peer: [c.kind, c.reason, [list(d) for d in c.declined]]
+            for peer, c in comm.transport.choices.items()}}))
+    finally:
+        comm.close()
 
 
 @needs_shm
 @pytest.mark.timeout(40)
-def test_shared_memory_turned_off_on_one_rank_gives_that_pair_sockets():
+def test_shared_memory_turned_off_on_one_rank_gives_that_pair_sockets(cluster):
     """Two processes through ``ringcomm.init``, ``RINGCOMM_SHM=0`` on rank 1 only: the pair
     takes ipc sockets, each end saying whose shared memory was missing, and the group has
     no board."""
-    store = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, RINGCOMM_SHM="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), store],
-                              env=dict(env, RINGCOMM_SHM="0") if r else env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=30)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = cluster.run(2, "test_seams.job_shared_memory_off_on_rank_1", timeout=30)
     for r, res in enumerate(outs):
         why = NOT_OFFERED_THERE.format(peer=1) if r == 0 else NOT_OFFERED_HERE
         assert res["choices"] == {str(1 - r): ["socket", "ZeroMQ ipc (same host)",
