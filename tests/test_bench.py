@@ -636,5 +636,6 @@ def test_the_algo_column_of_cuda_tensors_through_torch_names_the_device_engine()
     b = sweep.Backend(device.TORCH_CUDA, device.TORCH_CUDA)
     (chosen, _), = run_group(1, lambda comm: sweep.row_choice(
         b, RingcommProcessGroup(comm), comm, "allreduce", 1, 8, 4), device="fake")
-    assert chosen is not None and chosen.split(":")[0] in ("cuda-ipc", "staged", "nccl")
+    assert chosen is not None and chosen.split(":")[0] in ("cuda-ipc", "cuda-kernel", "staged",
+                                                          "nccl")
     assert host[0] != chosen  # the host path's choice is not the device's
