@@ -44,10 +44,11 @@ def run_matrix(world: int, cases: list[Case]) -> list[str]:
     return [e for r in results for e in r[1]]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_collective_over_nccl(nccl_engine: None, world: int) -> None:
     """Each collective (NCCL's own call where it has one, ringcomm's schedules as NCCL groups
-    for the others) and allreduce by every algorithm as NCCL groups and by NCCL's own."""
+    for the others) and allreduce by every algorithm as NCCL groups and by NCCL's own; at
+    four ranks in the slow suite (two and three, a power of two and not, in the default)."""
     cases = cases_for(world, ["float32"], blocks=(0, 5, 37),
                       algorithms=("ring", "tree", "dbtree", "hd", "rd", "nccl"))
     engines = run_matrix(world, cases)
