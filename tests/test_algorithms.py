@@ -36,9 +36,7 @@ def reference(collective, inputs, op="sum", root=0):
     return COLLECTIVES[collective].reference(inputs, op, root)
 
 
-@settings(max_examples=120, deadline=None)
-@given(world=st.sampled_from(WORLDS), count=counts, algorithm=st.sampled_from(list(ALLREDUCE)))
-def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count, algorithm):
+def _allreduce_sum_matches(world: int, count: int, algorithm: str) -> None:
     def fn(comm):
         x = data(comm.rank, count)
         comm.allreduce(x, "sum", algorithm=algorithm)
@@ -48,6 +46,24 @@ def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count
     expected = reference("allreduce", [data(r, count) for r in range(world)])
     for res, want in zip(results, expected, strict=True):
         assert res.tobytes() == want.tobytes()
+
+
+ALLREDUCE_CASES = dict(world=st.sampled_from(WORLDS), count=counts,
+                       algorithm=st.sampled_from(list(ALLREDUCE)))
+
+
+# 40 examples a default run (each run draws its own); the slow suite draws 400
+@settings(max_examples=40, deadline=None)
+@given(**ALLREDUCE_CASES)
+def test_allreduce_sum_matches_numpy_and_is_identical_on_every_rank(world, count, algorithm):
+    _allreduce_sum_matches(world, count, algorithm)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None)
+@given(**ALLREDUCE_CASES)
+def test_allreduce_sum_matches_numpy_on_many_more_draws(world, count, algorithm):
+    _allreduce_sum_matches(world, count, algorithm)
 
 
 @pytest.mark.parametrize("op", ["max", "min", "prod", "band", "bor", "bxor"])
