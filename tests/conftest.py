@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
-import sys
 
 import pytest
 
@@ -37,34 +34,6 @@ def cluster(rank_processes):
     yield rank_processes
     if rank_processes.dirty:
         rank_processes.close()
-
-
-# --------------------------------------------------------------------------- the collector
-# A full collection walks every object the process tracks: in this one, torch, the test
-# modules and the items collected, and the schedules ringcomm caches (``lru_cache`` in
-# ringcomm.schedules: hundreds of thousands of steps by the end of a module of tiny
-# segments). The device tests collect garbage before they count fake allocations, and each
-# of those collections took a fifth of a second late in a session. What collection made is
-# frozen out of the collector's walks, and each module starts with empty schedule caches.
-
-
-def pytest_collection_finish(session):
-    gc.collect()
-    gc.freeze()
-
-
-def _schedule_caches() -> list:
-    return [value for name, module in list(sys.modules.items())
-            if name.startswith("ringcomm.schedules") and module is not None
-            for value in list(vars(module).values())
-            if isinstance(value, functools._lru_cache_wrapper)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_schedule_caches():
-    yield
-    for cache in _schedule_caches():
-        cache.cache_clear()
 
 
 # --------------------------------------------------------------------------- the gpu marker
