@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -272,14 +273,36 @@ def _table_rows(stdout, collective):
     return [cells[4].strip() for line in lines if len(cells := line.split("│")) > 5]
 
 
+# The arguments of the two end-to-end runs below, under their tests' names. Both start when
+# the first of the two tests does (``runs``): each run's parent process spends seconds
+# importing torch on one core, and its ranks then take turns with the other run's.
+RUNS = {
+    "test_both_ringcomm_paths_run_every_collective_end_to_end": (
+        "-b", "4K", "-e", "4K", "--backends", "ringcomm", "ringcomm/torch", "--reps", "2",
+        "--iters", "2", "--warmup", "1"),
+    "test_the_shared_boards_algorithms_run_forced_end_to_end": (
+        "--collectives", "allreduce", "-b", "8", "-e", "64K", "-f", "8192", "--backends",
+        *(f"ringcomm:{a}" for a in ON_BOARD), "--reps", "2", "--iters", "2", "--warmup", "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The end-to-end runs of the tests in ``RUNS`` that this session runs, started together;
+    each one's ``Future`` (``_bench``'s process and JSON) under its test's name."""
+    names = [item.name for item in request.session.items
+             if item.module is request.module and item.name in RUNS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(_bench, tmp_path_factory.mktemp("bench"), *RUNS[name],
+                                 timeout=55) for name in names}
+
+
 @pytest.mark.timeout(60)
-def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
+def test_both_ringcomm_paths_run_every_collective_end_to_end(runs, request):
     """ringcomm through its Communicator and through ``torch.distributed`` on a process
     group of backend ringcomm (beside Gloo's): real ranks, every collective, both checked and
     both in the printed tables; the targets take the torch row."""
-    proc, result = _bench(tmp_path, "-b", "4K", "-e", "4K", "--backends", "ringcomm",
-                          "ringcomm/torch", "--reps", "2", "--iters", "2", "--warmup", "1",
-                          timeout=55)
+    proc, result = runs[request.node.name].result()
     rows = result["rows"]
     for collective in sweep.COLLECTIVES:
         mine = {r["backend"]: r for r in rows if r["collective"] == collective}
@@ -296,15 +319,13 @@ def test_both_ringcomm_paths_run_every_collective_end_to_end(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_the_shared_boards_algorithms_run_forced_end_to_end(tmp_path):
+def test_the_shared_boards_algorithms_run_forced_end_to_end(runs, request):
     """``ringcomm:board`` and ``ringcomm:twoshot``, which ``ringcomm:all`` leaves out (they
     need every rank on one host): a row for each at every size, checked, timed, in the
     printed table, and with no prediction, since the cost model does not price the board."""
     sizes = [8, 64 << 10]
     forced = [f"ringcomm:{a}" for a in ON_BOARD]
-    proc, result = _bench(tmp_path, "--collectives", "allreduce", "-b", "8", "-e", "64K",
-                          "-f", "8192", "--backends", *forced, "--reps", "2", "--iters", "2",
-                          "--warmup", "1", timeout=55)
+    proc, result = runs[request.node.name].result()
     rows = result["rows"]
     assert sorted((r["backend"], r["bytes"]) for r in rows) == sorted(
         (name, n) for name in forced for n in sizes)
