@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -160,16 +161,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_pytest_step_stopped_at_its_limit_keeps_what_finished_and_names_what_did_not(
-        tmp_path, monkeypatch):
-    """The hung test ignores the interrupt, so pytest is killed and never ends its session:
-    the record comes from the stream alone, and the process the test started dies with it."""
+def _stopped_run(tmp_path: Path) -> tuple[dict, float]:
+    """The pytest step of the ``STOPPED`` tests with a budget of 10 s: gpu_check's result
+    and the seconds it took."""
     tests = _synthetic(tmp_path / "synthetic", STOPPED)
-    monkeypatch.setenv("SYNTHETIC_CHILD", str(tmp_path / "child.pid"))
     started = time.monotonic()
     result = gpu_check.check(ROOT, tmp_path / "out", fake=True, budget=10,
                              python=sys.executable, steps=("pytest-gpu",), tests=(str(tests),))
-    assert time.monotonic() - started < 14
+    return result, time.monotonic() - started
+
+
+def test_a_pytest_step_stopped_at_its_limit_keeps_what_finished_and_names_what_did_not(
+        waiting_runs, request):
+    """The hung test ignores the interrupt, so pytest is killed and never ends its session:
+    the record comes from the stream alone, and the process the test started dies with it."""
+    tmp_path, (result, took) = waiting_runs[request.node.name].result()
+    assert took < 14
     step = {c["name"]: c for c in result["checks"]}["pytest-gpu"]
     detail = step["detail"]
     assert (step["status"], step["passed"], step["failed"]) == ("fail", 1, 1), step
@@ -259,24 +266,33 @@ def test_after_the_others():
 """
 
 
+def _stream_run(tmp_path: Path, xdist: bool) -> tuple[gpu_pytest.Plan, int | None, str,
+                                                   gpu_pytest.Streamed]:
+    """The ``OUTCOMES`` tests (and a module that cannot be imported), serially or in xdist
+    workers, with a time limit of 2 s a test: the plan, pytest's exit status, its output
+    and what it streamed."""
+    tests = _synthetic(tmp_path / "synthetic", OUTCOMES,
+                       test_broken_import="import no_such_module_here\n")
+    stream = tmp_path / "stream.jsonl"
+    plan = gpu_pytest.plan(sys.executable, stream, per_test_timeout=2, cores=4,
+                           have={"xdist": xdist, "pytest_timeout": True}, paths=[str(tests)])
+    with (tmp_path / "log").open("w") as log:
+        code, output, _ = gpu_check.bounded(plan.argv, cwd=ROOT, env=dict(os.environ),
+                                            limit=60, log=log)
+    return plan, code, output, gpu_pytest.read_stream(stream)
+
+
 @pytest.mark.parametrize("workers", ["serial", "xdist"])
-def test_the_stream_has_one_outcome_per_test_as_the_record_counts_it(tmp_path, workers):
+def test_the_stream_has_one_outcome_per_test_as_the_record_counts_it(waiting_runs, request,
+                                                                      workers):
     """Each kind of ending, a module that cannot be imported and a test over its own time
     limit (the run goes on), serially and in xdist workers (where xdist is here: it is on
     the GPU machine)."""
     xdist = workers == "xdist"
     if xdist and importlib.util.find_spec("xdist") is None:
         pytest.skip("pytest-xdist is not installed here")
-    tests = _synthetic(tmp_path / "synthetic", OUTCOMES,
-                       test_broken_import="import no_such_module_here\n")
-    stream = tmp_path / "stream.jsonl"
-    plan = gpu_pytest.plan(sys.executable, stream, per_test_timeout=2, cores=4,
-                           have={"xdist": xdist, "pytest_timeout": True}, paths=[str(tests)])
+    _, (plan, code, output, streamed) = waiting_runs[request.node.name].result()
     assert plan.workers == (2 if xdist else 0) and ("-n" in plan.argv) == xdist
-    with (tmp_path / "log").open("w") as log:
-        code, output, _ = gpu_check.bounded(plan.argv, cwd=ROOT, env=dict(os.environ),
-                                            limit=60, log=log)
-    streamed = gpu_pytest.read_stream(stream)
     outcomes = {t["nodeid"].split("::")[-1]: t["outcome"] for t in streamed.outcomes}
     assert outcomes == {
         "test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped",
@@ -297,6 +313,39 @@ def test_the_stream_has_one_outcome_per_test_as_the_record_counts_it(tmp_path, w
     ok, detail = gpu_pytest.record(streamed, code, False, 60)
     assert not ok and "not_finished" not in detail and "why" not in detail
     assert detail["collect_errors"][0]["message"].endswith("No module named 'no_such_module_here'")
+
+
+# The step stopped at its limit waits most of its 10 s for that limit, and each stream run a
+# test's 2 s limit: the runs of those tests that this session runs start together when the
+# first of them does (the tests follow one another), each test then checks its own.
+WAITING = {
+    "test_a_pytest_step_stopped_at_its_limit_keeps_what_finished_and_names_what_did_not":
+        _stopped_run,
+    "test_the_stream_has_one_outcome_per_test_as_the_record_counts_it[serial]":
+        lambda tmp_path: _stream_run(tmp_path, xdist=False),
+    "test_the_stream_has_one_outcome_per_test_as_the_record_counts_it[xdist]":
+        lambda tmp_path: _stream_run(tmp_path, xdist=True),
+}
+
+
+@pytest.fixture(scope="module")
+def waiting_runs(request, tmp_path_factory):
+    """Each ``WAITING`` run whose test this session runs, started at once in a thread of its
+    own: its ``Future`` of (its folder, what it returned) under its test's name. The stopped
+    step's synthetic test writes its child's pid where ``SYNTHETIC_CHILD`` says."""
+    names = [item.name for item in request.session.items
+             if item.module is request.module and item.name in WAITING
+             and ("xdist]" not in item.name or importlib.util.find_spec("xdist") is not None)]
+
+    def run(name: str, tmp_path: Path) -> tuple[Path, object]:
+        return tmp_path, WAITING[name](tmp_path)
+
+    folders = {name: tmp_path_factory.mktemp("waiting") for name in names}
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=3) as pool:
+        stopped = next((n for n in names if n.startswith("test_a_pytest_step_stopped")), None)
+        if stopped is not None:
+            mp.setenv("SYNTHETIC_CHILD", str(folders[stopped] / "child.pid"))
+        yield {name: pool.submit(run, name, folders[name]) for name in names}
 
 
 def test_reading_a_stream_cut_short():
