@@ -10,10 +10,12 @@ header; whether that completes a reduction), and ``run`` does no more than that.
 
 The engine has a fast entry for the commonest call, a blocking allreduce
 (``BoardEngine.allreduce_now``): its plan (program, packed header, reduction) is made once
-per dtype, size and op (``plan_allreduce``), and for the one-shot allreduce on host memory
-it takes ``run_whole``, the same posts and takes without the general runner's lookups. The
-fast entry is part of the engine, so a wrapper in front of the engine sees it as it sees
-``run``, and a traced run takes the same path as an untraced one.
+per dtype, size and op (``plan_allreduce``), and the one-shot allreduce on host memory is
+one call of the channel (``BoardChannel.round_whole``: the same post and takes, which the
+board runs in one go, reading its memory directly; a wrapped channel through its own posts
+and takes). The fast entry is part of the engine, so a wrapper in front of the engine sees
+it as it sees ``run``; a run whose steps are observed (a timeline) takes the general
+runner.
 
 Every post of an op carries the op's header with the post's number within the op as its
 ``index``, so that ranks whose posts do not line up find out at the first take. A reduction
@@ -30,12 +32,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import CodeType
 
-import numpy as np
-
 from ..core.arrays import Buffer, HostBuffer
-from ..core.dtypes import ReduceOp, finish_reduction
+from ..core.dtypes import ReduceOp
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule
+from ..transport.board import Board, WholeTake
 from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
 from .base import Engine
@@ -79,9 +80,9 @@ class BoardProgram:
         self.rounds = tuple(rounds)
         self.roles = tuple(dict.fromkeys(r.buf for r in regions if r.count))  # buffers used
         # one post of a whole buffer whose takes copy or reduce all of it (the one-shot
-        # allreduce): (peer, reduces, final) per take, for ``run_whole``; else None
+        # allreduce): (peer, reduces, final) per take, for ``BoardChannel.round_whole``
         post, place, takes = rounds[0]
-        self.whole: tuple[tuple[int, bool, bool], ...] | None = None
+        self.whole: tuple[WholeTake, ...] | None = None
         if len(rounds) == 1 and post is not None and not post.offset and not place and all(
                 does is not _CHECK and (role, offset, count, at) == (post.buf, 0, post.count, 0)
                 for _, does, _, role, offset, count, at in takes):
@@ -119,30 +120,6 @@ class BoardProgram:
                     started = self._observed(observe, step, started)
                 step += 1
 
-    def run_whole(self, channel: BoardChannel, data: np.ndarray, header: bytes,
-                  deadline: float, name: str, reduce: ReduceOp | None,
-                  observe: StepObserver | None = None) -> None:
-        """``run`` for a program with ``whole`` takes, on ``data`` (all of the buffer, in
-        host memory): the same posts and takes without the general bookkeeping, where the
-        smallest calls spend most of their time."""
-        assert self.whole is not None, "run_whole needs a program of whole takes"
-        started = time.perf_counter() if observe is not None else 0.0
-        channel.post(header, data, deadline, name)
-        if observe is not None:
-            started = self._observed(observe, 0, started)
-        dtype, count = data.dtype, data.size
-        for step, (peer, reduces, final) in enumerate(self.whole, 1):
-            payload = channel.take(peer, header, dtype, count, deadline, name)
-            if reduces:
-                assert reduce is not None
-                reduce.ufunc(data, payload, out=data)
-                if final and reduce.divides:
-                    finish_reduction(data, reduce, channel.world_size)
-            else:
-                np.copyto(data, payload)
-            if observe is not None:
-                started = self._observed(observe, step, started)
-
     def _observed(self, observe: StepObserver, index: int, started: float) -> float:
         now = time.perf_counter()
         observe(index, self.schedule.steps[index], started, now)
@@ -178,7 +155,7 @@ def run_board(
         channel.withdraw(since)
         if not isinstance(err, CommError):
             raise
-        err.progress = _stood(err, program, BoardProgram.run.__code__, ctx.dtype.itemsize)
+        err.progress = _stood(err, program, (BoardProgram.run.__code__,), ctx.dtype.itemsize)
         if isinstance(err, CommTimeout):
             raise _on_board(err, schedule, channel.rank, ctx.name) from None
         raise
@@ -196,13 +173,20 @@ def _on_board(err: CommTimeout, schedule: Schedule, rank: int, name: str) -> Com
     return timeout
 
 
-def _stood(err: CommError, program: BoardProgram, runner: CodeType,
+_ROUNDS = (Board.round_whole.__code__, BoardChannel.round_whole.__code__)
+
+
+def _stood(err: CommError, program: BoardProgram, runners: tuple[CodeType, ...],
            itemsize: int) -> OpProgress | None:
-    """Where ``program`` stood when ``err`` left ``runner`` (the code of ``BoardProgram.run``
-    or ``run_whole``), for the hang report: the step it was on is that frame's ``step``,
-    read on the way out, so the runners' loops carry no bookkeeping for it (unbound: it
-    failed at its first post, step 0)."""
-    step = frame_local(err, runner, "step")
+    """Where ``program`` stood when ``err`` left the first of ``runners`` it passed through
+    (the code of ``BoardProgram.run``, or of the whole round's), for the hang report: the
+    step it was on is that frame's ``step``, read on the way out, so the runners' loops
+    carry no bookkeeping for it (unbound: it failed at its first post, step 0)."""
+    step = None
+    for runner in runners:
+        step = frame_local(err, runner, "step")
+        if step is not None:
+            break
     return in_order("board", program.schedule, step if isinstance(step, int) else 0,
                     waited_for(err, -1), itemsize)
 
@@ -263,18 +247,17 @@ class BoardEngine(Engine):
                       name: str, observe: StepObserver | None = None) -> None:
         """Run ``plan`` on ``data`` as op number ``seq``, on this thread, start to end."""
         program, channel = plan.program, self.channel
-        if program.whole is not None and type(data) is HostBuffer:
+        if program.whole is not None and observe is None and type(data) is HostBuffer:
             since = channel.posts
             try:
-                program.run_whole(channel, data.region(0, data.count), plan.header_of(seq),
-                                  deadline, name, plan.reduce, observe)
+                channel.round_whole(_SEQ.pack(seq) + plan.after_seq, data.region(0, data.count),
+                                    program.whole, plan.reduce, deadline, name)
                 return
             except BaseException as err:
                 channel.withdraw(since)
                 if not isinstance(err, CommError):
                     raise
-                err.progress = _stood(err, program, BoardProgram.run_whole.__code__,
-                                      data.dtype.itemsize)
+                err.progress = _stood(err, program, _ROUNDS, data.dtype.itemsize)
                 if isinstance(err, CommTimeout):
                     raise _on_board(err, program.schedule, channel.rank, name) from None
                 raise

@@ -92,12 +92,15 @@ def _names_bad_input(
         try:
             return method(self, *args, **kwargs)
         except ArgumentError as err:
-            if err.op is not None:
-                raise
-            raise ArgumentError(err.detail, rank=self.rank, op=method.__name__,
-                                peer=err.peer) from None
+            raise _named(err, self.rank, method.__name__) from None
 
     return checked
+
+
+def _named(err: ArgumentError, rank: int, op: str) -> ArgumentError:
+    """``err`` naming ``rank`` and ``op``, unless it names an op already."""
+    return err if err.op is not None else ArgumentError(err.detail, rank=rank, op=op,
+                                                        peer=err.peer)
 
 
 class Communicator:
@@ -399,7 +402,6 @@ class Communicator:
         return sub
 
     # ------------------------------------------------------------------ collectives
-    @_names_bad_input
     def allreduce(self, x: Any, op: str = "sum", *, algorithm: str | None = None,
                   async_op: bool = False) -> Any:
         """Reduce ``x`` across ranks, in place; every rank gets the result. Returns ``x``.
@@ -415,25 +417,30 @@ class Communicator:
         rank; a forced one that differs between ranks is caught at the first message or
         post.
         """
-        data = as_buffer(x, name="x")
-        if algorithm is None and not async_op and self._ops.allreduce_now(data, op):
-            return x
-        rop = reduce_op(op, data.dtype)
-        choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
-                                      memory=data.memory, forced=algorithm,
-                                      native=data.memory is HOST
-                                      or nccl_takes(data.dtype, rop.name))
-        return self._ops.submit(CollectiveCall(
-            _ALLREDUCE, data.dtype, {"data": data}, x, choice, data.memory, rop,
-            count=data.count), async_op)
+        try:  # argument errors named as ``_names_bad_input`` names them, without its call
+            data = as_buffer(x, name="x")
+            if algorithm is None and not async_op and self._ops.allreduce_now(data, op):
+                return x
+            rop = reduce_op(op, data.dtype)
+            choice = self.selector.choose("allreduce", data.nbytes, data.dtype.itemsize,
+                                          memory=data.memory, forced=algorithm,
+                                          native=data.memory is HOST
+                                          or nccl_takes(data.dtype, rop.name))
+            return self._ops.submit(CollectiveCall(
+                _ALLREDUCE, data.dtype, {"data": data}, x, choice, data.memory, rop,
+                count=data.count), async_op)
+        except ArgumentError as err:
+            raise _named(err, self.rank, "allreduce") from None
 
-    @_names_bad_input
     def allreduce_now(self, x: Any, op: str = "sum") -> bool:
         """``allreduce(x, op)`` if it can run on this thread from start to end at once (the
         engine's fast entry: a group on one host's board, nothing queued); else False,
         having done nothing. For a caller lending memory only for the call: a view that
         keeps nothing alive must not reach an op that might outlive it."""
-        return self._ops.allreduce_now(as_buffer(x, name="x"), op)
+        try:
+            return self._ops.allreduce_now(as_buffer(x, name="x"), op)
+        except ArgumentError as err:
+            raise _named(err, self.rank, "allreduce_now") from None
 
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:

@@ -43,11 +43,12 @@ the board is made (so that a full ``/dev/shm`` shows at set-up, not as a fault m
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..core import config
+from ..core.dtypes import ReduceOp, finish_reduction
 from .header import CHECKSUM_AT, Header, OpKind
 from .header import SIZE as HEADER_SIZE
 from .shm_ring import fence, stores_in_order
@@ -57,6 +58,24 @@ _LINE = 64
 _SLOT = _LINE + SLOT_BYTES
 _RANK_BYTES = _LINE + 2 * _SLOT
 _WORD = struct.Struct("<Q")
+
+
+# a take of a whole post (``Board.round_whole``): (peer, reduce it in (else copy it), whether
+# that completes the reduction)
+WholeTake = tuple[int, bool, bool]
+
+
+class RoundHooks(Protocol):
+    """What ``Board.round_whole`` asks of the channel around it, only when it must: wait for
+    a post, explain a header that differs, wake sleeping peers."""
+
+    wakes_by_flag: bool  # a sleeper raises its flag (``doze``); else wake after every post
+
+    def _wait(self, peer: int, number: int, op: str, deadline: float, header: bytes) -> None: ...
+
+    def _disagrees(self, peer: int, header: bytes, op: str) -> None: ...
+
+    def _posted(self) -> None: ...
 
 
 def size(world_size: int) -> int:
@@ -116,6 +135,55 @@ class Board:
             views[number % 2][self.rank][...] = values
         _WORD.pack_into(self._mem, self._mine, number)  # last: x86 keeps the store order
         self.number = number
+
+    def round_whole(self, header: bytes, data: np.ndarray, takes: tuple[WholeTake, ...],
+                    reduce: ReduceOp | None, deadline: float, op: str,
+                    hooks: RoundHooks) -> None:
+        """One post of all of ``data`` (1-d) with ``header``, then ``takes`` of whole posts of
+        the same size, each reduced into ``data`` (the last of a reduction finishing it:
+        ``avg`` divides) or copied over it: the one-shot allreduce, ``behind``, ``post``,
+        ``posted``, ``matches`` and ``payload`` run together where the smallest calls spend
+        their time, the board read straight from memory. ``hooks`` (the channel) is called
+        only for a post not there yet, a header that differs (``_disagrees`` raises, or
+        returns to take the post after all) and peers that sleep. The local ``step`` says
+        where a failure left the round: 0 the post, ``k`` the ``k``-th take."""
+        mem, unpack_from, peers = self._mem, _WORD.unpack_from, self._peers
+        step, number = 0, self.number
+        for peer in peers:  # every peer has taken this rank's last post (``behind``)
+            if unpack_from(mem, peer * _RANK_BYTES)[0] < number:
+                hooks._wait(peer, number, op, deadline, header)
+        number += 1
+        parity = number % 2
+        start = self._mine + _LINE + parity * _SLOT
+        mem[start: start + HEADER_SIZE] = header
+        key = (data.dtype, data.size, 0)
+        views = (self._typed.get(key) or self._views(data.dtype, data.size))[parity]
+        views[self.rank][...] = data
+        _WORD.pack_into(mem, self._mine, number)  # last: x86 keeps the store order
+        self.number = number
+        if hooks.wakes_by_flag:
+            fence()  # the count is stored before any flag is read
+            for peer in peers:
+                if unpack_from(mem, peer * _RANK_BYTES + 8)[0]:
+                    hooks._posted()
+                    break
+        else:
+            hooks._posted()
+        raw, world_size = self._raw, self.world_size
+        for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - read on failure
+            line = peer * _RANK_BYTES
+            if unpack_from(mem, line)[0] < number:
+                hooks._wait(peer, number, op, deadline, header)
+            at = line + _LINE + parity * _SLOT
+            if raw[at: at + HEADER_SIZE] != header:
+                hooks._disagrees(peer, header, op)
+            if reduces:
+                assert reduce is not None
+                reduce.ufunc(data, views[peer], out=data)
+                if final and reduce.divides:
+                    finish_reduction(data, reduce, world_size)
+            else:
+                np.copyto(data, views[peer])
 
     def withdraw(self) -> None:
         """Withdraw this rank's latest post (its op failed): its header becomes an abort's,

@@ -29,8 +29,9 @@ from typing import Any, NoReturn, Protocol
 import numpy as np
 import zmq
 
+from ..core.dtypes import ReduceOp, finish_reduction
 from ..errors import CommTimeout, DesyncError, PeerLostError, RemoteError
-from .board import Board
+from .board import Board, WholeTake
 from .header import Header, OpKind, check
 from .link import Wait
 from .local_link import LocalLink
@@ -64,6 +65,8 @@ class BoardChannel(abc.ABC):
     beside ``transport`` (whose links a wait watches for a lost peer or an abort)."""
 
     kind = "board"
+    wakes_by_flag = False  # a sleeping peer says so on the board (else: wake after each post)
+    _fused = False  # ``round_whole`` reads the board itself (the channels that own one)
 
     def __init__(self, board: Board, transport: Screening) -> None:
         self.board = board
@@ -96,11 +99,39 @@ class BoardChannel(abc.ABC):
         if board.posted(peer) < number:
             self._wait(peer, number, op, deadline, header)
         if not board.matches(peer, header):
-            posted = self.posted_header(peer, op)
-            if posted.kind == OpKind.ABORT:
-                self._withdrawn(peer, op)
-            check(expected_post(header, peer), posted, rank=self.rank, op=op)
+            self._disagrees(peer, header, op)
         return board.payload(peer, dtype, count, at)
+
+    def round_whole(self, header: bytes, data: np.ndarray, takes: tuple[WholeTake, ...],
+                    reduce: ReduceOp | None, deadline: float, op: str) -> None:
+        """A ``post`` of all of ``data`` (1-d), then a ``take`` of each peer's whole post in
+        ``takes`` (peer, reduce it in else copy it, whether that completes the reduction):
+        the one-shot allreduce of the smallest calls. A channel of its own board does it in
+        one go (``Board.round_whole``, with this channel's waits and checks); a wrapper
+        (``_fused`` False) through its ``post`` and ``take``, which it may override. The
+        local ``step`` says where a failure left it: 0 the post, ``k`` the ``k``-th take."""
+        if self._fused:
+            self.board.round_whole(header, data, takes, reduce, deadline, op, self)
+            return
+        step = 0
+        self.post(header, data, deadline, op)
+        for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - see above
+            payload = self.take(peer, header, data.dtype, data.size, deadline, op)
+            if reduces:
+                assert reduce is not None
+                reduce.ufunc(data, payload, out=data)
+                if final and reduce.divides:
+                    finish_reduction(data, reduce, self.world_size)
+            else:
+                np.copyto(data, payload)
+
+    def _disagrees(self, peer: int, header: bytes, op: str) -> None:
+        """``peer``'s post does not carry ``header``: raise what the difference means (a
+        withdrawn post: ``RemoteError``; another op: ``DesyncError``)."""
+        posted = self.posted_header(peer, op)
+        if posted.kind == OpKind.ABORT:
+            self._withdrawn(peer, op)
+        check(expected_post(header, peer), posted, rank=self.rank, op=op)
 
     @property
     def posts(self) -> int:
@@ -175,6 +206,9 @@ class ShmBoardChannel(BoardChannel):
     sleeps in ``poll`` until the poster rings this rank's doorbell (``bell``; ``bells``:
     the peers' doorbells, open for writing), and meanwhile watches the control plane and
     every peer's pipe (``links``)."""
+
+    wakes_by_flag = True
+    _fused = True
 
     def __init__(self, board: Board, transport: Screening, *, control: ZmqControl,
                  links: list[LocalLink], bell: Doorbell, bells: dict[int, int],

@@ -161,6 +161,8 @@ class InMemoryBoardChannel(BoardChannel):
     """The board of ranks that are threads of one process: a wait sleeps on the network's
     condition, which every post notifies, and looks at the aborts meanwhile."""
 
+    _fused = True
+
     def __init__(self, board: Board, transport: Screening, network: InMemoryNetwork) -> None:
         super().__init__(board, transport)
         self._network = network
