@@ -39,6 +39,21 @@ def _torch() -> Any:
 numpy_dtype = torch_numpy_dtype
 
 
+# dtypes the core reduces and moves as they are (``ringcomm.core.dtypes``), by torch's names
+_CORE_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
+                     "int64", "uint8", "bool", "complex64", "complex128")
+_core_dtypes: frozenset[Any] | None = None
+
+
+def core_dtypes() -> frozenset[Any]:
+    """The torch dtypes the core takes as they are (torch is loaded: a tensor showed it)."""
+    global _core_dtypes
+    if _core_dtypes is None:
+        torch = _torch()
+        _core_dtypes = frozenset(getattr(torch, name) for name in _CORE_DTYPE_NAMES)
+    return _core_dtypes
+
+
 def viewable(t: Any, core_dtypes: frozenset[Any]) -> bool:
     """Whether the host can work on ``t``'s memory as it is: a contiguous CPU tensor of a
     dtype the core knows, not a conjugate or negated view."""
@@ -64,6 +79,14 @@ class HostViews:
         if view is None:
             view = self._make(key)
         return view
+
+    def tensor(self, x: Any) -> HostBuffer | None:
+        """``x``'s view (``of``) where ``x`` is a torch tensor the host works on as it is
+        (``viewable``); None for anything else (the caller takes the general way)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(x, torch.Tensor) or not viewable(x, core_dtypes()):
+            return None
+        return self.of(x)
 
     def _make(self, key: tuple[int, int, Any]) -> HostBuffer:
         address, count, dtype = key

@@ -35,7 +35,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from ..core import config
-from ..core import tensors as _tensors  # noqa: F401 - registers the kind of CUDA tensors
+from ..core import tensors as _tensors  # also registers the kind of CUDA tensors
 from ..core.algorithms import DEVICE_ENGINES
 from ..core.arrays import (
     HOST,
@@ -176,6 +176,7 @@ class Communicator:
         self._ops = OpRunner(transport, self.wiring, self.selector, self.topology,
                              self.timeout, inline_bytes(self.topology.spare_core(self.rank)),
                              store)
+        self._views = _tensors.HostViews()  # of CPU tensors, for blocking allreduces
 
     def start_faults(self) -> None:
         """Count ops for the injected faults from here on (a communicator made with
@@ -418,6 +419,11 @@ class Communicator:
         post.
         """
         try:  # argument errors named as ``_names_bad_input`` names them, without its call
+            if algorithm is None and not async_op and type(x) is not np.ndarray:
+                # a CPU tensor, for a call that runs here or not at all: viewed once
+                view = self._views.tensor(x)
+                if view is not None and self._ops.allreduce_now(view, op):
+                    return x
             data = as_buffer(x, name="x")
             if algorithm is None and not async_op and self._ops.allreduce_now(data, op):
                 return x
@@ -646,6 +652,7 @@ class Communicator:
             self._ops.abort(CLOSED_DURING_OP)
             check = False
         self._ops.stop()
+        self._views = _tensors.HostViews()  # a program that keeps the communicator keeps no view
         lanes_failed = None
         try:  # before the links they use; IPC's close is collective
             devices.close_lanes(self.wiring.lanes, strict=True,

@@ -18,14 +18,10 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..core.arrays import Buffer, Concatenated, DeviceBuffer, keep_until_done
-from ..core.tensors import HostViews, device_runtime_usable, tensor_buffer
+from ..core.tensors import HostViews, core_dtypes, device_runtime_usable, tensor_buffer
 from ..errors import ArgumentError
 
-# dtypes the core reduces and moves as they are (see ringcomm.core.dtypes)
-CORE_DTYPES = frozenset({
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-})
+CORE_DTYPES = core_dtypes()  # the dtypes the core reduces and moves as they are
 _OPS = {
     ReduceOp.SUM: "sum",
     ReduceOp.AVG: "avg",
