@@ -20,6 +20,10 @@ can run here and which calls it sits out, and whose library it belongs to.
     ringcomm/torch+cuda  (``--device cuda``) ringcomm's process group on CUDA tensors
     mpi             MPI's collectives, in ranks of their own started by ``mpiexec``, which
                     take their turn when rank 0 gives it to them (``mpi_peer``)
+    floor/torch     ``torch.distributed`` on a group whose backend does nothing: torch's own
+                    dispatch of a call (``floors``)
+    floor/ringcomm  ringcomm's API on a group of one rank per process: its fixed cost with
+                    nothing to exchange (``floors``)
 
 Why one table: the sweep (``sweep``) and the DDP benchmark (``ddp_step``) both set backends
 up, and the sweep checks, times and tears them down in several places; each of those now
@@ -34,13 +38,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from . import adapter, device, mpi_peer
+from . import adapter, device, floors, mpi_peer
 from .buffers import Buffers
 from .common import timed
 
 TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
 CURVE = "ringcomm/curve"  # ringcomm with an auth token: its tcp links authenticate and encrypt
 CHECKSUMMED = "ringcomm+checksum"  # the Communicator with checksums on
+FLOOR = "floor"  # the owner of the floors: what a call costs before any library's work
 
 Call = Callable[[], object]  # one call of a collective, on buffers fixed beforehand
 # (handle, collective, buffers, reduction or None, forced algorithm or None) -> one call
@@ -112,6 +117,16 @@ class LocalTurns:
         self.run()  # lines the ranks up: they leave Gloo's barrier up to milliseconds apart
         self.sync()
         return timed(self.run, iters, self.sync)
+
+
+class FloorTurns(LocalTurns):
+    """A floor's part: timed as any backend's, but it computes nothing, so there is nothing
+    to check (its rows count no wrong elements)."""
+
+    def check(self) -> int:
+        self.run()
+        self.sync()
+        return 0
 
 
 class PeerTurns:
@@ -208,6 +223,9 @@ class Runner:
             return PeerTurns(handle, case)
         if self.own_turns is not None:
             return self.own_turns(handle, case, bufs)
+        if self.owner == FLOOR:
+            return FloorTurns(self.calls(handle, case.collective, bufs, case.op, algorithm),
+                              lambda: self.sync(handle), bufs)
         return LocalTurns(self.calls(handle, case.collective, bufs, case.op, algorithm),
                           lambda: self.sync(handle), bufs)
 
@@ -290,6 +308,20 @@ def _leave_default_group(group: Any) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _floor_unsupported(collective: str, dtype: str, op: str | None) -> str | None:
+    """The floors stand under allreduce, the small call DDP, metrics and barriers make (one
+    rank's API floor could not run the others: their buffers are sized for the world)."""
+    return None if collective == "allreduce" else "a floor is measured under allreduce only"
+
+
+def _join_torch_floor(where: RankContext) -> Any:
+    return floors.join_torch_floor(where.timeout)
+
+
+def _join_api_floor(where: RankContext) -> Any:
+    return floors.join_api_floor(where.timeout)
 
 
 def _join_ringcomm_group(where: RankContext) -> Any:
@@ -544,6 +576,10 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
     Runner(device.TORCH_CUDA, owner="ringcomm", join=_join_ringcomm_group_cuda,
            calls=_torch_calls, device="cuda", sync=_cuda_sync, process_group=True,
            needs_device=("cuda",), unavailable=_torch_cuda_unavailable),
+    Runner(floors.TORCH_FLOOR, owner=FLOOR, join=_join_torch_floor, calls=_torch_calls,
+           process_group=True, unsupported=_floor_unsupported),
+    Runner(floors.API_FLOOR, owner=FLOOR, join=_join_api_floor, leave=_close_communicator,
+           calls=_communicator_calls, unsupported=_floor_unsupported),
     Runner("mpi", owner="mpi", join=_start_mpi, ready=_connect_mpi, leave=_stop_mpi,
            calls=mpi_peer.calls, launcher="mpiexec", unavailable=_mpi_unavailable,
            unsupported=mpi_peer.unsupported),

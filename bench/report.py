@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import format_size, parse_size
+from .floors import API_FLOOR, TORCH_FLOOR
 
 GroupKey = tuple[str, int, str, str]
 
@@ -114,6 +115,9 @@ class Target:
 
     - ``speedup``: ``peer``'s time / ours, at least ``bound``;
     - ``extra_us``: the torch row's time minus the direct row's, at most ``bound`` us;
+    - ``over_floor_us``: the torch row's time minus torch's floor (``floors``) and
+      ``peer``'s time, at most ``bound`` us: what ringcomm adds to torch beyond the peer;
+    - ``direct_speedup``: ``peer``'s time / the direct row's, at least ``bound``;
     - ``time_us``: our time, at most ``bound`` us (a dict: per world size, none elsewhere);
     - ``auto``: the direct automatic choice's time / the best forced algorithm's;
     - ``choice``: the same question asked of the forced runs only: the time of the
@@ -135,7 +139,7 @@ class Target:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.kind == "speedup"
+        return self.kind in ("speedup", "direct_speedup")
 
     @property
     def unit(self) -> str:
@@ -147,10 +151,13 @@ TARGETS = [
     Target("busbw vs gloo, 1 MiB-256 MiB", (1 << 20, 256 << 20), 1.5, "speedup", "gloo"),
     Target("busbw vs gloo, 64 KiB", (64 << 10, 64 << 10), 1.2, "speedup", "gloo"),
     Target("latency vs gloo, 8 B-4 KiB (time ratio)", (8, 4 << 10), 2.0, "speedup", "gloo"),
-    Target("vs mpi, 64 KiB: at most 1.5x its time", (64 << 10, 64 << 10), 1 / 1.5, "speedup",
+    Target("vs mpi, 64 KiB-256 MiB: at most its time", (64 << 10, 256 << 20), 1.0, "speedup",
            "mpi"),
-    Target("vs mpi, 1 MiB-256 MiB: at most its time", (1 << 20, 256 << 20), 1.0, "speedup",
-           "mpi"),
+    Target("vs mpi, every size: at most 3x its time", EVERY_SIZE, {4: 1 / 3}, "speedup", "mpi"),
+    Target("torch, 8 B-4 KiB: over torch's floor + mpi (us)", (8, 4 << 10), {2: 0.0},
+           "over_floor_us", "mpi"),
+    Target("direct, 8 B-4 KiB: at most 2x mpi's time", (8, 4 << 10), {2: 0.5},
+           "direct_speedup", "mpi"),
     Target("torch path over direct, every size (us)", EVERY_SIZE, 10.0, "extra_us"),
     Target("time at 8 B (us)", (8, 8), {2: 10.0, 4: 60.0}, "time_us"),
     Target("auto vs best algorithm (time ratio)", EVERY_SIZE, 1.1, "auto"),
@@ -214,13 +221,26 @@ def _measure_target(t: Target, same: list[dict]) -> tuple[float, list[float], st
             return None
         return (_time(mine) - _time(auto), _per_rep(mine, auto, operator.sub),
                 mine["backend"])
+    peer = next((r for r in same if r["library"] == t.peer), None)
+    if t.kind == "over_floor_us":
+        floor = next((r for r in same if r["library"] == TORCH_FLOOR), None)
+        if mine is None or mine["library"] != TORCH or floor is None or peer is None:
+            return None
+        over = _per_rep(mine, floor, operator.sub)
+        over = [x - y for x, y in zip(over, _reps(peer), strict=True)] \
+            if len(over) == len(_reps(peer)) else []
+        return _time(mine) - _time(floor) - _time(peer), over, mine["backend"]
+    if t.kind == "direct_speedup":
+        if auto is None or peer is None:
+            return None
+        return _time(peer) / _time(auto), _per_rep(peer, auto, operator.truediv), "ringcomm"
     forced = [r for r in same
               if r["library"] == "ringcomm" and r["algorithm"] not in (None, "auto")]
     best = min(forced, key=_time) if forced else None
     own = next((r for r in forced if auto and r["algorithm"] == auto["chosen"]), None)
     pair: tuple[dict | None, dict | None]
     if t.kind == "speedup":
-        pair = next((r for r in same if r["library"] == t.peer), None), mine
+        pair = peer, mine
     elif t.kind == "auto":
         pair = auto, best
     elif t.kind == "choice":
@@ -317,6 +337,70 @@ def print_targets(summary: list[dict], console: Any) -> None:
         table.add_row(str(t["world_size"]), t["dtype"], t["target"], t.get("row", ""),
                       _bound(t), _value(t, t["worst"]), format_size(t["at_bytes"]),
                       _noise(t), f"{t['sizes_met']}/{t['sizes']}", verdict)
+    console.print(table)
+    console.print()
+
+
+SMALL = 64 << 10  # the sizes whose time the floors explain: below this, fixed costs rule
+
+
+def floor_split(rows: list[dict]) -> list[dict]:
+    """Where a small allreduce's time goes, per world size and size up to ``SMALL`` where
+    the floors were measured (``floors``): torch's dispatch (``floor/torch``), ringcomm's
+    own cost through torch (the torch row less that floor), and of the direct call its fixed
+    cost with nothing to exchange (``floor/ringcomm``) and the exchange (the rest); beside
+    MPI's time where it ran, the torch row's gap to MPI split into torch's part and
+    ringcomm's. Times are medians over repetitions (us)."""
+    out = []
+    for (collective, world, dtype, op), group in groups(rows).items():
+        if collective != "allreduce":
+            continue
+        for nbytes, of_size in groupby(group, key=lambda r: r["bytes"]):
+            same = list(of_size)
+            row = {lib: next((r["time_us"] for r in same if r["library"] == lib
+                              and r["algorithm"] in (None, "auto")), None)
+                   for lib in (TORCH_FLOOR, API_FLOOR, "ringcomm", TORCH, "mpi")}
+            torch_floor, api_floor = row[TORCH_FLOOR], row[API_FLOOR]
+            torch_path, direct, mpi = row[TORCH], row["ringcomm"], row["mpi"]
+            if nbytes > SMALL or torch_floor is None or api_floor is None or direct is None:
+                continue
+            entry = {"world_size": world, "dtype": dtype, "op": op, "bytes": nbytes,
+                     "mpi_us": mpi, "torch_floor_us": torch_floor, "api_floor_us": api_floor,
+                     "direct_us": direct, "torch_us": torch_path,
+                     "exchange_us": direct - api_floor,
+                     "ringcomm_in_torch_us": None if torch_path is None
+                     else torch_path - torch_floor}
+            if torch_path is not None and mpi is not None:  # the gap, torch's and ours
+                entry["gap_to_mpi_us"] = torch_path - mpi
+                entry["gap_torch_us"] = torch_floor
+                entry["gap_ringcomm_us"] = torch_path - torch_floor - mpi
+            out.append(entry)
+    return out
+
+
+def print_floor_split(split: list[dict], console: Any) -> None:
+    """``floor_split`` as a table (nothing where the floors were not measured)."""
+    if not split:
+        return
+    from rich.table import Table
+
+    table = Table(title="small allreduces: where the time goes (us, medians)",
+                  title_justify="left", show_edge=False, pad_edge=False,
+                  caption="torch = torch's floor (its dispatch on a backend that does nothing)"
+                  " + ringcomm's part; direct = ringcomm's fixed cost (its API on one rank) + "
+                  "the exchange; gap to mpi = torch's floor + ringcomm's part beyond mpi's "
+                  "time.", caption_justify="left")
+    columns = [("world", "world_size"), ("size", "bytes"), ("mpi", "mpi_us"),
+               ("torch floor", "torch_floor_us"), ("ringcomm/torch", "torch_us"),
+               ("ringcomm's part", "ringcomm_in_torch_us"), ("api floor", "api_floor_us"),
+               ("direct", "direct_us"), ("exchange", "exchange_us"),
+               ("gap: ringcomm's", "gap_ringcomm_us")]
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    for entry in split:
+        table.add_row(*(format_size(entry[key]) if key == "bytes" else
+                        str(entry[key]) if key == "world_size" else _us(entry.get(key))
+                        for _, key in columns))
     console.print(table)
     console.print()
 

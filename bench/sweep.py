@@ -68,7 +68,7 @@ from typing import Any
 from ringcomm.plan.collectives import COLLECTIVES as TABLE
 from ringcomm.schedules import HOST_AWARE
 
-from . import adapter, device, multihost
+from . import adapter, device, floors, multihost
 from .backends import (
     CHECKSUMMED,
     RUNNERS,
@@ -441,8 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{TORCH} (torch.distributed on a process group of backend ringcomm), "
                    "ringcomm/curve (the Communicator with an auth token: its tcp links "
                    "authenticate and encrypt; RINGCOMM_TRANSPORT=tcp to measure them), "
-                   f"{CHECKSUMMED} (the Communicator with RINGCOMM_CHECKSUM=1), gloo, "
-                   f"nccl (default: {' '.join(HOST_BACKENDS)}; nccl only with one GPU per "
+                   f"{CHECKSUMMED} (the Communicator with RINGCOMM_CHECKSUM=1), gloo, nccl, "
+                   f"{floors.TORCH_FLOOR} (torch.distributed on a backend that does nothing: "
+                   f"torch's dispatch), {floors.API_FLOOR} (ringcomm's API on one rank: its "
+                   f"fixed cost) (default: {' '.join(HOST_BACKENDS)}; nccl only with one GPU per "
                    "rank); with --device: ringcomm+cuda-ipc, ringcomm+staged, "
                    "ringcomm+nccl[:ALGO|:nccl] (an engine forced), "
                    f"{device.COPY}, {device.GLOO_CUDA}, {device.TORCH_CUDA}, nccl")
@@ -531,7 +533,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
     return s, [layout.world]
 
 
-HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl"]
+HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl", *floors.FLOORS]
 DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
                             f"{device.NCCL_ENGINE}:nccl"],
                    "cuda": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
@@ -714,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{facts.get('hosts')}, cores per rank {facts.get('cores_per_rank')}",
                   markup=False, highlight=False)
     report.print_tables(rows, out)
+    split = report.floor_split(rows)
+    report.print_floor_split(split, out)
     targets = report.target_summary(rows)
     report.print_targets(targets, out)
     device_targets = device.device_summary(rows) if s.device else []
@@ -737,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")},
             "notes": notes,
             "targets": targets,
+            "floor_split": split,
             **({"peers": peers_meta} if peers_meta else {}),
             **({"runtime": device.RUNTIMES[s.device], "device": device_meta,
                 "device_targets": device_targets} if s.device else {}),

@@ -1,0 +1,101 @@
+"""The floors under ringcomm's small calls, measured in the same run as the calls.
+
+A small collective through torch costs torch's own dispatch (``dist.all_reduce`` checking
+its arguments, building its options, calling the backend through c10d, waiting on the
+handle) plus what the backend does. ``floor/torch`` measures the first part alone: a
+``torch.distributed`` process group of a backend that does nothing (every collective
+returns a handle that is already complete), called exactly as the ``ringcomm/torch`` rows
+call theirs. ``floor/ringcomm`` measures the second part's fixed share: ringcomm's own API
+on a group of one rank per process, where nothing is exchanged (argument checks, the
+buffer's wrapping, the plan's lookup, the op's bookkeeping), every rank at once so that
+ranks that share cores share them here too.
+
+So a ``ringcomm/torch`` time splits into torch's floor, ringcomm's fixed cost and the
+exchange itself, and its gap to MPI into torch's part and ringcomm's (``report``). Neither
+floor computes anything: their rows have no wrong elements to count.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+TORCH_FLOOR = "floor/torch"
+API_FLOOR = "floor/ringcomm"
+FLOORS = (TORCH_FLOOR, API_FLOOR)
+_BACKEND = "ringcomm-floor"  # the do-nothing backend's name in torch.distributed
+
+_registered = threading.Lock()
+
+
+def _done_work() -> Any:
+    """A complete torch handle: what the do-nothing group returns for every call."""
+    import torch.distributed as dist
+
+    class Done(dist.Work):
+        def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+        def is_success(self) -> bool:
+            return True
+
+    return Done()
+
+
+def _nothing_group(rank: int, size: int) -> Any:
+    """A process group whose collectives complete at once and move nothing: torch's
+    dispatch is all a call through it costs. It answers every call the sweep makes; each
+    returns one complete handle, made once, as the cheapest backend written in Python would."""
+    import torch.distributed as dist
+
+    class Nothing(dist.ProcessGroup):
+        def __init__(self) -> None:
+            super().__init__(rank, size)  # type: ignore[call-arg]
+            self._done = _done_work()
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            return _BACKEND
+
+        def _nothing(self, *args: Any, **kwargs: Any) -> Any:
+            return self._done
+
+        # every collective c10d may call for the sweep's calls, in torch's names
+        allreduce = broadcast = barrier = allgather = _nothing
+        all_gather_single = _all_gather_tensor = _allgather_base = _nothing
+        reduce_scatter = reduce_scatter_single = _reduce_scatter_tensor = _nothing
+        _reduce_scatter_base = alltoall = all_to_all_single = alltoall_base = _nothing
+
+    return Nothing()
+
+
+def _create(opts: Any, backend_options: Any = None) -> Any:
+    return _nothing_group(opts.group_rank, opts.group_size)
+
+
+def join_torch_floor(timeout: float) -> Any:
+    """The do-nothing group, made like ``ringcomm/torch``'s (``dist.new_group`` beside the
+    default Gloo group; every rank at once)."""
+    import torch.distributed as dist
+
+    with _registered:
+        if _BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+            dist.Backend.register_backend(_BACKEND, _create, extended_api=True,
+                                          devices=["cpu"])
+    return dist.new_group(backend=_BACKEND, timeout=timedelta(seconds=timeout))
+
+
+def join_api_floor(timeout: float) -> Any:
+    """A communicator of this rank alone (its own store): ringcomm's API with nothing to
+    exchange."""
+    import socket
+
+    import ringcomm
+
+    with socket.socket() as probe:  # a port no one listens on, for its own store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{port}", timeout=timeout)
