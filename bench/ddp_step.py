@@ -103,23 +103,46 @@ def rank_main(rank: int, world: int, report: Any, args: argparse.Namespace) -> N
         runner.leave(groups[name])
 
 
-class _Replica:
-    """One copy of the model (DDP over one group, or plain), its optimizer and its batches."""
+PHASES = ("forward", "backward", "tail", "optimizer")  # of a step, see ``_Replica``
 
-    def __init__(self, model: Any, batches: list, lr: float = 0.01) -> None:
+
+class _Replica:
+    """One copy of the model (DDP over one group, or plain: ``wrap`` None), its optimizer and
+    its batches. Each step's time is split into ``PHASES``: the forward pass, backward up to
+    the moment the last gradient is accumulated, the *tail* from there until ``backward()``
+    returns (DDP's last bucket: its launch, the wait for it and every bucket's copy back into
+    the gradients), and the optimizer's step. The moment of the last gradient is taken by a
+    hook on every parameter registered before DDP wraps the model, so it runs before DDP's own."""
+
+    def __init__(self, model: Any, batches: list, wrap: Any = None, lr: float = 0.01) -> None:
         import torch
         from torch import nn
 
-        self.model, self.batches, self.done = model, batches, 0
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self._last_gradient = 0.0
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(self._gradient)
+        self.model = model if wrap is None else wrap(model)
+        self.batches, self.done = batches, 0
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
         self.loss_fn = nn.CrossEntropyLoss()
+        self.phases: list[tuple[float, ...]] = []  # seconds of each of ``PHASES``, per step
+
+    def _gradient(self, param: Any) -> None:
+        self._last_gradient = time.perf_counter()
 
     def step(self) -> None:
         x, y = self.batches[self.done % len(self.batches)]
         self.done += 1
         self.opt.zero_grad(set_to_none=True)
-        self.loss_fn(self.model(x), y).backward()  # DDP all-reduces buckets during this
+        start = time.perf_counter()
+        loss = self.loss_fn(self.model(x), y)
+        forward = time.perf_counter()
+        loss.backward()  # DDP all-reduces buckets during this
+        backward = time.perf_counter()
         self.opt.step()
+        last = max(forward, min(self._last_gradient, backward))
+        self.phases.append((forward - start, last - forward, backward - last,
+                            time.perf_counter() - backward))
 
 
 def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
@@ -139,15 +162,19 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
     for name in args.backends:
         for impl in args.ddp:
             replicas[name, impl] = _Replica(
-                wrappers[impl](copy.deepcopy(base), process_group=groups[name]), batches)
+                copy.deepcopy(base), batches,
+                lambda m, impl=impl, name=name: wrappers[impl](m, process_group=groups[name]))
     if "torch" in args.ddp:  # DDP's own cost: its hook answers at once, nothing is sent
-        alone = TorchDDP(copy.deepcopy(base), process_group=groups["gloo"])
-        alone.register_comm_hook(None, _no_communication)
-        replicas[NO_COMM, "torch"] = _Replica(alone, batches)
+        def alone(m: Any) -> Any:
+            wrapped = TorchDDP(m, process_group=groups["gloo"])
+            wrapped.register_comm_hook(None, _no_communication)
+            return wrapped
+        replicas[NO_COMM, "torch"] = _Replica(copy.deepcopy(base), batches, alone)
     names = list(replicas)
     for replica in replicas.values():
         for _ in range(args.warmup):
             replica.step()
+        replica.phases.clear()
     times: dict[tuple, list[float]] = {name: [] for name in names}
     for rep in range(args.reps):
         for name in (names[i] for i in turn_order(len(names), rep)):
@@ -170,11 +197,19 @@ def _bench_model(kind: str, rank: int, world: int, args: argparse.Namespace,
                         dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     params = sum(p.numel() for p in base.parameters())
+    # each phase's median over this rank's steps, the slowest rank's
+    phases = torch.tensor([[statistics.median(column)
+                            for column in zip(*replicas[n].phases, strict=True)]
+                           for n in names], dtype=torch.float64)
+    dist.all_reduce(phases, op=dist.ReduceOp.MAX)
+    phase_ms = {n: dict(zip(PHASES, (v * 1e3 for v in phases[i].tolist()), strict=True))
+                for i, n in enumerate(names)}
     return [{
         "model": kind, "world_size": world, "backend": name, "ddp": impl, "params": params,
         "grad_MiB": params * 4 / 2**20, "step_ms": statistics.median(t) * 1e3,
         "min_step_ms": min(t) * 1e3, "rep_step_ms": [v * 1e3 for v in t],
         "max_weight_diff": float(diff) if (name, impl) in synced else None,
+        "phase_ms": phase_ms[name, impl],
         "steps": args.steps, "reps": args.reps, "warmup": args.warmup,
     } for (name, impl), t in times.items()]
 
@@ -233,6 +268,34 @@ def print_table(rows: list[dict], console: Any) -> None:
                       shown(added), shown(beyond),
                       ratio(r, backend=r["backend"], ddp="torch") if impl == "ours" else "-",
                       "-" if r["max_weight_diff"] is None else f"{r['max_weight_diff']:.1e}")
+    console.print(table)
+
+
+def print_phases(rows: list[dict], console: Any) -> None:
+    """Where each row's step goes (``PHASES``: medians per step, the slowest rank's), and
+    what the backward pass and its tail add over the local step's: the time DDP and the
+    backend add, split into what runs while gradients are still being computed and what
+    runs after the last one."""
+    from rich.table import Table
+
+    if not any("phase_ms" in r for r in rows):
+        return
+    table = Table(title="where a step goes (ms per step, medians, slowest rank)",
+                  title_justify="left", show_edge=False, pad_edge=False,
+                  caption="backward: to the last gradient accumulated; tail: from there until "
+                  "backward() returns (DDP's last bucket and every bucket's copy back); "
+                  "+: over the local step's", caption_justify="left")
+    for name in ("model", "world", "backend", "DDP", *PHASES, "+backward", "+tail"):
+        table.add_column(name, justify="left" if name in ("model", "backend", "DDP")
+                         else "right")
+    for r in rows:
+        local = next((o for o in rows if o["model"] == r["model"]
+                      and o["world_size"] == r["world_size"] and o["backend"] == "local"), None)
+        phase = r.get("phase_ms", {})
+        added = [f"{phase[p] - local['phase_ms'][p]:+.2f}" if local and r is not local
+                 else "-" for p in ("backward", "tail")]
+        table.add_row(r["model"], str(r["world_size"]), r["backend"], r.get("ddp") or "-",
+                      *(f"{phase[p]:.2f}" if p in phase else "-" for p in PHASES), *added)
     console.print(table)
 
 
@@ -325,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Console(width=None if sys.stdout.isatty() else 140)
     print_table(rows, out)
+    print_phases(rows, out)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

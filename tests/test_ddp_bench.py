@@ -25,8 +25,15 @@ def test_quick_run_times_both_ddps_on_both_backends_and_their_weights_agree(tmp_
     assert {(r["backend"], r["ddp"]) for r in rows} == {
         ("local", None), ("none", "torch"), ("ringcomm", "torch"), ("ringcomm", "ours"),
         ("gloo", "torch"), ("gloo", "ours")}
+    assert "where a step goes" in proc.stdout
     for r in rows:
         assert 0 < r["min_step_ms"] <= r["step_ms"] < 10_000, r
+        # the phases of a step: each a part of it (medians of parts need not add up to the
+        # median step, but none is negative or longer than the slowest repetition's step)
+        assert list(r["phase_ms"]) == ["forward", "backward", "tail", "optimizer"], r
+        assert all(0 <= ms <= max(r["rep_step_ms"]) for ms in r["phase_ms"].values()), r
+        if r["backend"] == "local":  # nothing runs after the last gradient but autograd's end
+            assert r["phase_ms"]["tail"] < r["phase_ms"]["backward"], r
         if r["ddp"] is not None and r["backend"] != "none":
             assert r["max_weight_diff"] < 1e-5, r  # same start and batches: same weights
         else:  # no DDP, or DDP that communicates nothing: each rank's own weights
