@@ -132,6 +132,11 @@ class HostBuffer(Buffer):
     def address(self) -> int:
         return self._host.ctypes.data
 
+    @property
+    def whole(self) -> np.ndarray:
+        """All of the buffer (1-d): ``region(0, count)`` without making a view."""
+        return self._host
+
     def region(self, offset: int, count: int) -> np.ndarray:
         return self._host[offset: offset + count]
 

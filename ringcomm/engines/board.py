@@ -250,7 +250,7 @@ class BoardEngine(Engine):
         if program.whole is not None and observe is None and type(data) is HostBuffer:
             since = channel.posts
             try:
-                channel.round_whole(_SEQ.pack(seq) + plan.after_seq, data.region(0, data.count),
+                channel.round_whole(_SEQ.pack(seq) + plan.after_seq, data.whole,
                                     program.whole, plan.reduce, deadline, name)
                 return
             except BaseException as err:

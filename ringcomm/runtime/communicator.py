@@ -448,6 +448,14 @@ class Communicator:
         except ArgumentError as err:
             raise _named(err, self.rank, "allreduce_now") from None
 
+    def allreduce_now_on(self, buffer: HostBuffer, op: str = "sum") -> bool:
+        """``allreduce_now`` on a buffer the caller made and checked (a layer above: the
+        torch backend's view of a tensor), without asking which kind ``x`` is."""
+        try:
+            return self._ops.allreduce_now(buffer, op)
+        except ArgumentError as err:
+            raise _named(err, self.rank, "allreduce_now") from None
+
     def allreduce_algorithm(self, nbytes: int, itemsize: int = 4,
                             forced: str | None = None) -> str:
         """The allreduce algorithm this communicator runs for ``nbytes`` of ``itemsize``-byte

@@ -153,7 +153,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
             if in_place(t):  # a view of its memory: the op runs here, start to end, or not
                 try:
-                    if self.comm.allreduce_now(self._views.of(t), op):
+                    if self.comm.allreduce_now_on(self._views.of(t), op):
                         return self._ran_here
                 except ArgumentError:
                     raise
