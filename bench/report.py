@@ -444,6 +444,22 @@ def markdown(rows: list[dict], sizes: set[int] | None = None) -> str:
                            f"{peer['time_us'] / mine['time_us']:.2f}x"])
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    split = floor_split(rows)
+    if split:
+        out += ["Small allreduces, where the time goes (us, medians): through torch, torch's "
+                "floor (its dispatch on a backend that does nothing) and ringcomm's part; "
+                "directly, ringcomm's fixed cost (its API on one rank) and the exchange; and "
+                "what ringcomm adds to torch's floor beyond MPI's time:", "",
+                "| world | size | mpi | torch floor | ringcomm/torch | ringcomm's part | "
+                "api floor | direct | exchange | beyond floor + mpi |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for e in split:
+            out.append(f"| {e['world_size']} | {format_size(e['bytes'])} | "
+                       + " | ".join(_us(e.get(k)) for k in (
+                           "mpi_us", "torch_floor_us", "torch_us", "ringcomm_in_torch_us",
+                           "api_floor_us", "direct_us", "exchange_us", "gap_ringcomm_us"))
+                       + " |")
+        out.append("")
     summary = target_summary(rows)
     if summary:
         out += ["| world | target | row | bound | worst (at size) | noise | sizes met |",
