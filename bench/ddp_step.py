@@ -346,6 +346,25 @@ def markdown(rows: list[dict]) -> str:
             shown(added_ratio(rows, model, world)),
             shown(added_ratio(rows, model, world, over=NO_COMM)),
             cell(model, world, "ringcomm", "ours"), cell(model, world, "gloo", "ours")]) + " |")
+    phased = [r for r in rows if "phase_ms" in r and r["backend"] != "local"]
+    if phased:  # where the added time goes: over the local step's, per phase
+        lines += ["", "Where DDP's added time goes, over the local step's (ms per step): "
+                  "*backward* up to the last gradient (the buckets reduced while gradients "
+                  "are still computed), the *tail* from there until `backward()` returns (the "
+                  "last bucket, the waits, every bucket's copy back into the gradients):", "",
+                  "| model | world | backend | DDP | +backward | +tail | +forward and "
+                  "optimizer |", "|---|---|---|---|---|---|---|"]
+        for r in phased:
+            local = next((o for o in rows if o["model"] == r["model"] and "phase_ms" in o
+                          and o["world_size"] == r["world_size"] and o["backend"] == "local"),
+                         None)
+            if local is None:
+                continue
+            mine, base = r["phase_ms"], local["phase_ms"]
+            rest = sum(mine[p] - base[p] for p in ("forward", "optimizer"))
+            lines.append(f"| {r['model']} | {r['world_size']} | {r['backend']} | {r['ddp']} | "
+                         f"{mine['backward'] - base['backward']:+.2f} | "
+                         f"{mine['tail'] - base['tail']:+.2f} | {rest:+.2f} |")
     return "\n".join(lines)
 
 
