@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ringcomm import cli
+from ringcomm import ArgumentError, cli
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.runtime.local import run_group
 from ringcomm.schedules.board import one_shot_bytes
@@ -64,6 +64,64 @@ def test_every_rank_gets_the_reference_bits_for_every_op_and_dtype(world, traced
             i += 1
     if world > 1 and trace is not None:
         assert {e.algorithm for e in trace} == {"board"}
+
+
+def test_cpu_tensors_take_the_short_way_by_their_memory_and_get_the_reference_bits():
+    """The direct API's blocking allreduce on a CPU tensor views its memory once per address,
+    size and dtype: the reference's bits for float32, bfloat16 and int64 (twice each: the
+    second call finds the view the first made), for another tensor over the same memory in
+    another shape, and for a leaf that requires grad; a tensor the host cannot view as it is
+    (a transposed one) takes the general way, which says why it refuses it."""
+    import torch
+
+    count, dtypes = 37, (np.float32, ml_dtypes.bfloat16, np.int64)
+
+    def tensor_of(x: np.ndarray) -> torch.Tensor:
+        if x.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(x.copy())
+
+    def values(t: torch.Tensor) -> bytes:
+        flat = t.detach().reshape(-1)
+        if flat.dtype == torch.bfloat16:
+            flat = flat.view(torch.int16)
+        return flat.numpy().tobytes()
+
+    def fn(comm):
+        out = []
+        for dtype in dtypes:
+            x = _inputs(comm.world_size, count, dtype)[comm.rank]
+            t = tensor_of(x)
+            for _ in range(2):
+                t.copy_(tensor_of(x))
+                assert comm.allreduce(t) is t
+                out.append(values(t))
+        x = _inputs(comm.world_size, 36, np.float32)[comm.rank]
+        base = torch.empty(36)
+        for shape in ((6, 6), (36,)):  # one memory, two tensors over it
+            base.copy_(torch.from_numpy(x))
+            comm.allreduce(base.view(shape))
+            out.append(values(base))
+        leaf = tensor_of(x).requires_grad_(True)
+        comm.allreduce(leaf)
+        out.append(values(leaf))
+        try:
+            comm.allreduce(tensor_of(x).reshape(6, 6).T)
+            out.append("taken")
+        except ArgumentError as err:
+            out.append(str(err))
+        comm.barrier()
+        return out
+
+    world = 3
+    results = run_group(world, fn, board=True)
+    want = [COLLECTIVES["allreduce"].reference(_inputs(world, count, d), "sum")[0].tobytes()
+            for d in dtypes for _ in range(2)]
+    want += [COLLECTIVES["allreduce"].reference(_inputs(world, 36, np.float32),
+                                                "sum")[0].tobytes()] * 3
+    for r in range(world):
+        assert results[r][:-1] == want, r
+        assert "not contiguous" in results[r][-1]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])

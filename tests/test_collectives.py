@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # the communicator's public methods that are not collectives
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
-                   "allreduce_now",  # allreduce's short way, not a collective of its own
+                   "allreduce_now", "allreduce_now_on",  # allreduce's short way
                    "choose", "describe", "wrapped", "tracing", "keep_timeline",
                    "start_faults", "abort"}
 
