@@ -12,7 +12,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak bench bench-quick gpu-check lint docs setup clean
+.PHONY: demo test test-slow soak bench bench-quick bench-small gpu-check lint docs setup clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,14 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/ringcomm bench --quick
+
+# Small allreduces with the floors under them, beside MPICH (the mpi extra: pip install -e
+# '.[mpi]'), and where DDP's added time goes (docs/benchmarks.md; about 4 minutes on 2 cores).
+bench-small: $(STAMP)
+	$(VENV)/bin/ringcomm bench --collectives allreduce -n 2 4 -b 8 -e 16M -f 8 --reps 9 \
+		--backends ringcomm ringcomm/torch gloo floor/torch floor/ringcomm --peers mpi \
+		--json $(RESULTS)/small_messages.json --plot-dir $(RESULTS)/plots/small_messages
+	$(VENV)/bin/ringcomm bench ddp -n 2 4 --json $(RESULTS)/ddp_phases.json
 
 # The one command for a GPU machine (docs/gpu.md): probes, the tests marked gpu (in parallel
 # workers, each outcome streamed) and a short device benchmark, without and with MPS, into
