@@ -17,16 +17,15 @@ floor computes anything: their rows have no wrong elements to count.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any
+
+from .common import free_port
 
 TORCH_FLOOR = "floor/torch"
 API_FLOOR = "floor/ringcomm"
 FLOORS = (TORCH_FLOOR, API_FLOOR)
 _BACKEND = "ringcomm-floor"  # the do-nothing backend's name in torch.distributed
-
-_registered = threading.Lock()
 
 
 def _done_work() -> Any:
@@ -47,9 +46,9 @@ def _done_work() -> Any:
 
 
 def _nothing_group(rank: int, size: int) -> Any:
-    """A process group whose collectives complete at once and move nothing: torch's
-    dispatch is all a call through it costs. It answers every call the sweep makes; each
-    returns one complete handle, made once, as the cheapest backend written in Python would."""
+    """A process group whose allreduce completes at once and moves nothing: torch's
+    dispatch is all a call through it costs. It returns one complete handle, made once, as
+    the cheapest backend written in Python would (the floors stand under allreduce only)."""
     import torch.distributed as dist
 
     class Nothing(dist.ProcessGroup):
@@ -63,11 +62,7 @@ def _nothing_group(rank: int, size: int) -> Any:
         def _nothing(self, *args: Any, **kwargs: Any) -> Any:
             return self._done
 
-        # every collective c10d may call for the sweep's calls, in torch's names
-        allreduce = broadcast = barrier = allgather = _nothing
-        all_gather_single = _all_gather_tensor = _allgather_base = _nothing
-        reduce_scatter = reduce_scatter_single = _reduce_scatter_tensor = _nothing
-        _reduce_scatter_base = alltoall = all_to_all_single = alltoall_base = _nothing
+        allreduce = barrier = _nothing
 
     return Nothing()
 
@@ -81,21 +76,15 @@ def join_torch_floor(timeout: float) -> Any:
     default Gloo group; every rank at once)."""
     import torch.distributed as dist
 
-    with _registered:
-        if _BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
-            dist.Backend.register_backend(_BACKEND, _create, extended_api=True,
-                                          devices=["cpu"])
+    if _BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(_BACKEND, _create, extended_api=True, devices=["cpu"])
     return dist.new_group(backend=_BACKEND, timeout=timedelta(seconds=timeout))
 
 
 def join_api_floor(timeout: float) -> Any:
     """A communicator of this rank alone (its own store): ringcomm's API with nothing to
     exchange."""
-    import socket
-
     import ringcomm
 
-    with socket.socket() as probe:  # a port no one listens on, for its own store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{port}", timeout=timeout)
+    return ringcomm.init(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
+                         timeout=timeout)

@@ -274,9 +274,7 @@ class OpRunner:
             self.p2p.fail_all(err)
             raise
         finally:
-            with self._count_lock:  # ``_op_done``, spelled out
-                self._outstanding -= 1
-                self._callers -= 1
+            self._op_done(caller=True)
         return True
 
     def _plan(self, data: Buffer, op: str) -> Any:

@@ -78,6 +78,19 @@ class RoundHooks(Protocol):
     def _posted(self) -> None: ...
 
 
+def fold_whole(data: np.ndarray, post: np.ndarray, reduces: bool, final: bool,
+               reduce: ReduceOp | None, world_size: int) -> None:
+    """What a whole take (``WholeTake``) does with ``post``: reduce it into ``data`` (the
+    reduction's last finishing it: ``avg`` divides), or copy it over ``data``."""
+    if reduces:
+        assert reduce is not None
+        reduce.ufunc(data, post, out=data)
+        if final and reduce.divides:
+            finish_reduction(data, reduce, world_size)
+    else:
+        np.copyto(data, post)
+
+
 def size(world_size: int) -> int:
     """Bytes of the board of ``world_size`` ranks."""
     return world_size * _RANK_BYTES
@@ -177,13 +190,7 @@ class Board:
             at = line + _LINE + parity * _SLOT
             if raw[at: at + HEADER_SIZE] != header:
                 hooks._disagrees(peer, header, op)
-            if reduces:
-                assert reduce is not None
-                reduce.ufunc(data, views[peer], out=data)
-                if final and reduce.divides:
-                    finish_reduction(data, reduce, world_size)
-            else:
-                np.copyto(data, views[peer])
+            fold_whole(data, views[peer], reduces, final, reduce, world_size)
 
     def withdraw(self) -> None:
         """Withdraw this rank's latest post (its op failed): its header becomes an abort's,

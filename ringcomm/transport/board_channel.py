@@ -29,9 +29,9 @@ from typing import Any, NoReturn, Protocol
 import numpy as np
 import zmq
 
-from ..core.dtypes import ReduceOp, finish_reduction
+from ..core.dtypes import ReduceOp
 from ..errors import CommTimeout, DesyncError, PeerLostError, RemoteError
-from .board import Board, WholeTake
+from .board import Board, WholeTake, fold_whole
 from .header import Header, OpKind, check
 from .link import Wait
 from .local_link import LocalLink
@@ -116,14 +116,8 @@ class BoardChannel(abc.ABC):
         step = 0
         self.post(header, data, deadline, op)
         for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - see above
-            payload = self.take(peer, header, data.dtype, data.size, deadline, op)
-            if reduces:
-                assert reduce is not None
-                reduce.ufunc(data, payload, out=data)
-                if final and reduce.divides:
-                    finish_reduction(data, reduce, self.world_size)
-            else:
-                np.copyto(data, payload)
+            fold_whole(data, self.take(peer, header, data.dtype, data.size, deadline, op),
+                       reduces, final, reduce, self.world_size)
 
     def _disagrees(self, peer: int, header: bytes, op: str) -> None:
         """``peer``'s post does not carry ``header``: raise what the difference means (a
