@@ -387,14 +387,16 @@ def test_every_take_reads_the_same_elements_from_a_post_its_peer_made(world, cou
                 assert post.src.offset + step.at - post.at == step.dst.offset, (rank, step)
 
 
+@pytest.mark.parametrize("how", ["post", "round"])
 @pytest.mark.parametrize("world,late", [(2, (1,)), (3, (2,)), (3, (1,)), (3, (1, 2))],
                          ids=["2-late-1", "3-late-2", "3-late-1", "3-late-1-2"])
-def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read(world, late):
+def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read(world, late, how):
     """Two slots a rank: post 3 reuses post 1's slot, so it waits until every peer has made
     post 2, which each does only once it has read post 1. Rank 0 runs ahead; the ``late``
     ranks have not read post 1 yet, the others have and made post 2. A rank that went on
     before the last late peer had read would hand it the next op's values in place of this
-    one's."""
+    one's. Post 3 is made by ``post``, or by the one-shot round of the short way
+    (``round_whole``, here with no takes)."""
     import threading
     import time
 
@@ -415,8 +417,10 @@ def test_a_rank_cannot_overwrite_a_post_its_peer_has_not_read(world, late):
         if r not in late:  # reads post 1, then makes post 2
             assert t.take(0, header[1], f64, 2, deadline, "op 1").tolist() == [1.0, 1.0]
             t.post(header[2], np.full(2, -2.0), deadline, "op 2")
-    third = threading.Thread(target=fast.post,
-                             args=(header[3], np.full(2, 3.0), deadline, "op 3"))
+    third = threading.Thread(
+        target=fast.post, args=(header[3], np.full(2, 3.0), deadline, "op 3")
+    ) if how == "post" else threading.Thread(
+        target=fast.round_whole, args=(header[3], np.full(2, 3.0), (), None, deadline, "op 3"))
     third.start()  # post 3 goes into post 1's slot: must wait for every late rank's post 2
     try:
         for r in late:
