@@ -204,6 +204,9 @@ class _Broker:
         try:
             while True:
                 conn = self.listener.accept()
+                if self.over.is_set():  # closing a listener does not end an accept already
+                    conn.close()        # waiting in it: a rank that connects late finds the
+                    return              # broker gone all the same
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
         except OSError:
             return  # closed: every rank left
@@ -219,10 +222,11 @@ class _Broker:
                         with self.lock:
                             self._leave(rank)
                     return
-                if verb == "join":
-                    rank = args[0]
                 with self.lock:
-                    conn.send(getattr(self, f"_{verb}")(*args))
+                    answer = getattr(self, f"_{verb}")(*args)
+                if verb == "join" and not answer:
+                    rank = args[0]  # a refused join is no member: its end leaves nothing
+                conn.send(answer)
                 if verb == "leave":
                     return
 
@@ -438,20 +442,23 @@ class FakeNcclCommunicator:
         self._collectives = 0
         try:
             conn = Client(address, family="AF_UNIX", authkey=key)
-        except OSError as err:
-            raise FakeDeviceFault(f"NCCL init: the id's broker cannot be reached ({err})") \
-                from None
+            conn.send(("join", rank, ndev))
+            problem = conn.recv()
+        except (OSError, EOFError) as err:
+            raise FakeDeviceFault(f"NCCL init: the id's broker cannot be reached "
+                                  f"({err or type(err).__name__})") from None
         self._conn: Connection | None = conn
         broker = _SERVED.get(address)
         if broker is not None:
             with broker.lock:
                 broker.local += 1
-        problem = self.ask("join", rank, ndev)
         if problem:
+            self._disconnect()
             raise FakeDeviceFault(problem)
         deadline = time.monotonic() + rt.hang_timeout
         while (missing := self.ask("missing")) > 0:
             if time.monotonic() > deadline:
+                self._disconnect()
                 raise FakeDeviceFault(f"NCCL init hang: rank {rank} waited "
                                       f"{rt.hang_timeout:g} s for {missing} more ranks")
             time.sleep(_POLL_S)
@@ -568,17 +575,24 @@ class FakeNcclCommunicator:
     def _leave(self, how: str) -> None:
         self.ended = how
         self.ask("leave", self.rank)
+        last, broker = self._disconnect()
+        if last and broker is not None and how == "destroyed":
+            broker.over.wait(self.rt.hang_timeout)
+
+    def _disconnect(self) -> tuple[bool, _Broker | None]:
+        """Close the connection; whether this was the last of this process's ranks of a
+        broker served here (that one waits for the other processes' ranks, which may still
+        read what it sent), and that broker."""
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
         broker = _SERVED.get(self.address)
-        if broker is not None:  # served here: the last of this process's ranks to end an
-            with broker.lock:   # orderly way waits for the other processes' ranks, which
-                broker.local -= 1  # may still read what it sent
-                last = broker.local == 0
-            if last and how == "destroyed":
-                broker.over.wait(self.rt.hang_timeout)
+        if broker is None:
+            return False, None
+        with broker.lock:
+            broker.local -= 1
+            return broker.local == 0, broker
 
     def check_async_error(self) -> None:
         self._usable("ncclCommGetAsyncError")
