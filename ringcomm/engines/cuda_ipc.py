@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import struct
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -53,11 +51,12 @@ import numpy as np
 
 from ..core.device.runtime import Allocation, DeviceRuntime, Event, Stream
 from ..core.dtypes import ReduceOp
-from ..errors import ArgumentError, CommError, CommTimeout, DesyncError
+from ..errors import ArgumentError, CommTimeout, DesyncError
 from ..transport.base import Transport
 from ..transport.header import Header
 from .context import OpContext
 from .device_channel import DeviceChannel, Exchange
+from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
 
 __all__ = ["IpcChannel"]
 
@@ -70,7 +69,6 @@ _HANDLES_KEY = "cuda-ipc/handles"
 _CLOSED_KEY = "cuda-ipc/closed"
 _ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
 _BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
-_SAY_WAITING_AFTER_S = 5.0  # a close that waits longer for a peer's "closed" says so
 _AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 
 
@@ -84,51 +82,6 @@ class _Waiting:
     offset: int
     size: int
     block: Allocation | None
-
-
-class _Exports:
-    """This process's exported memory and events by handle, for peers in this same process
-    (which may not open them): set before the handles are published, cleared at free."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._table: dict[bytes, Any] = {}
-
-    def add(self, handle: bytes, thing: Any) -> None:
-        with self._lock:
-            self._table[handle] = thing
-
-    def get(self, handle: bytes) -> Any:
-        with self._lock:
-            return self._table[handle]
-
-    def drop(self, handles: list[bytes]) -> None:
-        with self._lock:
-            for handle in handles:
-                self._table.pop(handle, None)
-
-
-_EXPORTS = _Exports()
-# what a close could not give back safely (a living peer still maps it): kept referenced so
-# that nothing destroys it before the process exits, when the driver takes all of it back
-_LEFT_FOR_EXIT: list[Any] = []
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def _brief(ctx: OpContext) -> float:
@@ -213,7 +166,7 @@ class IpcChannel(DeviceChannel):
         self._memory = memory
         record: dict[str, Any] = {"pid": os.getpid(), "ready": {}, "done": {}}
         handle = runtime.export_memory(memory)
-        _EXPORTS.add(handle, memory.ptr)
+        EXPORTS.add(handle, memory.ptr)
         self._exported.append(handle)
         record["memory"] = handle.hex()
         for peer in self._peers:
@@ -222,7 +175,7 @@ class IpcChannel(DeviceChannel):
                                         for _ in range(slots)]
                 handles = [runtime.export_event(event) for event in events]
                 for event_handle, event in zip(handles, events, strict=True):
-                    _EXPORTS.add(event_handle, event)
+                    EXPORTS.add(event_handle, event)
                 self._exported += handles
                 record[name][str(peer)] = [h.hex() for h in handles]
         self.exchange.publish(_HANDLES_KEY, json.dumps(record).encode())
@@ -233,7 +186,7 @@ class IpcChannel(DeviceChannel):
             local = pid == os.getpid()
             memory_handle = bytes.fromhex(theirs["memory"])
             if local:
-                base = _EXPORTS.get(memory_handle)
+                base = EXPORTS.get(memory_handle)
             else:
                 base = runtime.open_memory(memory_handle)
                 self._opened.append(base)
@@ -242,7 +195,7 @@ class IpcChannel(DeviceChannel):
             for table, name in ((self._their_ready, "ready"), (self._their_done, "done")):
                 handles = [bytes.fromhex(h) for h in theirs[name][me]]
                 if local:
-                    table[peer] = [_EXPORTS.get(h) for h in handles]
+                    table[peer] = [EXPORTS.get(h) for h in handles]
                     continue
                 table[peer] = []
                 for h in handles:
@@ -478,8 +431,8 @@ class IpcChannel(DeviceChannel):
         """Keep everything this channel made or opened referenced to the process's exit
         (dropping an event destroys it, and its handle would go to the next event while a
         peer may still wait on it), out of this process's table of exports."""
-        _EXPORTS.drop(self._exported)
-        _LEFT_FOR_EXIT.append((self._memory, self._blocks, self._ready, self._done,
+        EXPORTS.drop(self._exported)
+        LEFT_FOR_EXIT.append((self._memory, self._blocks, self._ready, self._done,
                                self._opened, self._opened_events, self._their_ready,
                                self._their_done))
         self._exported, self._memory, self._blocks, self._spare = [], None, [], []
@@ -513,35 +466,10 @@ class IpcChannel(DeviceChannel):
 
     def _await_importers(self, deadline: float) -> list[int]:
         """Wait until every peer that maps this rank's slots has said "closed", or is gone,
-        or ``deadline`` has passed; the peers of other processes still running that have not
-        said it (a peer of this process maps nothing: it is freed from under it, as the
-        process's exit would)."""
-        mapping = []
-        said = time.monotonic() + _SAY_WAITING_AFTER_S
-        for peer in self._peers:
-            pid = self._pids.get(peer)
-            if pid is None:
-                continue  # it never read this rank's handles
-            while True:
-                try:
-                    self.exchange.read(_CLOSED_KEY, peer,
-                                       min(deadline, time.monotonic() + 0.05))
-                    break
-                except (TimeoutError, CommError):  # a timeout, or the store is gone
-                    if not _alive(pid):
-                        break
-                    now = time.monotonic()
-                    if now >= deadline:
-                        if pid != os.getpid():
-                            mapping.append(peer)
-                        break
-                    if now >= said:
-                        said = math.inf
-                        log.warning("rank %d waits for rank %d to close its mappings of rank "
-                                    "%d's cuda-ipc slots (up to %.0f s more; freeing them "
-                                    "first would be undefined on a GPU)", self.rank, peer,
-                                    self.rank, deadline - now)
-        return mapping
+        or ``deadline`` has passed; the peers still mapping them (``await_closed``)."""
+        return await_closed(self.exchange, _CLOSED_KEY, self.rank,
+                            {peer: self._pids[peer] for peer in self._peers
+                             if peer in self._pids}, deadline, "cuda-ipc slots")
 
     def _give_back(self, *, keep_events: bool = False) -> None:
         """Close what is still open and free this rank's memory (the last step of close, or
@@ -550,7 +478,7 @@ class IpcChannel(DeviceChannel):
         closed its mappings; the events (small) are then kept to the process's exit rather
         than destroyed under that wait."""
         self._close_opened()
-        _EXPORTS.drop(self._exported)  # first: a channel set up meanwhile may get its handles
+        EXPORTS.drop(self._exported)  # first: a channel set up meanwhile may get its handles
         self._exported = []
         memory, self._memory = self._memory, None
         if memory is not None:
@@ -563,7 +491,7 @@ class IpcChannel(DeviceChannel):
         self._ready, self._done = {}, {}
         self._their_ready, self._their_done, self._their_slots = {}, {}, {}
         if keep_events:
-            _LEFT_FOR_EXIT.append(own)
+            LEFT_FOR_EXIT.append(own)
             return
         for event in own:  # the importers have closed theirs (or are gone)
             self.runtime.close_event(event)

@@ -32,6 +32,7 @@ from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Schedule
+from ..transport.base import Transport
 from .base import Engine
 from .context import OpContext
 from .device_channel import DeviceChannel
@@ -337,3 +338,19 @@ def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
             host.after_op()
     return done
 
+
+
+def tell_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None:
+    """Send every peer of an op this rank's header of it, without payload: what engines
+    whose data moves without the host (NCCL, the kernel path) check ops by
+    (``hear_headers``)."""
+    for peer in peers:
+        transport.send(peer, ctx.desc.outgoing(peer, transport.rank, 0, 0), None, ctx.name)
+
+
+def hear_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None:
+    """Take every peer's header of the op (``tell_headers``): a ``DesyncError`` naming both
+    ranks where one differs from this rank's, before any device work of the op is queued."""
+    for peer in peers:
+        transport.recv(peer, ctx.desc.incoming(peer, 0, 0), ctx.deadline, ctx.name)
+        transport.release(peer)

@@ -6,25 +6,33 @@ One owner of its memory and launches (``KernelChannel``), made once per communic
 set-up, where the group's verdict allows it (``ringcomm.plan.kernel_path``;
 ``ringcomm.runtime.devices.open_lanes``): each rank allocates its region (``[signal pad |
 data]``, the pad cleared once and never again: its flags count ops) and an output for the
-one-shot, publishes them through the group's device exchange, reads every peer's, and gives
-them back at close. An op copies the caller's data into this rank's region (in pieces of
-the region's size, each piece one launch with the next op number, the same on every rank
-since every rank runs the same ops in the same order), launches the kernel the selector
-chose, and copies the result back, all on the lane's stream in the caller's stream order
-(``stage_in``/``stage_out``, as the other device engines).
+one-shot, exports the region once and publishes its handle through the group's device
+exchange; every rank opens every peer's once (a peer in its own process by pointer: CUDA
+IPC is between processes) and closes them at close, before the owners free them
+(``peer_memory.await_closed``).
 
-Where it runs: on the fake runtime, the kernels' numpy mirror is the launch
-(``ringcomm.testing.fake_kernels.MirrorGroup``), for ranks that are threads of one
-process; the fake's memory is shared by them, so a peer's region is used at its own
-address. CuPy's launch (``RawModule``, regions exported and opened with CUDA IPC, in-place
-registration of user memory) is not written yet: ``CupyRuntime.kernel_launch`` says so,
-and no group on CuPy makes this engine.
+An op: the ranks first swap the op's header over the group's transport (ranks that called
+different ops get a ``DesyncError`` before any kernel starts, where the kernels themselves
+would spin or reduce garbage); then, on the lane's stream in the caller's stream order,
+the caller's data is copied into this rank's region (in pieces of the region's size, each
+piece one launch with the next op number, the same on every rank since every rank runs the
+same ops in the same order), the kernel the selector chose is launched, and the result is
+copied back. The host launches and records events only; it waits for nothing the device
+does (``stage_out``).
+
+Where it runs: on the fake runtime the launch is an item on the rank's stream that plays
+the kernel in numpy (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are
+threads or processes. CuPy's launch (``RawModule``) and in-place registration of user
+memory are not written yet: ``CupyRuntime.kernel_launch`` says so, and no group on CuPy
+makes this engine.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,35 +44,48 @@ from ..core.device import kernel_geometry as geometry
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..core.dtypes import ReduceOp
 from ..schedules.schedule import Schedule
+from ..transport.base import Transport
 from .base import Engine
 from .context import OpContext
-from .device import DeviceLane, held, stage_in, stage_out
+from .device import DeviceLane, hear_headers, held, stage_in, stage_out, tell_headers
 from .device_channel import Exchange
+from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
+
+log = logging.getLogger("ringcomm")
 
 #: data bytes of each rank's region: an allreduce larger than this runs as several launches
 REGION_BYTES = 1 << 20
 _REGIONS_KEY = "kernel-regions"
+_CLOSED_KEY = "kernel-regions/closed"
+_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 _BLOCKS = 2  # the fake's grid: enough blocks to interleave, few steps per op
 _THREADS = geometry.MAX_THREADS
 
 
 class KernelChannel:
-    """This rank's region, output and view of every peer's, and the group's launcher
-    (module docstring). Collective: every rank of the group makes it at set-up."""
+    """This rank's region, output and view of every peer's, and the launcher (module
+    docstring). Collective: every rank of the group makes it at set-up."""
 
     name = CUDA_KERNEL
 
     def __init__(self, runtime: DeviceRuntime, exchange: Exchange, rank: int, world: int,
-                 deadline: float, region_bytes: int | None = None) -> None:
+                 deadline: float, region_bytes: int | None = None,
+                 close_wait_s: float = 60.0) -> None:
         region_bytes = REGION_BYTES if region_bytes is None else region_bytes
         if region_bytes <= 0 or region_bytes % geometry.VECTOR_BYTES:
             raise ValueError(f"region_bytes {region_bytes}: a positive multiple of "
                              f"{geometry.VECTOR_BYTES}")
         self.runtime = runtime
+        self.exchange = exchange
         self.rank, self.world = rank, world
         self.capacity = region_bytes
+        self.close_wait_s = close_wait_s
         self.op_number = 0  # launches so far: the next one's number is one more
         self._held: list[Allocation] = []
+        self._exported: list[bytes] = []
+        self._opened: list[int] = []  # pointers open_memory returned, closed at close
+        self._pids: dict[int, int] = {}  # the peers that read this rank's handle
+        self._closed = False
         self.launcher: Any = None
         try:
             self.region = self._malloc(geometry.PAD_BYTES + region_bytes)
@@ -72,20 +93,11 @@ class KernelChannel:
             stream = runtime.new_stream()
             runtime.from_host(self.region.ptr, np.zeros(geometry.PAD_WORDS, np.uint32), stream)
             runtime.synchronize(stream)
-            exchange.publish(_REGIONS_KEY, json.dumps(
-                {"pid": os.getpid(), "region": self.region.ptr}).encode())
-            records = [json.loads(exchange.read(_REGIONS_KEY, r, deadline))
-                       for r in range(world)]
-            strangers = [r for r, record in enumerate(records) if record["pid"] != os.getpid()]
-            if strangers:  # the verdict keeps such groups off this engine
-                raise ValueError(f"rank(s) {strangers} are other processes: the kernel path's "
-                                 "launch here serves ranks of one process only")
-            self.pads = tuple(int(record["region"]) for record in records)
+            self.pads = self._map_peers(deadline)
             self.data = tuple(pad + geometry.PAD_BYTES for pad in self.pads)
-            self.key = (int(records[0]["pid"]), self.pads[0])
-            self.launcher = runtime.kernel_launcher(self.key, world)
+            self.launcher = runtime.kernel_launcher()
         except BaseException:
-            self._free()
+            self._give_back()
             raise
 
     def _malloc(self, nbytes: int) -> Allocation:
@@ -93,53 +105,113 @@ class KernelChannel:
         self._held.append(allocation)
         return allocation
 
+    def _map_peers(self, deadline: float) -> tuple[int, ...]:
+        """Every rank's region as this process reaches it: its own, a peer's of this process
+        by the pointer it exported, another process's opened from its handle."""
+        handle = self.runtime.export_memory(self.region)
+        EXPORTS.add(handle, self.region.ptr)
+        self._exported.append(handle)
+        self.exchange.publish(_REGIONS_KEY, json.dumps(
+            {"pid": os.getpid(), "region": handle.hex()}).encode())
+        regions = []
+        for peer in range(self.world):
+            if peer == self.rank:
+                regions.append(self.region.ptr)
+                continue
+            record = json.loads(self.exchange.read(_REGIONS_KEY, peer, deadline))
+            pid = self._pids[peer] = int(record["pid"])
+            theirs = bytes.fromhex(record["region"])
+            if pid == os.getpid():
+                regions.append(int(EXPORTS.get(theirs)))
+            else:
+                regions.append(self.runtime.open_memory(theirs))
+                self._opened.append(regions[-1])
+        return tuple(regions)
+
     def allreduce(self, algorithm: str, ptr: int, count: int, dtype: np.dtype, op: ReduceOp,
-                  stream: Stream, ctx: OpContext) -> None:
-        """``count`` elements at ``ptr`` reduced over the group in place, piece by piece:
-        each piece copied into this rank's region, one launch of ``algorithm``, the result
-        copied back (the one-shot's from this rank's output, the two-shot's from the
-        region it wrote in place)."""
+                  stream: Stream) -> None:
+        """Queue on ``stream``: ``count`` elements at ``ptr`` reduced over the group in
+        place, piece by piece: each piece copied into this rank's region, one launch of
+        ``algorithm``, the result copied back (the one-shot's from this rank's output, the
+        two-shot's from the region it wrote in place). A piece's copy into the region comes
+        after the previous launch on the stream, and that kernel ended only once every
+        rank's blocks had met at its end: no peer reads the region any more."""
         runtime = self.runtime
         per = self.capacity // dtype.itemsize
         mine = self.data[self.rank]
+        one_shot = algorithm == "kernel-oneshot"
         for first in range(0, count, per):
             n = min(per, count - first)
             at = ptr + first * dtype.itemsize
             runtime.copy(mine, at, n * dtype.itemsize, stream)
-            runtime.synchronize(stream)  # the fake's launch reads memory as it is now
             self.op_number += 1
-            self._launch(algorithm, n, dtype, op, ctx)
-            source = self.out.ptr if algorithm == "kernel-oneshot" else mine
-            runtime.copy(at, source, n * dtype.itemsize, stream)
-        runtime.synchronize(stream)  # the next op's launch writes the region again
-
-    def _launch(self, algorithm: str, count: int, dtype: np.dtype, op: ReduceOp,
-                ctx: OpContext) -> None:
-        one_shot = algorithm == "kernel-oneshot"
-        self.launcher.launch_kernel(
-            algorithm="one_shot" if one_shot else "two_shot", rank=self.rank, data=self.data,
-            pads=self.pads, count=count, dtype=dtype, op=op, op_number=self.op_number,
-            blocks=_BLOCKS, threads=_THREADS, out=self.out.ptr if one_shot else None,
-            deadline=ctx.deadline)
-
-    def _free(self) -> None:
-        for allocation in self._held:
-            self.runtime.free(allocation)
-        self._held.clear()
+            self.launcher.launch_kernel(
+                stream=stream, algorithm="one_shot" if one_shot else "two_shot",
+                rank=self.rank, data=self.data, pads=self.pads, count=n, dtype=dtype, op=op,
+                op_number=self.op_number, blocks=_BLOCKS, threads=_THREADS,
+                out=self.out.ptr if one_shot else None)
+            runtime.copy(at, self.out.ptr if one_shot else mine, n * dtype.itemsize, stream)
 
     def close(self, *, failed: bool = False) -> None:
-        """Give the region and output back (no peer maps them: the ranks share one
-        process's memory) and let go of the launcher."""
-        try:
-            self._free()
-        finally:
-            if self.launcher is not None:
-                self.launcher.release()
-                self.launcher = None
+        """Importers close, then owners free: close the peers' regions this rank opened, say
+        so, wait (bounded) until every peer that opened this rank's has said the same, then
+        free. A peer still running that never says so keeps the memory to the process's
+        exit (freeing what it maps is undefined on a GPU)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_opened()
+        wait_s = min(self.close_wait_s, _AFTER_FAILURE_S) if failed else self.close_wait_s
+        if self._pids:
+            try:
+                self.exchange.publish(_CLOSED_KEY, b"1")
+            except Exception as err:  # noqa: BLE001 - the store may be gone with the group
+                log.warning("rank %d could not say its kernel-region mappings are closed: %s",
+                            self.rank, err)
+            mapping = await_closed(self.exchange, _CLOSED_KEY, self.rank, self._pids,
+                                   time.monotonic() + wait_s, "kernel region")
+            if mapping:
+                log.warning("rank %d leaves its kernel region for the process's exit to give "
+                            "back: rank(s) %s, still running, did not say within %g s that "
+                            "they closed their mappings of it", self.rank,
+                            ", ".join(map(str, mapping)), wait_s)
+                self._leave_for_exit()
+                return
+        self._give_back()
 
     def abandon(self) -> None:
-        """After a failure whose device work may never end: let go of the launcher, keep
-        the memory (freeing it would wait for that work)."""
+        """After a failure whose device work may never end: free and close nothing (a free
+        would wait for that work), keep it to the process's exit, let the launcher go."""
+        if self._closed:
+            return
+        self._closed = True
+        self._leave_for_exit()
+
+    def _close_opened(self) -> None:
+        opened, self._opened = self._opened, []
+        for ptr in opened:
+            self.runtime.close_memory(ptr)
+
+    def _leave_for_exit(self) -> None:
+        EXPORTS.drop(self._exported)
+        LEFT_FOR_EXIT.append((self._held, self._opened))
+        self._exported, self._held, self._opened = [], [], []
+        self._release_launcher()
+
+    def _give_back(self) -> None:
+        """Close what is open, free what this rank allocated (the end of close, or what a
+        failed set-up made)."""
+        try:
+            self._close_opened()
+            EXPORTS.drop(self._exported)  # first: a later channel may get the same handles
+            self._exported = []
+            held, self._held = self._held, []
+            for allocation in held:
+                self.runtime.free(allocation)
+        finally:
+            self._release_launcher()
+
+    def _release_launcher(self) -> None:
         if self.launcher is not None:
             self.launcher.release()
             self.launcher = None
@@ -155,25 +227,28 @@ class KernelEngine(Engine):
 
     name = CUDA_KERNEL
 
-    def __init__(self, lane: DeviceLane, rank: int, world_size: int) -> None:
+    def __init__(self, lane: DeviceLane, transport: Transport) -> None:
         assert isinstance(lane.channel, KernelChannel)
         self.lane = lane
         self.channel = lane.channel
         self.runtime = lane.runtime
+        self.transport = transport
         self.moves = frozenset({lane.runtime.memory})
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self._peers = [q for q in range(self.world_size) if q != self.rank]
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
         if schedule.collective != "allreduce" or schedule.algorithm not in ALLREDUCE_KERNELS:
             raise ValueError(f"the {self.name} engine runs {', '.join(ALLREDUCE_KERNELS)} "
                              f"allreduces, not {schedule.algorithm} {schedule.collective}")
         assert ctx.reduce is not None
+        tell_headers(self.transport, self._peers, ctx)
+        hear_headers(self.transport, self._peers, ctx)
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
-            data = buffers["data"]
-            self.channel.allreduce(schedule.algorithm, pointers["data"], data.count, ctx.dtype,
-                                   ctx.reduce, self.lane.stream, ctx)
+            self.channel.allreduce(schedule.algorithm, pointers["data"], buffers["data"].count,
+                                   ctx.dtype, ctx.reduce, self.lane.stream)
             stage_out(self.lane, device, lifted, {"data"})
 
     def describe(self) -> str:

@@ -45,7 +45,7 @@ from ..transport.base import Transport
 from ..transport.link import Wait
 from .base import Engine
 from .context import OpContext
-from .device import DeviceLane, held, stage_in, stage_out
+from .device import DeviceLane, hear_headers, held, stage_in, stage_out, tell_headers
 from .device_channel import Exchange
 
 __all__ = ["NcclChannel", "NcclEngine", "open_channel"]
@@ -181,17 +181,13 @@ class NcclEngine(Engine):
     # ------------------------------------------------------------------ agreement
     def _tell(self, peers: list[int], ctx: OpContext) -> None:
         """Send every peer of the op this rank's header of it (no payload)."""
-        for peer in peers:
-            self.transport.send(peer, ctx.desc.outgoing(peer, self.rank, 0, 0), None, ctx.name)
+        tell_headers(self.transport, peers, ctx)
 
     def _hear(self, peers: list[int], ctx: OpContext) -> None:
         """Take every peer's header of the op: ``DesyncError`` where it disagrees (the
         communicator is aborted first: its queued work may wait for ever)."""
         try:
-            for peer in peers:
-                self.transport.recv(peer, ctx.desc.incoming(peer, 0, 0), ctx.deadline,
-                                    ctx.name)
-                self.transport.release(peer)
+            hear_headers(self.transport, peers, ctx)
         except CommError as err:
             self.channel.abort(f"{type(err).__name__} while the op's headers were checked")
             raise

@@ -99,8 +99,7 @@ class Wiring:
             if isinstance(lane.channel, NcclChannel):
                 engines[name] = NcclEngine(lane, self.transport)
             elif isinstance(lane.channel, KernelChannel):
-                engines[name] = KernelEngine(lane, self.transport.rank,
-                                             self.transport.world_size)
+                engines[name] = KernelEngine(lane, self.transport)
             else:
                 engines[name] = DeviceEngine(lane, self.transport.rank,
                                              self.transport.world_size)

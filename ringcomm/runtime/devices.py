@@ -158,7 +158,7 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
                 topology, runtime.kernel_launch([f.pid for f in topology.ranks])).ok:
             lanes[CUDA_KERNEL] = DeviceLane(KernelChannel(
                 runtime, exchange, transport.rank, transport.world_size,
-                time.monotonic() + timeout))
+                time.monotonic() + timeout, close_wait_s=timeout))
         if serves and exchange is not None:
             channel = IpcChannel(runtime, transport, exchange, transport.rank,
                                  transport.world_size, slots=settings.ipc_slots,

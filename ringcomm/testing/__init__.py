@@ -35,7 +35,7 @@ from ..core.device.nccl import NcclLibrary
 from ..core.device.runtime import DeviceRuntime
 from .fake_arrays import FakeArrayKind
 from .fake_device import FakeDeviceArray, FakeDeviceFault, FakeRuntime
-from .fake_kernels import acquire_group
+from .fake_kernels import StreamLauncher
 from .fake_nccl import FakeCupyNccl, FakeNcclError
 
 __all__ = ["FakeCupyNccl", "FakeDeviceArray", "FakeDeviceFault", "FakeNcclError",
@@ -48,5 +48,5 @@ def _fake_nccl(rt: DeviceRuntime) -> NcclLibrary:
 
 
 register_runtime("fake", FakeRuntime, _fake_nccl)
-FakeRuntime.launcher_factory = acquire_group  # the kernel path's launch: the kernels' mirror
+FakeRuntime.launcher_factory = StreamLauncher  # the kernel path's launch: the kernels' mirror
 arrays.register(FakeArrayKind())

@@ -404,23 +404,21 @@ class FakeRuntime(DeviceRuntime):
 
     def kernel_launch(self, pids: Sequence[int] = ()) -> str:
         """The fake launches the allreduce kernels as their numpy mirror
-        (``ringcomm.testing.fake_kernels``), which runs every rank's blocks in one process:
-        for the ranks (threads) of one process only."""
-        if len(set(pids)) > 1:
-            return ("the fake runs the kernels as its numpy mirror, for ranks (threads) of "
-                    "one process only, and these ranks are processes")
+        (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are threads or
+        processes alike."""
         return ""
 
-    #: what makes a group's launcher: ``fake_kernels.acquire_group``, set where the package
-    #: registers the fake runtime (``ringcomm.testing``): the mirror imports this module
-    launcher_factory: Callable[[FakeRuntime, tuple[int, int], int], Any] | None = None
+    #: what makes the kernels' launcher: ``fake_kernels.StreamLauncher``, set where the
+    #: package registers the fake runtime (``ringcomm.testing``): the mirror imports this
+    #: module
+    launcher_factory: Callable[[FakeRuntime], Any] | None = None
 
-    def kernel_launcher(self, key: tuple[int, int], world: int) -> Any:
+    def kernel_launcher(self) -> Any:
         factory = type(self).launcher_factory
         if factory is None:
             raise FakeDeviceFault("the fake's kernel launcher is registered by importing "
                                   "ringcomm.testing")
-        return factory(self, key, world)
+        return factory(self)
 
     def describe(self) -> dict[str, str]:
         return {"device": "fake (numpy)", "gpu": self.device_identity(self.current_device()),

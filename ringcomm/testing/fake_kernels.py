@@ -23,15 +23,15 @@ steps; on the GPU the kernels get that from their release stores and acquire loa
 every coroutine waits, the fake reports the hang a GPU would spin in (``FakeDeviceFault``).
 
 The fake's launch of the kernels for the ``cuda-kernel`` engine (``ringcomm.engines.kernel``)
-is ``MirrorGroup``: the ranks of an in-process group (threads) each hand it their launch,
-and the last to arrive runs them all. Registering user memory in place, and CuPy's launch,
-are later slices of issue 36.
+is ``StreamLauncher``: each rank's launch is an item on its stream, and its blocks run
+there, step by step, polling their pads (real shared memory between processes) as a GPU's
+blocks spin on them; ranks may be threads or processes. Registering user memory in place,
+and CuPy's launch, are later slices of issue 36.
 """
 
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ import numpy as np
 from ..core.device import kernel_geometry as geometry
 from ..core.device.runtime import Allocation
 from ..core.dtypes import ReduceOp, dtype_name, reduce_op
-from .fake_device import FakeDeviceFault, FakeRuntime
+from .fake_device import FakeDeviceFault, FakeRuntime, _Item
 
 ALGORITHMS = ("one_shot", "two_shot")
 #: the waits each kernel makes, by the phase where its blocks meet
@@ -433,111 +433,84 @@ class MappedRegions:
 # ----------------------------------------------------------------------------- the launch
 
 
-class MirrorGroup:
-    """The fake runtime's launch of the allreduce kernels for one group whose ranks are
-    threads of this process (``run_group``): what the ``cuda-kernel`` engine calls where a
-    GPU would launch a kernel on each rank's stream.
+class _KernelItem(_Item):
+    """One rank's kernel on its stream: its blocks, run a step at a time whenever the
+    stream runs this item, each held while its pad says a peer has not got there yet. A
+    peer's blocks run in that peer's thread or process, when its own stream runs: the
+    ranks' kernels make progress together only while every rank's stream is being run,
+    as on a GPU only kernels that run at once can meet."""
 
-    Each rank hands its launch (``launch``) once its inputs lie in its region; the launch of
-    the last rank to arrive runs every rank's kernel together in one ``KernelMirror``
-    (seeded by the op number, so the blocks interleave differently from op to op), and
-    every rank returns once they have run, as every rank's stream moves on once its kernel
-    ends. Launches that disagree (another size, dtype, op or algorithm: ranks that called
-    different collectives) are a ``DesyncError`` on every rank, where a GPU would hang or
-    reduce garbage; a rank whose peers never launch waits until ``deadline`` (a
-    ``CommTimeout``), where a GPU would spin."""
+    __slots__ = ("launch", "memory", "blocks")
 
-    def __init__(self, rt: FakeRuntime, world: int, key: tuple[int, int] = (0, 0)) -> None:
-        self.rt = rt
-        self.world = world
-        self.key = key
-        self.users = 0  # channels that use it: the group's ranks (``acquire``)
-        self._cond = threading.Condition()
-        self._pending: dict[int, dict[int, Launch]] = {}
-        self._ran: dict[int, tuple[BaseException | None, int]] = {}  # error, ranks to tell
+    def __init__(self, rt: FakeRuntime, launch: Launch) -> None:
+        size = launch.count * launch.dtype.itemsize
+        mine = [(launch.data[launch.rank], size), (launch.pads[launch.rank],
+                                                   geometry.PAD_BYTES)]
+        if launch.out is not None:
+            mine.append((launch.out, size))
+        super().__init__(f"{launch.algorithm} allreduce kernel of op {launch.op_number} on "
+                         f"rank {launch.rank}", tuple(mine))
+        self.launch = launch
+        self.memory = _Memory(rt)
+        self.blocks: list[list[Any]] | None = None  # [steps, wait] per block not done
 
-    def launch(self, launch: Launch, deadline: float) -> None:
-        from ..errors import CommTimeout
-
-        launch.check()
-        number = launch.op_number
-        with self._cond:
-            launches = self._pending.setdefault(number, {})
-            launches[launch.rank] = launch
-            if len(launches) == self.world:
-                del self._pending[number]
-                error: BaseException | None = None
+    def run(self, rt: FakeRuntime, block: bool, deadline: float) -> bool:
+        launch = self.launch
+        if self.blocks is None:
+            self.blocks = [[_BLOCKS[launch.algorithm](self.memory, launch, b), None]
+                           for b in range(launch.blocks)]
+        while True:
+            moved = False
+            for entry in list(self.blocks):
+                wait = entry[1]
+                if wait is not None and not wait.ready():
+                    continue
+                moved = True
                 try:
-                    self._run(launches)
-                except BaseException as err:  # noqa: BLE001 - every rank raises it
-                    error = err
-                if self.world > 1:
-                    self._ran[number] = (error, self.world - 1)
-                self._cond.notify_all()
-                if error is not None:
-                    raise error
-                return
-            while number not in self._ran:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(self.world)) - set(launches))
-                    raise CommTimeout(f"rank(s) {', '.join(map(str, missing))} never launched "
-                                      f"their kernel of op {number} (a GPU would spin in the "
-                                      "kernel's first meeting)", rank=launch.rank,
-                                      op=f"{launch.algorithm} allreduce")
-                self._cond.wait(left)
-            error, left_to_tell = self._ran[number]
-            if left_to_tell == 1:
-                del self._ran[number]
-            else:
-                self._ran[number] = (error, left_to_tell - 1)
-        if error is not None:
-            raise error
+                    entry[1] = next(entry[0])
+                except StopIteration:
+                    self.blocks.remove(entry)
+            if not self.blocks:
+                return True
+            if moved:
+                continue
+            if not block:
+                return False
+            if time.monotonic() > deadline:
+                waits = "; ".join(entry[1].what for entry in self.blocks)
+                raise FakeDeviceFault(f"device hang: rank {launch.rank}'s kernel waits on "
+                                      f"flags its peers never set ({waits})")
+            time.sleep(_POLL_S)
 
-    def launch_kernel(self, *, deadline: float, **launch: Any) -> None:
-        """``launch`` of a ``Launch`` made of the keywords (what an engine hands a runtime's
-        launcher: ``DeviceRuntime.kernel_launcher``)."""
-        self.launch(Launch(**launch), deadline)
+
+_POLL_S = 0.0002  # how often a kernel whose every block waits looks at its pad again
+
+
+class StreamLauncher:
+    """The fake runtime's launch of the allreduce kernels (``DeviceRuntime
+    .kernel_launcher``): a launch is queued on the rank's stream like any kernel (after
+    the work before it, before the work after it) and runs as the kernels' numpy mirror
+    when the stream runs (``_KernelItem``). Ranks may be threads of one process or
+    processes: a peer's region is reached at the address this process maps it at."""
+
+    def __init__(self, rt: FakeRuntime) -> None:
+        self.rt = rt
+
+    def launch_kernel(self, *, stream: Any, **launch: Any) -> None:
+        """Queue the kernel ``Launch(**launch)`` names on ``stream`` (of the thread's
+        current device, as CUDA launches kernels)."""
+        kernel = Launch(**launch)
+        kernel.check()
+        what = f"the {kernel.algorithm} allreduce kernel of op {kernel.op_number}"
+        self.rt._kernel_on(stream, what)
+        size = kernel.count * kernel.dtype.itemsize
+        for ptr in kernel.data:
+            self.rt._find(ptr, size, what)
+        for ptr in kernel.pads:
+            self.rt._find(ptr, geometry.PAD_BYTES, what)
+        if kernel.out is not None:
+            self.rt._find(kernel.out, size, what)
+        self.rt._queue(stream, _KernelItem(self.rt, kernel))
 
     def release(self) -> None:
-        """This rank is done with the group's launcher (its channel closed)."""
-        release_group(self.key)
-
-    def _run(self, launches: dict[int, Launch]) -> None:
-        from ..errors import DesyncError
-
-        shapes = {(la.algorithm, la.count, la.dtype.str, la.op.name) for la in launches.values()}
-        if len(shapes) > 1:
-            said = "; ".join(f"rank {r}: {la.algorithm} of {la.count} x {la.dtype} "
-                             f"({la.op.name})" for r, la in sorted(launches.items()))
-            raise DesyncError(f"the ranks launched different kernels for one op: {said}")
-        mirror = KernelMirror(self.rt, schedule="random", seed=next(iter(launches.values()))
-                              .op_number)
-        for rank in sorted(launches):
-            mirror.launch(launches[rank])
-        mirror.run()
-
-
-_GROUPS: dict[tuple[int, int], MirrorGroup] = {}
-_GROUPS_LOCK = threading.Lock()
-
-
-def acquire_group(rt: FakeRuntime, key: tuple[int, int], world: int) -> MirrorGroup:
-    """The launcher of the in-process group named ``key`` (rank 0's pid and region, the
-    same for every rank), made by the first rank to ask; ``release_group`` once per
-    ``acquire_group``."""
-    with _GROUPS_LOCK:
-        group = _GROUPS.get(key)
-        if group is None:
-            group = _GROUPS[key] = MirrorGroup(rt, world, key)
-        group.users += 1
-        return group
-
-
-def release_group(key: tuple[int, int]) -> None:
-    with _GROUPS_LOCK:
-        group = _GROUPS.get(key)
-        if group is not None:
-            group.users -= 1
-            if group.users <= 0:
-                del _GROUPS[key]
+        """Nothing to let go of: the fake compiles nothing."""

@@ -111,12 +111,12 @@ class DeviceRuntime(abc.ABC):
         (``ringcomm.plan.kernel_path``)."""
         return f"the {self.name} runtime cannot launch ringcomm's allreduce kernels"
 
-    def kernel_launcher(self, key: tuple[int, int], world: int) -> Any:
-        """What launches the allreduce kernels of the group named ``key`` (rank 0's pid and
-        region): ``launch_kernel(deadline=, **launch)`` once per rank and op (the fields
-        of ``ringcomm.testing.fake_kernels.Launch``), returning once every rank's kernel
-        has run; ``release()`` at close. Only where ``kernel_launch`` says
-        ""."""
+    def kernel_launcher(self) -> Any:
+        """What launches the allreduce kernels: ``launch_kernel(stream=, **launch)`` queues
+        one rank's kernel of one op on ``stream`` (the fields of ``ringcomm.testing
+        .fake_kernels.Launch``: every rank's data and pad as this process maps them, the
+        op's number, the grid) and returns at once, as a kernel launch does; ``release()``
+        at close. Only where ``kernel_launch`` says ""."""
         raise NotImplementedError(self.kernel_launch())
 
     @abc.abstractmethod

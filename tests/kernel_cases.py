@@ -1,0 +1,133 @@
+"""The kernel path's allreduces of every dtype and op, checked against numpy: run by the
+in-process tests (``test_kernel_path``) and, as a job, by rank processes
+(``mp_helpers.Cluster``)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ringcomm.core.algorithms import CUDA_KERNEL
+
+
+def pairs() -> Iterator[tuple[str, np.dtype, str]]:
+    from ringcomm.core.dtypes import DTYPE_NAMES, REDUCE_OPS, reduce_op
+
+    for dtype, name in DTYPE_NAMES.items():
+        for op in REDUCE_OPS:
+            try:
+                reduce_op(op, dtype)
+            except Exception:  # noqa: BLE001 - a pair the host path refuses
+                continue
+            yield name, dtype, op
+
+
+def inputs(dtype: np.dtype, op: str, world: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(world):
+        if dtype.kind == "b":
+            x = rng.random(count) < 0.5
+        elif dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            x = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+        elif dtype.kind == "c":
+            x = rng.normal(size=count) + 1j * rng.normal(size=count)
+        else:
+            x = rng.normal(size=count) * (1.0 if op == "prod" else 10.0)
+        out.append(np.asarray(x).astype(dtype))
+    return out
+
+
+def expected(values: list[np.ndarray], name: str, op: str) -> np.ndarray:
+    """numpy's: the host path (reduce_into rank by rank, then finish_reduction), or for
+    float16 and bfloat16 the kernels' float32 accumulation rounded once."""
+    import functools
+
+    from ringcomm.core.dtypes import REDUCE_OPS, finish_reduction, reduce_into
+
+    rop = REDUCE_OPS[op]
+    if name in ("float16", "bfloat16"):
+        acc = functools.reduce(rop.ufunc, [x.astype(np.float32) for x in values])
+        if rop.divides:
+            acc = acc / np.float32(len(values))
+        return acc.astype(values[0].dtype)
+    acc = values[0].copy()
+    for x in values[1:]:
+        reduce_into(acc, acc, x, rop)
+    finish_reduction(acc, rop, len(values))
+    return acc
+
+
+def allreduce_everything(count: int,
+                         algorithms: tuple[str | None, ...]) -> Callable[[Any], Any]:
+    """A job for every rank of a group: every (dtype, op) the host path has, by each of
+    ``algorithms`` (None: the selector's choice); what differed from numpy, the ops the
+    kernel lane ran, the selector's choice at ``count`` float32s and a digest of every
+    result (the same on every rank)."""
+
+    def fn(comm: Any) -> Any:
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        wrong = []
+        digest = hashlib.sha256()  # every rank's results: the same bits on every rank
+        for seed, (name, dtype, op) in enumerate(pairs()):
+            values = inputs(dtype, op, comm.world_size, count, seed)
+            for algorithm in algorithms:
+                x = FakeDeviceArray.from_host(values[comm.rank])
+                comm.allreduce(x, op, algorithm=algorithm)
+                got = x.to_host()
+                want = expected(values, name, op)
+                digest.update(got.tobytes())
+                if op == "prod" and dtype.kind == "c":
+                    # numpy's complex product fuses into FMAs where the CPU has them; the
+                    # kernel's rounds every operation: the same to the last bit or two
+                    same = np.allclose(got, want, rtol=1e-5)
+                else:
+                    same = got.tobytes() == want.tobytes() or (
+                        dtype.kind in "fc" and np.array_equal(got, want, equal_nan=True))
+                if not same:
+                    wrong.append((name, op, algorithm))
+                x.close()
+        lane = comm.wiring.lanes[CUDA_KERNEL]
+        return (wrong, lane.ops, comm.choose("allreduce", count * 4, memory=comm.device.memory),
+                digest.hexdigest())
+    return fn
+
+
+def job_kernel_path(rank: int, world: int, store: str, transport: str, count: int = 45,
+                    mps: bool = True, **_: Any) -> dict[str, Any]:
+    """A rank of real processes on the fake runtime: every rank on fake device 0 under MPS
+    (``mps``), or each on a device of its own; every dtype and op by each kernel and by the
+    selector's choice; what ``allreduce_everything`` says, the verdict, and the device
+    memory left after ``close()``, which rank 0 calls last."""
+    import ringcomm
+    import ringcomm.testing  # noqa: F401 - registers the fake runtime
+    from ringcomm.core import device
+
+    runtime = device.runtime("fake")
+    saved = runtime._devices, runtime.mps_on, runtime.current_device()
+    runtime._devices = max(world, runtime._devices)
+    runtime.mps_on = mps
+    runtime.set_device(0 if mps else rank)
+    before = runtime.live_allocations()
+    try:
+        comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                             transport=transport, device="fake")
+        try:
+            wrong, ops, choice, digest = allreduce_everything(count, (
+                "kernel-oneshot", "kernel-twoshot", None))(comm)
+            verdict = str(comm.selector.group.kernel)
+        finally:
+            if rank == 0:  # the others free their regions only after rank 0 unmaps them
+                time.sleep(0.5)
+            comm.close()
+        return {"wrong": wrong, "ops": ops, "engine": choice.engine, "digest": digest,
+                "verdict": verdict, "live": runtime.live_allocations() - before}
+    finally:
+        runtime._devices, runtime.mps_on = saved[:2]
+        runtime.set_device(saved[2])
