@@ -131,3 +131,49 @@ def job_kernel_path(rank: int, world: int, store: str, transport: str, count: in
     finally:
         runtime._devices, runtime.mps_on = saved[:2]
         runtime.set_device(saved[2])
+
+
+def job_killed_in_kernel(rank: int, world: int, store: str, transport: str,
+                         **_: Any) -> dict[str, Any]:
+    """Ranks sharing fake device 0 under MPS, on the kernel path. Rank 2 is killed at its
+    second header of the second allreduce: rank 0 has its header and launches its kernel,
+    which waits for flags rank 2 will never write; rank 1 waits for a header. Each
+    survivor's error, how long it took, how long the abort after it took and the device
+    memory its close left."""
+    import os
+
+    import ringcomm
+    import ringcomm.testing  # noqa: F401 - registers the fake runtime
+    from ringcomm.core import device
+    from ringcomm.errors import CommError
+    from ringcomm.testing.fake_device import FakeDeviceArray
+
+    runtime = device.runtime("fake")
+    saved = runtime.mps_on
+    runtime.mps_on = True
+    os.environ["RINGCOMM_FAULTS"] = "kill:rank=2,call=2,msg=1"
+    before = runtime.live_allocations()
+    outcome: dict[str, Any] = {"type": None, "msg": ""}
+    try:
+        comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=5.0,
+                             transport=transport, device="fake")
+        x = FakeDeviceArray.from_host(np.ones(4096, np.float32))
+        comm.allreduce(x)
+        outcome["first"] = x.to_host()[:4].tolist()
+        outcome["engine"] = comm.choose("allreduce", x).engine
+        started = time.monotonic()
+        try:
+            comm.allreduce(x)
+            x.to_host()
+        except CommError as err:
+            outcome.update(type=type(err).__name__, msg=str(err))
+        outcome["elapsed"] = time.monotonic() - started
+        aborting = time.monotonic()
+        comm.abort("test over")
+        outcome["abort_s"] = time.monotonic() - aborting
+        x.close()
+        outcome["left"] = runtime.live_allocations() - before
+        return outcome
+    finally:
+        runtime.mps_on = saved
+        del os.environ["RINGCOMM_FAULTS"]

@@ -20,6 +20,7 @@ from ringcomm.core.dtypes import DTYPE_NAMES, REDUCE_OPS, finish_reduction, redu
 from ringcomm.testing import FakeDeviceFault, FakeRuntime
 from ringcomm.testing.fake_kernels import (
     ALGORITHMS,
+    STALE_BYTE,
     WAITS,
     KernelMirror,
     Launch,
@@ -256,8 +257,8 @@ def test_op_numbers_wrap_around(fake: FakeRuntime) -> None:
     world = 2
     job = Job(fake, world)
     try:
-        for pad in job.regions.pads:
-            job.regions.pad_words(pad)[:] = (1 << 32) - 2
+        for pad in job.regions.pads:  # every flag; the abort word stays clear
+            job.regions.pad_words(pad)[:geometry.ABORT_WORD] = (1 << 32) - 2
         job.op_number = (1 << 32) - 2
         ops = [(algorithm, "sum", inputs("float32", "sum", world, seed))
                for seed, algorithm in enumerate(ALGORITHMS * 2)]
@@ -275,6 +276,24 @@ def test_ranks_that_disagree_on_the_op_number_hang(fake: FakeRuntime) -> None:
         ops = [("two_shot", "sum", inputs("float32", "sum", 2, 0))]
         with pytest.raises(FakeDeviceFault, match="device hang.*rank 1 block 0 at start of op 2"):
             job.run(ops, numbers=[1, 2])
+    finally:
+        job.close()
+
+
+def test_the_abort_word_ends_a_wait_that_would_never_end(fake: FakeRuntime) -> None:
+    """What the host does when it gives up on an op (a peer lost, the deadline passed): it
+    sets the abort word of its rank's pad, and that rank's blocks stop waiting and return
+    (without their result, where they had not met their peers yet), so the kernel ends
+    instead of spinning for ever. Here both ranks' are set: rank 0 waits at the end for a
+    rank 1 that gave up at the start."""
+    job = Job(fake, 2)
+    try:
+        for pad in job.regions.pads:
+            job.regions.pad_words(pad)[geometry.ABORT_WORD] = 1
+        values = inputs("float32", "sum", 2, 0)
+        ((_, one),) = job.run([("one_shot", "sum", values)], numbers=[1, 2])  # no hang
+        # rank 1 waited at the start for an op 2 no peer runs: it returned reducing nothing
+        assert one.tobytes() == np.full(values[1].nbytes, STALE_BYTE, np.uint8).tobytes()
     finally:
         job.close()
 

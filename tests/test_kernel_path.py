@@ -222,6 +222,22 @@ def test_ranks_in_processes_map_each_others_regions(cluster, mps):
     assert said in res[0]["verdict"]
 
 
+def test_a_rank_killed_under_a_waiting_kernel_gives_typed_errors_in_time(cluster):
+    """Never a hang: rank 0's kernel waits for a rank that was killed, rank 1 for that
+    rank's header. Both raise a typed error within the group's timeout (5 s), the kernel
+    ends (its host sets the abort word), and the abort after it frees every region (it
+    could not while a kernel still ran)."""
+    cluster.run(3, "fault_jobs.job_ready", timeout=60)  # a replaced rank starts up first
+    res = cluster.run(3, "kernel_cases.job_killed_in_kernel", dies=(2,), timeout=60)
+    for r in res[:2]:
+        assert r["first"] == [3.0] * 4 and r["engine"] == CUDA_KERNEL, r
+        assert r["type"] in ("PeerLostError", "RemoteError", "CommTimeout"), r
+        assert "rank 2" in r["msg"], r
+        assert r["elapsed"] < 5.0 + 2.0, r
+        assert r["abort_s"] < 4.0, r  # waits for the other survivor's "closed" only
+        assert r["left"] == 0, r
+
+
 def test_an_allreduce_larger_than_the_region_runs_in_pieces(fake_devices, monkeypatch):
     from ringcomm.engines import kernel
 

@@ -28,6 +28,11 @@ def test_the_source_and_the_geometry_agree() -> None:
         "kMaxThreads": geometry.MAX_THREADS, "kVectorBytes": geometry.VECTOR_BYTES,
         "kPhaseStart": geometry.PHASES.index("start"), "kPhaseEnd": geometry.PHASES.index("end"),
         "kPhases": len(geometry.PHASES)}
+    # the abort word after the flags, and the pad's length: expressions of the above
+    assert "constexpr int kAbortWord = kPhases * kMaxBlocks * kMaxRanks;" in kernels.source()
+    assert geometry.ABORT_WORD == len(geometry.PHASES) * geometry.MAX_BLOCKS * geometry.MAX_RANKS
+    assert "constexpr int kPadWords = kAbortWord + kVectorBytes / 4;" in kernels.source()
+    assert geometry.PAD_WORDS == geometry.ABORT_WORD + geometry.VECTOR_BYTES // 4
 
 
 def test_every_dtype_and_op_of_the_host_path_has_a_kernel() -> None:
@@ -42,7 +47,8 @@ def test_every_dtype_and_op_of_the_host_path_has_a_kernel() -> None:
 @pytest.mark.parametrize("architecture", kernels.ARCHITECTURES)
 def test_every_kernel_compiles(architecture: str) -> None:
     """Each instantiation is an entry of the PTX, meets its peers twice with system-scope
-    release stores and acquire loads, and loads 16 bytes at a time on its vector path."""
+    release stores and acquire loads (and a look at the abort word while it waits), and
+    loads 16 bytes at a time on its vector path."""
     names = [kernels.kernel_name(*i) for i in kernels.instantiations()]
     compiled = kernels.compile_ptx(architecture, names)
     assert f".target sm_{architecture.removeprefix('compute_')}" in compiled.ptx
@@ -52,6 +58,7 @@ def test_every_kernel_compiles(architecture: str) -> None:
         body = entries[compiled.lowered[name]]
         assert body.count("st.release.sys.global.u32") == 2, name
         assert body.count("ld.acquire.sys.global.u32") == 2, name
+        assert body.count("ld.relaxed.sys.global.u32") == 2, name  # the abort word
         assert re.search(r"\bld(\.global)?\.v(4\.\w32|2\.\w64)\b", body), name
     assert len(entries) == len(names)
 

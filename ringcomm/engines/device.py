@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -33,6 +33,7 @@ from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Schedule
 from ..transport.base import Transport
+from ..transport.link import Wait
 from .base import Engine
 from .context import OpContext
 from .device_channel import DeviceChannel
@@ -354,3 +355,45 @@ def hear_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None
     for peer in peers:
         transport.recv(peer, ctx.desc.incoming(peer, 0, 0), ctx.deadline, ctx.name)
         transport.release(peer)
+
+
+_WATCH_POLL_S = 0.0002  # how often a watched op looks at the device and the links
+
+
+def watch(runtime: DeviceRuntime, transport: Transport, marks: list[tuple[list[int], Any]],
+          peers: list[int], ctx: OpContext, *, engine: str, abort: Callable[[str], None],
+          device_error: Callable[[], str | None] | None = None,
+          waiting_on: Callable[[list[int]], list[int]] | None = None) -> None:
+    """Until an op's device work is done (each mark: the peers its work waits on, and an
+    event recorded after it), for engines whose device work waits on peers' device work
+    with no timeout of its own (NCCL, the kernel path): poll the device, and read the links
+    for a peer's abort (``abort`` is told, then the peer's error raised). At the deadline:
+    ``abort``, then ``CommTimeout`` naming the peers the first unfinished mark waits on
+    (``waiting_on`` may narrow them from what the device says, before the abort)."""
+    waits = {peer: Wait(ctx.name, ctx.deadline, ctx.desc.incoming(peer, 0, 0))
+             for peer in peers}
+    pending = list(marks)
+    while pending:
+        if runtime.event_done(pending[0][1]):
+            pending.pop(0)
+            continue
+        try:
+            for peer, wait in waits.items():
+                transport.screen(peer, wait)
+        except CommError as err:  # a peer failed and told us: our work waits for it
+            abort(f"rank {getattr(err, 'peer', '?')} failed")
+            raise
+        error = device_error() if device_error is not None else None
+        if error is not None:
+            abort(error)
+            raise CommError(f"{engine} failed: {error}", rank=transport.rank, op=ctx.name)
+        if time.monotonic() >= ctx.deadline:
+            waiting = pending[0][0]
+            if waiting_on is not None:
+                waiting = waiting_on(waiting)
+            abort(f"{ctx.name} passed its deadline")
+            raise CommTimeout(f"{ctx.name} did not finish in time on the {engine} engine: its "
+                              f"work still waits on rank(s) {waiting}; the communicator is "
+                              "aborted", rank=transport.rank, op=ctx.name,
+                              peer=waiting[0] if waiting else None)
+        time.sleep(_WATCH_POLL_S)

@@ -17,8 +17,12 @@ would spin or reduce garbage); then, on the lane's stream in the caller's stream
 the caller's data is copied into this rank's region (in pieces of the region's size, each
 piece one launch with the next op number, the same on every rank since every rank runs the
 same ops in the same order), the kernel the selector chose is launched, and the result is
-copied back. The host launches and records events only; it waits for nothing the device
-does (``stage_out``).
+copied back. No byte of the op passes through the host. The host then watches the op to its
+end, polling an event and the links (``device.watch``, as for NCCL): the kernels have no
+timeout of their own, so only the host can end a wait for a peer that is lost or late. At
+the deadline, or when a peer's failure arrives, it sets its pad's abort word (its blocks
+stop waiting, the kernel ends), names the peers whose flags never came (read from its pad)
+and raises; the channel is not used again.
 
 Where it runs: on the fake runtime the launch is an item on the rank's stream that plays
 the kernel in numpy (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are
@@ -43,11 +47,20 @@ from ..core.arrays import Buffer
 from ..core.device import kernel_geometry as geometry
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..core.dtypes import ReduceOp
+from ..errors import CommAborted
 from ..schedules.schedule import Schedule
 from ..transport.base import Transport
 from .base import Engine
 from .context import OpContext
-from .device import DeviceLane, hear_headers, held, stage_in, stage_out, tell_headers
+from .device import (
+    DeviceLane,
+    hear_headers,
+    held,
+    stage_in,
+    stage_out,
+    tell_headers,
+    watch,
+)
 from .device_channel import Exchange
 from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
 
@@ -86,11 +99,13 @@ class KernelChannel:
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
         self._pids: dict[int, int] = {}  # the peers that read this rank's handle
         self._closed = False
+        self.ended = ""  # why the channel cannot be used any more ("aborted: ...")
+        self._side: Stream | None = None  # for the host's look at its pad during an op
         self.launcher: Any = None
         try:
             self.region = self._malloc(geometry.PAD_BYTES + region_bytes)
             self.out = self._malloc(region_bytes)
-            stream = runtime.new_stream()
+            self._side = stream = runtime.new_stream()
             runtime.from_host(self.region.ptr, np.zeros(geometry.PAD_WORDS, np.uint32), stream)
             runtime.synchronize(stream)
             self.pads = self._map_peers(deadline)
@@ -152,6 +167,42 @@ class KernelChannel:
                 out=self.out.ptr if one_shot else None)
             runtime.copy(at, self.out.ptr if one_shot else mine, n * dtype.itemsize, stream)
 
+    def abort(self, why: str) -> None:
+        """Give up on the op in flight and on the channel: set this rank's abort word, so
+        every block of its kernel that waits for a peer stops waiting and the kernel ends
+        (without its result: the op raises), then refuse every later op (the ranks' op
+        numbers no longer agree). A copy on a stream of its own, which runs beside the
+        kernel (another process's under MPS, or another GPU's, could not stop it)."""
+        if self.ended:
+            return
+        self.ended = f"aborted: {why}"
+        if self._side is None or not self._held:
+            return
+        word = self.region.ptr + geometry.ABORT_WORD * geometry.FLAG_BYTES
+        self.runtime.from_host(word, np.ones(1, np.uint32), self._side)
+        self.runtime.synchronize(self._side)
+
+    def waiting_on(self, peers: list[int]) -> list[int]:
+        """The peers whose flags for the last op have not reached this rank's pad, read from
+        the device (what a timed-out op names): those whose kernel has not started, else
+        those that have not ended; ``peers`` where the pad cannot be read."""
+        if self._side is None or not self._held:
+            return peers
+        flags = np.zeros(geometry.ABORT_WORD, np.uint32)
+        try:
+            self.runtime.to_host(flags, self.region.ptr, self._side)
+            self.runtime.synchronize(self._side)
+        except Exception:  # noqa: BLE001 - the device is in trouble: name every peer
+            return peers
+        number = self.op_number % (1 << 32)
+        for phase in geometry.PHASES:  # first those whose kernel never started
+            behind = [peer for peer in peers
+                      if not all(geometry.reached(int(flags[geometry.pad_slot(
+                          phase, block, peer)]), number) for block in range(_BLOCKS))]
+            if behind:
+                return behind
+        return peers
+
     def close(self, *, failed: bool = False) -> None:
         """Importers close, then owners free: close the peers' regions this rank opened, say
         so, wait (bounded) until every peer that opened this rank's has said the same, then
@@ -180,11 +231,17 @@ class KernelChannel:
         self._give_back()
 
     def abandon(self) -> None:
-        """After a failure whose device work may never end: free and close nothing (a free
-        would wait for that work), keep it to the process's exit, let the launcher go."""
+        """After a failure whose device work may never end: end the kernel waiting (the
+        abort word), free and close nothing (a free would wait for device work), keep it to
+        the process's exit, let the launcher go."""
         if self._closed:
             return
         self._closed = True
+        try:
+            self.abort("the group closed after a failure")
+        except Exception as err:  # noqa: BLE001 - abandoning must not raise
+            log.warning("rank %d could not set its kernel path's abort word: %s", self.rank,
+                        err)
         self._leave_for_exit()
 
     def _close_opened(self) -> None:
@@ -243,12 +300,22 @@ class KernelEngine(Engine):
             raise ValueError(f"the {self.name} engine runs {', '.join(ALLREDUCE_KERNELS)} "
                              f"allreduces, not {schedule.algorithm} {schedule.collective}")
         assert ctx.reduce is not None
+        channel = self.channel
+        if channel.ended:
+            raise CommAborted(f"the {self.name} engine cannot be used: it was "
+                              f"{channel.ended}; create a new communicator", rank=self.rank,
+                              op=ctx.name)
         tell_headers(self.transport, self._peers, ctx)
         hear_headers(self.transport, self._peers, ctx)
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
-            self.channel.allreduce(schedule.algorithm, pointers["data"], buffers["data"].count,
-                                   ctx.dtype, ctx.reduce, self.lane.stream)
+            channel.allreduce(schedule.algorithm, pointers["data"], buffers["data"].count,
+                              ctx.dtype, ctx.reduce, self.lane.stream)
+            if self._peers:  # a kernel that waits on peers: watched to its end or deadline
+                done = self.runtime.new_event()
+                self.runtime.record(done, self.lane.stream)
+                watch(self.runtime, self.transport, [(self._peers, done)], self._peers, ctx,
+                      engine=self.name, abort=channel.abort, waiting_on=channel.waiting_on)
             stage_out(self.lane, device, lifted, {"data"})
 
     def describe(self) -> str:

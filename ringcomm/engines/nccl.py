@@ -42,10 +42,17 @@ from ..errors import CommAborted, CommError, CommTimeout
 from ..schedules.nccl_groups import TEMP, Call, Plan, plans
 from ..schedules.schedule import Region, Schedule
 from ..transport.base import Transport
-from ..transport.link import Wait
 from .base import Engine
 from .context import OpContext
-from .device import DeviceLane, hear_headers, held, stage_in, stage_out, tell_headers
+from .device import (
+    DeviceLane,
+    hear_headers,
+    held,
+    stage_in,
+    stage_out,
+    tell_headers,
+    watch,
+)
 from .device_channel import Exchange
 
 __all__ = ["NcclChannel", "NcclEngine", "open_channel"]
@@ -53,7 +60,6 @@ __all__ = ["NcclChannel", "NcclEngine", "open_channel"]
 log = logging.getLogger("ringcomm")
 
 _ID_KEY = "nccl-id"
-_POLL_S = 0.0002  # how often a watched op looks at the device and the links
 _PLANS_KEPT = 256
 
 
@@ -286,33 +292,9 @@ class NcclEngine(Engine):
                ctx: OpContext) -> None:
         """Until the op's work is done: poll the device, and read the links for a peer's
         abort. At the deadline, abort the communicator and raise ``CommTimeout`` naming the
-        peers of the first group not done."""
-        runtime, transport = self.runtime, self.transport
-        waits = {peer: Wait(ctx.name, ctx.deadline, ctx.desc.incoming(peer, 0, 0))
-                 for peer in peers}
-        pending = list(marks)
-        while pending:
-            if runtime.event_done(pending[0][1]):
-                pending.pop(0)
-                continue
-            try:
-                for peer, wait in waits.items():
-                    transport.screen(peer, wait)
-            except CommError as err:  # a peer failed and told us: our work waits for it
-                self.channel.abort(f"rank {getattr(err, 'peer', '?')} failed")
-                raise
-            error = self.comm.async_error()
-            if error is not None:
-                self.channel.abort(error)
-                raise CommError(f"NCCL failed: {error}", rank=self.rank, op=ctx.name)
-            if time.monotonic() >= ctx.deadline:
-                waiting = pending[0][0]
-                self.channel.abort(f"{ctx.name} passed its deadline")
-                raise CommTimeout(f"{ctx.name} did not finish in time on the NCCL engine: its "
-                                  f"work still waits on rank(s) {waiting}; the communicator "
-                                  "is aborted", rank=self.rank, op=ctx.name,
-                                  peer=waiting[0] if waiting else None)
-            time.sleep(_POLL_S)
+        peers of the first group not done (``device.watch``)."""
+        watch(self.runtime, self.transport, marks, peers, ctx, engine="NCCL",
+              abort=self.channel.abort, device_error=self.comm.async_error)
 
     def describe(self) -> str:
         return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"

@@ -168,31 +168,31 @@ class _Memory:
         return self.rt._view(ptr, geometry.PAD_BYTES, "a signal pad").view(np.uint32)
 
 
-def _reached(seen: int, op_number: int) -> bool:
-    """The kernel's ``(int)(seen - op_number) >= 0``: right across the counter's wrap."""
-    return (seen - op_number) % (1 << 32) < (1 << 31)
-
-
 def _meet(mem: _Memory, launch: Launch, block: int, phase: str,
-          left_out: frozenset[str]) -> Steps:
+          left_out: frozenset[str]) -> Generator[_Wait | None, None, bool]:
     """``meet``: thread ``peer`` stores the op's number into slot (phase, block, rank) of
     peer ``peer``'s pad; then the block waits until its own pad's slots (phase, block, q)
-    say every rank q got here in this op (unless the test left this wait out)."""
+    say every rank q got here in this op (unless the test left this wait out), or until its
+    pad's abort word is set. Returns whether it was (the block then returns)."""
     number = launch.op_number % (1 << 32)
     for peer in range(launch.world):
         mem.pad(launch.pads[peer])[geometry.pad_slot(phase, block, launch.rank)] = number
     yield None
     if phase in left_out:
-        return
+        return False
     slots = [geometry.pad_slot(phase, block, peer) for peer in range(launch.world)]
     mine = launch.pads[launch.rank]
 
     def everyone_here() -> bool:
         pad = mem.pad(mine)
-        return all(_reached(int(pad[slot]), number) for slot in slots)
+        return all(geometry.reached(int(pad[slot]), number) for slot in slots)
+
+    def aborted() -> bool:
+        return int(mem.pad(mine)[geometry.ABORT_WORD]) != 0
 
     yield _Wait(f"rank {launch.rank} block {block} at {phase} of op {launch.op_number}",
-                everyone_here)
+                lambda: everyone_here() or aborted())
+    return not everyone_here() and aborted()
 
 
 def _reduce_turn(mem: _Memory, launch: Launch, first: int, end: int,
@@ -210,7 +210,8 @@ def one_shot_block(mem: _Memory, launch: Launch, block: int,
     """Block ``block`` of ``one_shot_allreduce``: meet, reduce its units of everything into
     ``out`` (16-byte vectors where every pointer is aligned, then what is left one element
     at a time), meet again."""
-    yield from _meet(mem, launch, block, "start", left_out)
+    if (yield from _meet(mem, launch, block, "start", left_out)):
+        return
     assert launch.out is not None
     scalars_from = 0
     if all(geometry.aligned(ptr) for ptr in (*launch.data, launch.out)):
@@ -232,7 +233,8 @@ def two_shot_block(mem: _Memory, launch: Launch, block: int,
     """Block ``block`` of ``two_shot_allreduce``: meet, reduce its units of this rank's
     slice from every rank's buffer into every rank's buffer (the last rank also the
     elements after the last whole vector), meet again."""
-    yield from _meet(mem, launch, block, "start", left_out)
+    if (yield from _meet(mem, launch, block, "start", left_out)):
+        return
     if all(geometry.aligned(ptr) for ptr in launch.data):
         width = geometry.vector_width(launch.dtype.itemsize)
         scalars_from = launch.count // width * width

@@ -18,14 +18,21 @@ MAX_THREADS = 512  # kMaxThreads
 VECTOR_BYTES = 16  # kVectorBytes: one vector load
 PHASES = ("start", "end")  # kPhaseStart, kPhaseEnd: a pad row each
 FLAG_BYTES = 4  # one unsigned int
-PAD_WORDS = len(PHASES) * MAX_BLOCKS * MAX_RANKS
-PAD_BYTES = PAD_WORDS * FLAG_BYTES  # 8 KiB: a multiple of 16, so data after it stays aligned
+ABORT_WORD = len(PHASES) * MAX_BLOCKS * MAX_RANKS  # kAbortWord: after the flags
+PAD_WORDS = ABORT_WORD + VECTOR_BYTES // FLAG_BYTES  # kPadWords: the abort word, padded
+PAD_BYTES = PAD_WORDS * FLAG_BYTES  # 8 KiB + 16 B: a multiple of 16, so data stays aligned
 
 
 def pad_slot(phase: str, block: int, rank: int) -> int:
     """The word of a pad that block ``block`` of rank ``rank`` writes at ``phase``
     (``pad_slot`` in the kernel)."""
     return (PHASES.index(phase) * MAX_BLOCKS + block) * MAX_RANKS + rank
+
+
+def reached(seen: int, op_number: int) -> bool:
+    """Whether a flag that says ``seen`` has reached op ``op_number``: the kernel's
+    ``(int)(seen - op_number) >= 0``, right across the 32-bit counter's wrap."""
+    return (seen - op_number) % (1 << 32) < (1 << 31)
 
 
 def vector_width(itemsize: int) -> int:

@@ -35,6 +35,11 @@ constexpr int kPhaseStart = 0;    // the pad's phases: where blocks meet before 
 constexpr int kPhaseEnd = 1;      //   the data is touched
 constexpr int kPhases = 2;
 static_assert(kPhaseStart < kPhases && kPhaseEnd < kPhases, "each phase is a row of the pad");
+// After the flags, one word the host sets when it gives up on an op (a peer lost or past the
+// deadline): a waiting block stops waiting and its kernel ends without its result. Padded
+// to 16 bytes so the data after the pad stays aligned for vector loads.
+constexpr int kAbortWord = kPhases * kMaxBlocks * kMaxRanks;
+constexpr int kPadWords = kAbortWord + kVectorBytes / 4;
 
 // Where every rank's memory is, as mapped in the launching process (index = rank). The host
 // writes one such table into device memory when the buffers are mapped; kernels read it.
@@ -43,7 +48,7 @@ struct PeerPointers {
   unsigned int* pads[kMaxRanks];
 };
 
-// A signal pad is unsigned int[kPhases][kMaxBlocks][kMaxRanks]: slot (phase, block, r) of
+// A signal pad is unsigned int[kPhases][kMaxBlocks][kMaxRanks] (then the abort word): slot (phase, block, r) of
 // rank q's pad is written only by block `block` of rank r, read only by rank q. Its value is
 // the number of the last op in which rank r's block reached that phase. Op numbers only grow
 // (the host numbers a communicator's ops 1, 2, 3, ... the same on every rank), so nothing is
@@ -67,21 +72,38 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* flag) {
   return value;
 }
 
+// The abort word, read without ordering: it only ends a wait, and nothing it guards is read
+// after it (an aborted kernel returns).
+__device__ __forceinline__ unsigned int load_relaxed(const unsigned int* word) {
+  unsigned int value;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+  return value;
+}
+
 // Block `blockIdx.x` of every rank meets here. Thread t < world tells rank t "my block has
-// reached `phase` of op `op_number`", then waits until rank t's block says the same to us.
-// Per block, not per kernel: a block needs only its namesakes, so no grid-wide sync is
-// needed. The signed difference keeps the comparison right when the counter wraps.
-__device__ __forceinline__ void meet(const PeerPointers& peers, int rank, int world, int phase,
+// reached `phase` of op `op_number`", then waits until rank t's block says the same to us,
+// or until this rank's host sets the abort word. Per block, not per kernel: a block needs
+// only its namesakes, so no grid-wide sync is needed. The signed difference keeps the
+// comparison right when the counter wraps. Returns whether the op was aborted, the same for
+// every thread of the block (so the whole block returns together).
+__device__ __forceinline__ bool meet(const PeerPointers& peers, int rank, int world, int phase,
                                      unsigned int op_number) {
   __syncthreads();  // the block's earlier stores come before the release below
+  int aborted = 0;
   if (threadIdx.x < world) {
     const int peer = threadIdx.x;
     store_release(peers.pads[peer] + pad_slot(phase, blockIdx.x, rank), op_number);
     const unsigned int* mine = peers.pads[rank] + pad_slot(phase, blockIdx.x, peer);
+    const unsigned int* abort = peers.pads[rank] + kAbortWord;
     while (static_cast<int>(load_acquire(mine) - op_number) < 0) {
+      if (load_relaxed(abort) != 0) {
+        aborted = 1;
+        break;
+      }
     }
   }
-  __syncthreads();  // the block's later loads come after the acquire above
+  // the block's later loads come after the acquire above; every thread learns the verdict
+  return __syncthreads_or(aborted) != 0;
 }
 
 // ------------------------------------------------------------------ element types
@@ -332,7 +354,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                        int world, unsigned int op_number) {
   __shared__ PeerPointers peers;
   if (threadIdx.x == 0) peers = *table;  // meet's first __syncthreads shares it
-  meet(peers, rank, world, kPhaseStart, op_number);
+  if (meet(peers, rank, world, kPhaseStart, op_number)) return;
   unsigned long long scalars_from = 0;
   if (data_aligned(peers, world) && aligned(out)) {
     constexpr int N = Vector<T>::kWidth;
@@ -375,7 +397,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                        unsigned int op_number) {
   __shared__ PeerPointers peers;
   if (threadIdx.x == 0) peers = *table;
-  meet(peers, rank, world, kPhaseStart, op_number);
+  if (meet(peers, rank, world, kPhaseStart, op_number)) return;
   unsigned long long lo, hi, scalars_from;
   if (data_aligned(peers, world)) {
     constexpr int N = Vector<T>::kWidth;
