@@ -30,7 +30,8 @@ def test_the_source_and_the_geometry_agree() -> None:
         "kPhases": len(geometry.PHASES)}
     # the abort word after the flags, and the pad's length: expressions of the above
     assert "constexpr int kAbortWord = kPhases * kMaxBlocks * kMaxRanks;" in kernels.source()
-    assert geometry.ABORT_WORD == len(geometry.PHASES) * geometry.MAX_BLOCKS * geometry.MAX_RANKS
+    flags = len(geometry.PHASES) * geometry.MAX_BLOCKS * geometry.MAX_RANKS
+    assert flags == geometry.ABORT_WORD
     assert "constexpr int kPadWords = kAbortWord + kVectorBytes / 4;" in kernels.source()
     assert geometry.PAD_WORDS == geometry.ABORT_WORD + geometry.VECTOR_BYTES // 4
 
