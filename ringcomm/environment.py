@@ -147,7 +147,9 @@ def device_report() -> list[str]:
         "auto": "cuda-ipc where every rank is on one host, else staged; staged always",
         "cuda-ipc": "cuda-ipc (every rank must be on one host); staged always",
         "staged": "staged only",
-        "nccl": "nccl only: every pair of ranks over NCCL's communicator"}[engine])
+        "nccl": "nccl only: every pair of ranks over NCCL's communicator",
+        "cuda-kernel": "as auto, and the kernel path for allreduces wherever every rank's "
+                       "kernels run at once, on any runtime that can launch them"}[engine])
     nccl = device.nccl_library(runtime)
     lines.append(f"  nccl: {nccl.version() if nccl.available() else 'unavailable'} "
                  f"({nccl.name}; used where RINGCOMM_DEVICE_ENGINE=nccl)")

@@ -63,24 +63,36 @@ def expected(values: list[np.ndarray], name: str, op: str) -> np.ndarray:
     return acc
 
 
-def allreduce_everything(count: int,
-                         algorithms: tuple[str | None, ...]) -> Callable[[Any], Any]:
-    """A job for every rank of a group: every (dtype, op) the host path has, by each of
-    ``algorithms`` (None: the selector's choice); what differed from numpy, the ops the
-    kernel lane ran, the selector's choice at ``count`` float32s and a digest of every
-    result (the same on every rank)."""
+#: what a GPU run compiles and checks (each instantiation is an NVRTC compile at first use):
+#: the dtypes training reduces, with the ops it uses, plus one integer and one bitwise op
+GPU_PAIRS = (("float32", "sum"), ("float32", "avg"), ("float32", "max"), ("float16", "sum"),
+             ("bfloat16", "sum"), ("bfloat16", "avg"), ("int64", "sum"), ("uint8", "bxor"))
+
+
+def allreduce_everything(count: int, algorithms: tuple[str | None, ...],
+                         only: tuple[tuple[str, str], ...] | None = None
+                         ) -> Callable[[Any], Any]:
+    """A job for every rank of a group: every (dtype, op) the host path has (or those
+    named in ``only``), by each of ``algorithms`` (None: the selector's choice), on arrays
+    of the group's device runtime; what differed from numpy, the ops the kernel lane ran,
+    the selector's choice at ``count`` float32s and a digest of every result (the same on
+    every rank)."""
 
     def fn(comm: Any) -> Any:
-        from ringcomm.testing.fake_device import FakeDeviceArray
+        from device_cases import to_device, to_host
+
+        from ringcomm.core.device import release
 
         wrong = []
         digest = hashlib.sha256()  # every rank's results: the same bits on every rank
         for seed, (name, dtype, op) in enumerate(pairs()):
+            if only is not None and (name, op) not in only:
+                continue
             values = inputs(dtype, op, comm.world_size, count, seed)
             for algorithm in algorithms:
-                x = FakeDeviceArray.from_host(values[comm.rank])
+                x = to_device(comm.device, values[comm.rank])
                 comm.allreduce(x, op, algorithm=algorithm)
-                got = x.to_host()
+                got = to_host(x)
                 want = expected(values, name, op)
                 digest.update(got.tobytes())
                 if op == "prod" and dtype.kind == "c":
@@ -92,7 +104,7 @@ def allreduce_everything(count: int,
                         dtype.kind in "fc" and np.array_equal(got, want, equal_nan=True))
                 if not same:
                     wrong.append((name, op, algorithm))
-                x.close()
+                release(x)
         lane = comm.wiring.lanes[CUDA_KERNEL]
         return (wrong, lane.ops, comm.choose("allreduce", count * 4, memory=comm.device.memory),
                 digest.hexdigest())
@@ -100,27 +112,40 @@ def allreduce_everything(count: int,
 
 
 def job_kernel_path(rank: int, world: int, store: str, transport: str, count: int = 45,
-                    mps: bool = True, **_: Any) -> dict[str, Any]:
-    """A rank of real processes on the fake runtime: every rank on fake device 0 under MPS
-    (``mps``), or each on a device of its own; every dtype and op by each kernel and by the
-    selector's choice; what ``allreduce_everything`` says, the verdict, and the device
-    memory left after ``close()``, which rank 0 calls last."""
+                    mps: bool = True, device_name: str = "fake",
+                    **_: Any) -> dict[str, Any]:
+    """A rank of real processes on the kernel path. On the fake runtime every rank on fake
+    device 0 under MPS (``mps``), or each on a device of its own, every dtype and op; on a
+    GPU (``device_name="cuda"``) each rank on its own GPU where there are enough, else all
+    on GPU 0 (the MPS daemon the test found serves them), ``GPU_PAIRS``, with
+    ``RINGCOMM_DEVICE_ENGINE=cuda-kernel`` (CuPy's launch is taken only on request). Each
+    by both kernels and the selector's choice; what ``allreduce_everything`` says, the
+    verdict, and the device memory left after ``close()``, which rank 0 calls last."""
+    import os
+
     import ringcomm
     import ringcomm.testing  # noqa: F401 - registers the fake runtime
     from ringcomm.core import device
 
-    runtime = device.runtime("fake")
-    saved = runtime._devices, runtime.mps_on, runtime.current_device()
-    runtime._devices = max(world, runtime._devices)
-    runtime.mps_on = mps
-    runtime.set_device(0 if mps else rank)
+    fake = device_name == "fake"
+    runtime = device.runtime("fake" if fake else "cupy")
+    saved = (runtime._devices, runtime.mps_on) if fake else None
+    before_device = runtime.current_device()
+    if fake:
+        runtime._devices = max(world, runtime._devices)
+        runtime.mps_on = mps
+        runtime.set_device(0 if mps else rank)
+    else:
+        os.environ["RINGCOMM_DEVICE_ENGINE"] = CUDA_KERNEL
+        runtime.set_device(rank if runtime.device_count() >= world else 0)
     before = runtime.live_allocations()
     try:
         comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
-                             transport=transport, device="fake")
+                             transport=transport, device=device_name)
         try:
-            wrong, ops, choice, digest = allreduce_everything(count, (
-                "kernel-oneshot", "kernel-twoshot", None))(comm)
+            wrong, ops, choice, digest = allreduce_everything(
+                count, ("kernel-oneshot", "kernel-twoshot", None),
+                None if fake else GPU_PAIRS)(comm)
             verdict = str(comm.selector.group.kernel)
         finally:
             if rank == 0:  # the others free their regions only after rank 0 unmaps them
@@ -129,8 +154,9 @@ def job_kernel_path(rank: int, world: int, store: str, transport: str, count: in
         return {"wrong": wrong, "ops": ops, "engine": choice.engine, "digest": digest,
                 "verdict": verdict, "live": runtime.live_allocations() - before}
     finally:
-        runtime._devices, runtime.mps_on = saved[:2]
-        runtime.set_device(saved[2])
+        if saved is not None:
+            runtime._devices, runtime.mps_on = saved
+        runtime.set_device(before_device)
 
 
 def job_killed_in_kernel(rank: int, world: int, store: str, transport: str,

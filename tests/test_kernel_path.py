@@ -70,15 +70,14 @@ def test_the_path_also_needs_one_host_few_ranks_a_launch_and_the_engine():
     assert "no cuda-kernel engine" in kernel_path(own, engine=False).why
 
 
-def test_cupy_cannot_launch_them_yet_and_the_fake_can():
-    from ringcomm.core.device.cupy_runtime import CupyRuntime
+def test_the_fake_launches_them_for_threads_and_processes():
     from ringcomm.testing.fake_device import FakeRuntime
 
-    assert "not written yet" in CupyRuntime.kernel_launch(object.__new__(CupyRuntime))
     fake = object.__new__(FakeRuntime)
     assert FakeRuntime.kernel_launch(fake) == ""
     assert FakeRuntime.kernel_launch(fake, [7, 7, 7]) == ""  # threads of one process
     assert FakeRuntime.kernel_launch(fake, [7, 8]) == ""  # processes: regions mapped
+    assert FakeRuntime.kernel_path_checked  # its launch is the kernels' mirror
 
 
 def _selector(world: int, kernel: Verdict | None) -> Selector:
@@ -220,6 +219,28 @@ def test_ranks_in_processes_map_each_others_regions(cluster, mps):
         assert r["live"] == 0
     said = "share GPU fake:0 under MPS" if mps else "each on its own GPU"
     assert said in res[0]["verdict"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_kernel_path_on_the_test_runtime(cluster, gpu_runtime, gpu_device, world):
+    """On a GPU: CuPy's launch of the kernels (``RINGCOMM_DEVICE_ENGINE=cuda-kernel``),
+    ranks on GPUs of their own or sharing GPU 0 under MPS, the dtypes and ops training uses,
+    sizes that take vectors, several blocks and pieces of the region, equal numpy's with the
+    same bits on every rank (the fake runtime's mirror where RINGCOMM_TEST_RUNTIME=fake)."""
+    if gpu_device == "cuda" and gpu_runtime.device_count() < world and \
+            not gpu_runtime.mps().on:
+        pytest.skip(f"{world} ranks share a GPU here without MPS: their kernels would take "
+                    "turns (bench/gpu_check.sh starts MPS)")
+    count = 300_001 if gpu_device == "cuda" else 45
+    res = cluster.run(world, "kernel_cases.job_kernel_path", device_name=gpu_device,
+                      count=count, timeout=280)
+    assert len({r["digest"] for r in res}) == 1
+    for r in res:
+        assert r["wrong"] == [], r["wrong"]
+        assert r["engine"] == CUDA_KERNEL, r["verdict"]
+        assert r["live"] == 0
 
 
 def test_a_rank_killed_under_a_waiting_kernel_gives_typed_errors_in_time(cluster):

@@ -176,7 +176,7 @@ def _port_range(raw: str) -> tuple[int, int]:
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
 STORE_ROLES = ("auto", "serve", "join")
 DEVICE_MODES = ("auto", "cuda", "fake", "off")
-DEVICE_ENGINES = ("auto", "cuda-ipc", "staged", "nccl")
+DEVICE_ENGINES = ("auto", "cuda-ipc", "staged", "nccl", "cuda-kernel")
 DEFAULT_IPC_SLOTS = 4
 DEFAULT_IPC_SLOT_BYTES = 4 << 20
 DEFAULT_SPIN_US = 50.0
@@ -269,8 +269,12 @@ SETTINGS: tuple[Setting, ...] = (
             "other's device memory), staged (through page-locked host memory over the "
             "links, across hosts too), nccl (NCCL through CuPy: its own collectives, and "
             "ringcomm's schedules as NCCL groups; one GPU per rank, a communicator per group "
-            "from a unique id rank 0 draws at set-up and the others read from the store); "
-            "auto takes cuda-ipc where every rank is on one host, else staged",
+            "from a unique id rank 0 draws at set-up and the others read from the store), "
+            "cuda-kernel (as auto, and allreduces take the kernel path wherever every rank's "
+            "kernels run at once, on a runtime whose launch is not yet checked on a GPU "
+            "too); auto takes cuda-ipc where every rank is on one host, else staged, and "
+            "the kernel path where every rank's kernels run at once and the runtime's "
+            "launch is checked",
             "auto", _choice(*DEVICE_ENGINES)),
     Setting("ipc_slots", Scope.AGREED, "RINGCOMM_IPC_SLOTS", None,
             "device staging slots per peer of the cuda-ipc engine (messages in flight)",

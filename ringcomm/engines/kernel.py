@@ -26,9 +26,10 @@ and raises; the channel is not used again.
 
 Where it runs: on the fake runtime the launch is an item on the rank's stream that plays
 the kernel in numpy (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are
-threads or processes. CuPy's launch (``RawModule``) and in-place registration of user
-memory are not written yet: ``CupyRuntime.kernel_launch`` says so, and no group on CuPy
-makes this engine.
+threads or processes. On CuPy it is ``cupy.RawModule``'s (``kernels.cupy_launch``), not yet
+run on a GPU, so taken only where ``RINGCOMM_DEVICE_ENGINE=cuda-kernel`` asks for it
+(``runtime.devices.launch_problem``). In-place registration of user memory is not written
+yet: every op copies through the rank's region.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from .device import (
     watch,
 )
 from .device_channel import Exchange
+from .kernels import cupy_launch  # noqa: F401 - registers CuPy's launch of the kernels
 from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
 
 log = logging.getLogger("ringcomm")
@@ -71,7 +73,6 @@ REGION_BYTES = 1 << 20
 _REGIONS_KEY = "kernel-regions"
 _CLOSED_KEY = "kernel-regions/closed"
 _AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
-_BLOCKS = 2  # the fake's grid: enough blocks to interleave, few steps per op
 _THREADS = geometry.MAX_THREADS
 
 
@@ -94,6 +95,7 @@ class KernelChannel:
         self.capacity = region_bytes
         self.close_wait_s = close_wait_s
         self.op_number = 0  # launches so far: the next one's number is one more
+        self.blocks = 1  # the last launch's grid, for naming who a timed-out op waits on
         self._held: list[Allocation] = []
         self._exported: list[bytes] = []
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
@@ -123,17 +125,21 @@ class KernelChannel:
     def _map_peers(self, deadline: float) -> tuple[int, ...]:
         """Every rank's region as this process reaches it: its own, a peer's of this process
         by the pointer it exported, another process's opened from its handle."""
-        handle = self.runtime.export_memory(self.region)
+        runtime = self.runtime
+        handle = runtime.export_memory(self.region)
         EXPORTS.add(handle, self.region.ptr)
         self._exported.append(handle)
+        sms = runtime.multiprocessors(runtime.current_device())
         self.exchange.publish(_REGIONS_KEY, json.dumps(
-            {"pid": os.getpid(), "region": handle.hex()}).encode())
+            {"pid": os.getpid(), "region": handle.hex(), "sms": sms}).encode())
         regions = []
+        self.multiprocessors = sms  # the least of every rank's: every grid is the same
         for peer in range(self.world):
             if peer == self.rank:
                 regions.append(self.region.ptr)
                 continue
             record = json.loads(self.exchange.read(_REGIONS_KEY, peer, deadline))
+            self.multiprocessors = min(self.multiprocessors, int(record["sms"]))
             pid = self._pids[peer] = int(record["pid"])
             theirs = bytes.fromhex(record["region"])
             if pid == os.getpid():
@@ -155,16 +161,18 @@ class KernelChannel:
         per = self.capacity // dtype.itemsize
         mine = self.data[self.rank]
         one_shot = algorithm == "kernel-oneshot"
+        kernel = "one_shot" if one_shot else "two_shot"
         for first in range(0, count, per):
             n = min(per, count - first)
             at = ptr + first * dtype.itemsize
             runtime.copy(mine, at, n * dtype.itemsize, stream)
             self.op_number += 1
+            self.blocks = geometry.grid_blocks(kernel, n, dtype.itemsize, self.world, _THREADS,
+                                               self.multiprocessors)
             self.launcher.launch_kernel(
-                stream=stream, algorithm="one_shot" if one_shot else "two_shot",
-                rank=self.rank, data=self.data, pads=self.pads, count=n, dtype=dtype, op=op,
-                op_number=self.op_number, blocks=_BLOCKS, threads=_THREADS,
-                out=self.out.ptr if one_shot else None)
+                stream=stream, algorithm=kernel, rank=self.rank, data=self.data,
+                pads=self.pads, count=n, dtype=dtype, op=op, op_number=self.op_number,
+                blocks=self.blocks, threads=_THREADS, out=self.out.ptr if one_shot else None)
             runtime.copy(at, self.out.ptr if one_shot else mine, n * dtype.itemsize, stream)
 
     def abort(self, why: str) -> None:
@@ -198,7 +206,7 @@ class KernelChannel:
         for phase in geometry.PHASES:  # first those whose kernel never started
             behind = [peer for peer in peers
                       if not all(geometry.reached(int(flags[geometry.pad_slot(
-                          phase, block, peer)]), number) for block in range(_BLOCKS))]
+                          phase, block, peer)]), number) for block in range(self.blocks))]
             if behind:
                 return behind
         return peers
@@ -253,7 +261,7 @@ class KernelChannel:
         EXPORTS.drop(self._exported)
         LEFT_FOR_EXIT.append((self._held, self._opened))
         self._exported, self._held, self._opened = [], [], []
-        self._release_launcher()
+        self._release_launcher(free=False)
 
     def _give_back(self) -> None:
         """Close what is open, free what this rank allocated (the end of close, or what a
@@ -268,9 +276,9 @@ class KernelChannel:
         finally:
             self._release_launcher()
 
-    def _release_launcher(self) -> None:
+    def _release_launcher(self, *, free: bool = True) -> None:
         if self.launcher is not None:
-            self.launcher.release()
+            self.launcher.release(free=free)
             self.launcher = None
 
     def describe(self) -> str:

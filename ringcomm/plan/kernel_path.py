@@ -23,8 +23,9 @@ whose GPU is unknown (its runtime could not be read at init) is never assumed to
 of one rank has nobody to wait for. Besides that verdict the path needs (``kernel_path``):
 every rank on one host (its regions are mapped with CUDA IPC), at most
 ``kernel_geometry.MAX_RANKS`` ranks (the signal pad's columns), and a runtime that can launch
-the kernels (the fake: the numpy mirror, ``ringcomm.testing.fake_kernels``; CuPy: not yet,
-a later session with a GPU wires its launch).
+the kernels (the fake: the numpy mirror, ``ringcomm.testing.fake_kernels``; CuPy: through
+``cupy.RawModule``, taken only on request until a GPU run has checked it:
+``ringcomm.runtime.devices.launch_problem``).
 """
 
 from __future__ import annotations

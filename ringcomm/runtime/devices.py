@@ -126,6 +126,24 @@ def ipc_serves(topology: Topology, settings: Settings) -> tuple[bool, str]:
     return True, "every rank is on one host"
 
 
+def launch_problem(runtime: DeviceRuntime, topology: Topology, settings: Settings) -> str:
+    """Why this group's runtime cannot launch the kernels ("" where it can): the runtime's
+    own reason, or, where its launch has not been checked against the kernels' mirror on a
+    GPU (``DeviceRuntime.kernel_path_checked``), that it is taken only on request."""
+    problem = runtime.kernel_launch([f.pid for f in topology.ranks])
+    if problem or runtime.kernel_path_checked or settings.device_engine == CUDA_KERNEL:
+        return problem
+    return (f"{runtime.name}'s launch of the kernels is not yet checked on a GPU; "
+            f"RINGCOMM_DEVICE_ENGINE={CUDA_KERNEL} takes it")
+
+
+def _kernel_setting(settings: Settings) -> Verdict | None:
+    """The refusal the device engine setting makes by itself (None: it allows the path)."""
+    if settings.device_engine in ("auto", CUDA_KERNEL):
+        return None
+    return Verdict(False, f"RINGCOMM_DEVICE_ENGINE={settings.device_engine}")
+
+
 def kernel_verdict(runtime: DeviceRuntime | None, topology: Topology, settings: Settings,
                    lanes: Mapping[str, Any]) -> Verdict | None:
     """Whether this group's allreduces of device memory may take the kernel path, and why
@@ -134,9 +152,10 @@ def kernel_verdict(runtime: DeviceRuntime | None, topology: Topology, settings: 
     same on every rank. None without a device runtime."""
     if runtime is None:
         return None
-    if settings.device_engine != "auto":
-        return Verdict(False, f"RINGCOMM_DEVICE_ENGINE={settings.device_engine}")
-    return kernel_path(topology, runtime.kernel_launch([f.pid for f in topology.ranks]),
+    refused = _kernel_setting(settings)
+    if refused is not None:
+        return refused
+    return kernel_path(topology, launch_problem(runtime, topology, settings),
                        CUDA_KERNEL in lanes)
 
 
@@ -154,8 +173,8 @@ def open_lanes(runtime: DeviceRuntime, transport: Transport, exchange: Exchange 
             lanes[NCCL] = DeviceLane(_nccl_channel(runtime, transport, exchange, timeout))
             return lanes
         serves, why = ipc_serves(topology, settings)
-        if exchange is not None and settings.device_engine == "auto" and kernel_path(
-                topology, runtime.kernel_launch([f.pid for f in topology.ranks])).ok:
+        if exchange is not None and _kernel_setting(settings) is None and kernel_path(
+                topology, launch_problem(runtime, topology, settings)).ok:
             lanes[CUDA_KERNEL] = DeviceLane(KernelChannel(
                 runtime, exchange, transport.rank, transport.world_size,
                 time.monotonic() + timeout, close_wait_s=timeout))

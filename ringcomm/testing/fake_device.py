@@ -91,7 +91,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -402,23 +402,17 @@ class FakeRuntime(DeviceRuntime):
         return MpsState(False, "the fake runtime's MPS, off unless a test turns it on "
                                "(FakeRuntime.mps_on)")
 
-    def kernel_launch(self, pids: Sequence[int] = ()) -> str:
-        """The fake launches the allreduce kernels as their numpy mirror
-        (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are threads or
-        processes alike."""
-        return ""
+    #: the fake's launch of the kernels is their numpy mirror, the reference a GPU's launch
+    #: is checked against (``fake_kernels.StreamLauncher``, registered by ``ringcomm.testing``)
+    kernel_path_checked = True
 
-    #: what makes the kernels' launcher: ``fake_kernels.StreamLauncher``, set where the
-    #: package registers the fake runtime (``ringcomm.testing``): the mirror imports this
-    #: module
-    launcher_factory: Callable[[FakeRuntime], Any] | None = None
+    #: SMs of every fake device: few, so the kernels' mirror runs grids of one or two
+    #: blocks per rank (each a coroutine stepped in numpy)
+    MULTIPROCESSORS = 8
 
-    def kernel_launcher(self) -> Any:
-        factory = type(self).launcher_factory
-        if factory is None:
-            raise FakeDeviceFault("the fake's kernel launcher is registered by importing "
-                                  "ringcomm.testing")
-        return factory(self)
+    def multiprocessors(self, index: int) -> int:
+        self.device_identity(index)  # refuses an index the fake does not have
+        return self.MULTIPROCESSORS
 
     def describe(self) -> dict[str, str]:
         return {"device": "fake (numpy)", "gpu": self.device_identity(self.current_device()),

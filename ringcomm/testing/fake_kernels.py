@@ -498,6 +498,11 @@ class StreamLauncher:
     def __init__(self, rt: FakeRuntime) -> None:
         self.rt = rt
 
+    @classmethod
+    def problem(cls, rt: FakeRuntime) -> str:
+        """Nothing stops the mirror: ranks may be threads or processes."""
+        return ""
+
     def launch_kernel(self, *, stream: Any, **launch: Any) -> None:
         """Queue the kernel ``Launch(**launch)`` names on ``stream`` (of the thread's
         current device, as CUDA launches kernels)."""
@@ -514,5 +519,5 @@ class StreamLauncher:
             self.rt._find(kernel.out, size, what)
         self.rt._queue(stream, _KernelItem(self.rt, kernel))
 
-    def release(self) -> None:
-        """Nothing to let go of: the fake compiles nothing."""
+    def release(self, *, free: bool = True) -> None:
+        """Nothing to let go of: the fake compiles nothing and keeps no tables."""

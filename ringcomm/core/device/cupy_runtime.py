@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -123,13 +122,8 @@ class CupyRuntime(DeviceRuntime):
         return (f"{int(props.get('pciDomainID', 0)):04x}:{int(props.get('pciBusID', 0)):02x}:"
                 f"{int(props.get('pciDeviceID', 0)):02x}.0")
 
-    def kernel_launch(self, pids: Sequence[int] = ()) -> str:
-        """Not yet: the kernels compile (``ringcomm.engines.kernels.compile_ptx``), but their
-        launch through ``cupy.RawModule`` (regions mapped once, grids sized to the SMs) is
-        left for a session with a GPU to write and check (issue 36), so the selector never
-        picks the kernel path on CuPy until then."""
-        return ("CuPy's launch of the kernels is not written yet (it waits for a session "
-                "with a GPU: issue 36)")
+    def multiprocessors(self, index: int) -> int:
+        return int(self._rt.getDeviceProperties(index)["multiProcessorCount"])
 
     def describe(self) -> dict[str, str]:
         props = self._rt.getDeviceProperties(self.current_device())

@@ -69,6 +69,22 @@ def grid_stride(first: int, end: int, block: int, blocks: int,
         lo += step
 
 
+def grid_blocks(algorithm: str, count: int, itemsize: int, world: int, threads: int,
+                multiprocessors: int) -> int:
+    """Blocks per rank for one launch: enough for every thread to get a unit (of the whole
+    array for the one-shot, of a rank's slice for the two-shot), at most
+    ``MAX_BLOCKS`` (the pad's rows), and at most ``multiprocessors // world``, so that
+    every block of every rank can be resident at once (ranks that share a GPU share its
+    SMs; a block that waits on a peer's block that cannot be scheduled would spin for
+    ever). Every rank must launch the same grid (block b meets block b): every input here
+    is agreed (``multiprocessors``: the least of the ranks' devices')."""
+    units = -(-count // vector_width(itemsize))
+    if algorithm == "two_shot":
+        units = -(-units // world)
+    wanted = max(1, -(-units // threads))
+    return max(1, min(wanted, MAX_BLOCKS, multiprocessors // world))
+
+
 def check_launch(world: int, blocks: int, threads: int) -> None:
     """What every launch must hold (the host checks before launching; the mirror too):
     the pads have room for ``blocks`` and ``world``, and a block has a thread per rank to

@@ -41,7 +41,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -104,12 +104,27 @@ class DeviceRuntime(abc.ABC):
         .mps``): read from the machine; the fake says its own (``FakeRuntime.mps_on``)."""
         return mps_state()
 
+    #: What launches ringcomm's device allreduce kernels on this runtime, registered by the
+    #: layer that has them (``ringcomm.engines.kernels.cupy_launch`` for CuPy,
+    #: ``ringcomm.testing`` for the fake): a class made with the runtime, with a
+    #: ``problem(runtime)`` class method saying why it cannot launch here ("" where it can).
+    launcher_factory: ClassVar[Any] = None
+
+    #: Whether this runtime's launch of the kernels has been checked against the kernels'
+    #: numpy mirror on real hardware (the fake's launch is the mirror). Where not, the
+    #: kernel path is taken only where ``RINGCOMM_DEVICE_ENGINE=cuda-kernel`` asks for it.
+    kernel_path_checked: ClassVar[bool] = False
+
     def kernel_launch(self, pids: Sequence[int] = ()) -> str:
         """Why this runtime cannot launch ringcomm's device allreduce kernels
         (``ringcomm/engines/kernels``) for ranks in processes ``pids`` (every rank's, as
         agreed), "" where it can: what the kernel path's verdict needs
         (``ringcomm.plan.kernel_path``)."""
-        return f"the {self.name} runtime cannot launch ringcomm's allreduce kernels"
+        factory = type(self).launcher_factory
+        if factory is None:
+            return f"the {self.name} runtime has no launcher of ringcomm's allreduce kernels"
+        problem: str = factory.problem(self)
+        return problem
 
     def kernel_launcher(self) -> Any:
         """What launches the allreduce kernels: ``launch_kernel(stream=, **launch)`` queues
@@ -117,7 +132,15 @@ class DeviceRuntime(abc.ABC):
         .fake_kernels.Launch``: every rank's data and pad as this process maps them, the
         op's number, the grid) and returns at once, as a kernel launch does; ``release()``
         at close. Only where ``kernel_launch`` says ""."""
-        raise NotImplementedError(self.kernel_launch())
+        problem = self.kernel_launch()
+        if problem:
+            raise NotImplementedError(problem)
+        return type(self).launcher_factory(self)
+
+    def multiprocessors(self, index: int) -> int:
+        """Streaming multiprocessors of device ``index``: how many blocks of the kernels can
+        be resident at once, which bounds their grids (``kernel_geometry.grid_blocks``)."""
+        raise NotImplementedError(f"the {self.name} runtime does not say its SMs")
 
     @abc.abstractmethod
     def describe(self) -> dict[str, str]:

@@ -7,9 +7,8 @@ fails a test there instead of on a GPU machine. It calls NVRTC through
 ``cupy_backends.cuda.libs.nvrtc`` (CuPy's binding, with the ``nvidia-cuda-nvrtc`` library);
 ``cupy.cuda.compiler`` would ask the driver first.
 
-Not used by the engines yet: a later slice of issue 36 maps the buffers, registers user
-memory, probes whether every rank's kernels run at once, and lets the selector pick this
-path (launching through ``cupy.RawModule`` with the same names as ``kernel_name`` gives).
+The engine (``ringcomm.engines.kernel``) launches them through ``cupy.RawModule`` with the
+names ``kernel_name`` gives (``cupy_launch``), or, on the fake runtime, plays them in numpy.
 Importing this module imports nothing beyond the standard library.
 """
 
