@@ -435,6 +435,40 @@ def _join_device_engine(engine: str) -> Callable[[RankContext], DeviceHandle]:
     return join
 
 
+def _join_kernel_path(where: RankContext) -> DeviceHandle:
+    """ringcomm with ``RINGCOMM_DEVICE_ENGINE=cuda-kernel``, refusing to measure anything
+    else under the kernel path's name: the group's verdict must say its kernels run at
+    once (on the fake runtime, whose MPS is a test's switch, the rank turns it on)."""
+    if where.device == "fake":
+        device.runtime_of("fake").mps_on = True
+    handle = _join_device_engine("cuda-kernel")(where)
+    verdict = handle.comm.selector.group.kernel
+    if verdict is None or not verdict.ok:
+        handle.comm.close()
+        raise RuntimeError(f"{device.KERNEL}: this group cannot take the kernel path: "
+                           f"{verdict}")
+    return handle
+
+
+def _kernel_unavailable(world: int) -> str | None:
+    """Ranks of a GPU run share GPU 0: their kernels run at once only under MPS."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return None  # a fake run: its ranks' kernels run at once (``_join_kernel_path``)
+    from ringcomm.core.device.mps import mps_state
+
+    runtime = device.runtime_of("cuda")
+    if not runtime.available() or world == 1 or mps_state().on:
+        return None
+    return ("ranks sharing one GPU without MPS take turns, and a kernel waiting for a peer's "
+            "would spin for ever (bench-mps runs it under MPS)")
+
+
+def _kernel_unsupported(collective: str, dtype: str, op: str | None) -> str | None:
+    return None if collective == "allreduce" else "the kernel path runs allreduce only"
+
+
 def _close_device_engine(handle: DeviceHandle) -> None:
     handle.comm.close()
 
@@ -562,6 +596,10 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
     Runner(device.IPC, owner="ringcomm", join=_join_device_engine("cuda-ipc"),
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False),
+    Runner(device.KERNEL, owner="ringcomm", join=_join_kernel_path,
+           leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
+           sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False,
+           unavailable=_kernel_unavailable, unsupported=_kernel_unsupported),
     Runner(device.STAGED, owner="ringcomm", join=_join_device_engine("staged"),
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake")),

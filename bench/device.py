@@ -122,6 +122,9 @@ def one_gpu_bound(copy_rw_GBps: float, world: int) -> float:
 
 IPC = "ringcomm+cuda-ipc"
 STAGED = "ringcomm+staged"
+# the kernel path (one kernel per allreduce, flags in device memory): allreduce only, and
+# only where every rank's kernels run at once (under MPS, or a GPU per rank)
+KERNEL = "ringcomm+cuda-kernel"
 # ringcomm's nccl engine: NCCL's own call where it has one (by the cost model for an
 # allreduce; ``ringcomm+nccl:ring`` etc. force ringcomm's schedules as NCCL groups)
 NCCL_ENGINE = "ringcomm+nccl"
@@ -136,8 +139,8 @@ def device_summary(rows: list[dict]) -> list[dict]:
     measured (each entry: the target, its bound, the worst value over its sizes and where,
     whether met):
 
-    - IPC allreduce at 64 MiB and above: algbw at least half the one-GPU bound, the bound
-      from the copy row of the same size in the same run;
+    - IPC allreduce (and the kernel path's) at 64 MiB and above: algbw at least half the
+      one-GPU bound, the bound from the copy row of the same size in the same run;
     - at 1 MiB and above: Gloo's time on the same CUDA tensors at least 20x IPC's, and
       torch's NCCL (on one GPU: its socket fallback) at least 10x and Gloo at least 20x
       the best device engine's;
@@ -151,18 +154,23 @@ def device_summary(rows: list[dict]) -> list[dict]:
     for (world, dtype, op), by_size in keyed.items():
         checks: list[tuple[str, float, bool, dict[int, float]]] = []
         bound_of: dict[int, float] = {}
+        kernel_bound: dict[int, float] = {}
         ratio: dict[int, float] = {}
         nccl_ratio: dict[int, float] = {}
         gloo_best: dict[int, float] = {}
         for nbytes, same in by_size.items():
             ipc, copy = same.get(IPC), same.get(COPY)
-            if ipc and copy and nbytes >= 64 << 20:
+            kernel = same.get(KERNEL)
+            if copy and nbytes >= 64 << 20:
                 bound = one_gpu_bound(copy["copy_rw_GBps"], world)
-                bound_of[nbytes] = ipc["algbw_GBps"] / (bound / 2)
+                if ipc:
+                    bound_of[nbytes] = ipc["algbw_GBps"] / (bound / 2)
+                if kernel:
+                    kernel_bound[nbytes] = kernel["algbw_GBps"] / (bound / 2)
             gloo = same.get(GLOO_CUDA)
             if ipc and gloo and nbytes >= 1 << 20:
                 ratio[nbytes] = gloo["time_us"] / ipc["time_us"]
-            engines = [same[name] for name in (IPC, STAGED) if name in same]
+            engines = [same[name] for name in (IPC, KERNEL, STAGED) if name in same]
             nccl = same.get(TORCH_NCCL)
             if engines and nccl and nbytes >= 1 << 20:
                 best = min(r["time_us"] for r in engines)
@@ -170,6 +178,8 @@ def device_summary(rows: list[dict]) -> list[dict]:
                 if gloo:
                     gloo_best[nbytes] = gloo["time_us"] / best
         checks.append(("IPC algbw / (one-GPU bound / 2), 64 MiB and up", 1.0, True, bound_of))
+        checks.append(("kernel path algbw / (one-GPU bound / 2), 64 MiB and up", 1.0, True,
+                       kernel_bound))
         checks.append(("gloo time / IPC time, CUDA tensors, 1 MiB and up", 20.0, True, ratio))
         checks.append(("NCCL (torch, one GPU) time / best device engine time, 1 MiB and up",
                        10.0, True, nccl_ratio))

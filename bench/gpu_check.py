@@ -102,7 +102,8 @@ LIBRARIES = ("ok", "available", "runtime", "torch", "torch_cuda", "torch_cuda_av
 
 # bench-mps: what MPS may change (the device engines, the copy's ceiling, torch's CUDA
 # tensors through ringcomm), not the slow socket-bound NCCL and Gloo rows
-MPS_BACKENDS = ("ringcomm+cuda-ipc", "ringcomm+staged", "copy", "ringcomm/torch+cuda")
+MPS_BACKENDS = ("ringcomm+cuda-ipc", "ringcomm+cuda-kernel", "ringcomm+staged", "copy",
+                "ringcomm/torch+cuda")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
 

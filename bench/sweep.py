@@ -402,11 +402,21 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help text wrapped at spaces only: a backend's name (``ringcomm+cuda-kernel``) is
+    never split at its hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ringcomm bench", description=__doc__.splitlines()[0].replace("``", ""),
         epilog="Sizes take K, M, G suffixes (powers of 1024). `ringcomm bench ddp --help` for "
-        "the DDP training benchmark.", formatter_class=argparse.RawDescriptionHelpFormatter)
+        "the DDP training benchmark.", formatter_class=_Help)
     p.add_argument("-b", "--minbytes", type=_size_arg, default=None,
                    help="first size (default 8; --quick: 1K)")
     p.add_argument("-e", "--maxbytes", type=_size_arg, default=None,
@@ -534,9 +544,10 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, list[int]]:
 
 
 HOST_BACKENDS = ["ringcomm:all", TORCH, "gloo", "nccl", *floors.FLOORS]
-DEVICE_BACKENDS = {"fake": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
-                            f"{device.NCCL_ENGINE}:nccl"],
-                   "cuda": [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
+DEVICE_BACKENDS = {"fake": [device.IPC, device.KERNEL, device.STAGED,
+                            f"{device.NCCL_ENGINE}:ring", f"{device.NCCL_ENGINE}:nccl"],
+                   "cuda": [device.IPC, device.KERNEL, device.STAGED,
+                            f"{device.NCCL_ENGINE}:ring",
                             f"{device.NCCL_ENGINE}:nccl", device.COPY, device.GLOO_CUDA,
                             device.TORCH_CUDA, "nccl"]}
 

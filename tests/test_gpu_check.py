@@ -94,7 +94,7 @@ def test_the_fake_run_passes_every_step_end_to_end(tmp_path):
     assert "not_finished" not in tests["detail"] and "why" not in tests["detail"]
     rows = result["figures"]["rows"]
     assert rows and all(r["wrong"] == 0 for r in rows)
-    assert {r["backend"] for r in rows} == {device.IPC, device.STAGED,
+    assert {r["backend"] for r in rows} == {device.IPC, device.KERNEL, device.STAGED,
                                             f"{device.NCCL_ENGINE}:ring",
                                             f"{device.NCCL_ENGINE}:nccl"}
     assert result["figures"]["runtime"] == "fake" and result["passed"] is True
@@ -593,7 +593,8 @@ def test_the_nccl_engine_backends() -> None:
 def test_device_backends_need_device_and_device_runs_default_to_the_engines():
     parser = sweep.build_parser()
     s, _ = sweep.settings_from(parser.parse_args(["--device", "fake"]))
-    assert [b.name for b in s.backends] == [device.IPC, device.STAGED, f"{device.NCCL_ENGINE}:ring",
+    assert [b.name for b in s.backends] == [device.IPC, device.KERNEL, device.STAGED,
+                                            f"{device.NCCL_ENGINE}:ring",
                                             f"{device.NCCL_ENGINE}:nccl"]
     assert s.device == "fake"
     s, _ = sweep.settings_from(parser.parse_args(["--device", "cuda"]))
