@@ -198,6 +198,8 @@ def _engines_table() -> str:
             cells[names.NCCL].append(names.NCCL)
         if spec.name == "allreduce":  # the kernel path: one launch, no schedule of steps
             cells[names.CUDA_KERNEL] += names.ALLREDUCE_KERNELS
+        if spec.name in names.KERNEL_COLLECTIVES:
+            cells[names.CUDA_KERNEL].append(names.KERNEL_DIRECT)
         rows.append([spec.name] + [", ".join(cells[e]) or "-" for e in engines])
     return table(["collective", *engines], rows)
 

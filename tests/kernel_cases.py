@@ -63,6 +63,59 @@ def expected(values: list[np.ndarray], name: str, op: str) -> np.ndarray:
     return acc
 
 
+def scatter_gather_everything(count: int, only: tuple[tuple[str, str], ...] | None = None
+                              ) -> Callable[[Any], Any]:
+    """A job for every rank of a group: a reduce-scatter (blocks of ``count``) of every
+    (dtype, op) the host path has (or those in ``only``), and an all-gather of each dtype,
+    on arrays of the group's device runtime; what differed from numpy, the choices' engines
+    and algorithms, and a digest of every result (the same on every rank: the all-gather's
+    whole, the reduce-scatter's blocks in rank order are not, so each rank's own)."""
+
+    def fn(comm: Any) -> Any:
+        from device_cases import to_device, to_host
+
+        from ringcomm.core.device import release
+
+        world, rank = comm.world_size, comm.rank
+        wrong, chosen = [], set()
+        digest = hashlib.sha256()
+        gathered = set()
+        for seed, (name, dtype, op) in enumerate(pairs()):
+            if only is not None and (name, op) not in only:
+                continue
+            values = inputs(dtype, op, world, count * world, seed)
+            x = to_device(comm.device, values[rank])
+            out = to_device(comm.device, np.zeros(count, dtype))
+            comm.reduce_scatter(out, x, op)
+            got = to_host(out)
+            want = expected([v[rank * count:(rank + 1) * count] for v in values], name, op)
+            same = got.tobytes() == want.tobytes() or (
+                dtype.kind in "fc" and (np.array_equal(got, want, equal_nan=True) or (
+                    op == "prod" and dtype.kind == "c" and np.allclose(got, want, rtol=1e-5))))
+            if not same:
+                wrong.append(("reduce_scatter", name, op))
+            digest.update(got.tobytes())
+            choice = comm.choose("reduce_scatter", x)
+            chosen.add(f"reduce_scatter {choice.engine}:{choice.algorithm}")
+            release(x, out)
+            if name in gathered:
+                continue
+            gathered.add(name)
+            mine = values[rank][:count]
+            x = to_device(comm.device, mine)
+            out = to_device(comm.device, np.zeros(count * world, dtype))
+            comm.allgather(out, x)
+            got = to_host(out)
+            if got.tobytes() != b"".join(v[:count].tobytes() for v in values):
+                wrong.append(("allgather", name, ""))
+            digest.update(got.tobytes())
+            choice = comm.choose("allgather", x)
+            chosen.add(f"allgather {choice.engine}:{choice.algorithm}")
+            release(x, out)
+        return wrong, sorted(chosen), digest.hexdigest()
+    return fn
+
+
 #: what a GPU run compiles and checks (each instantiation is an NVRTC compile at first use):
 #: the dtypes training reduces, with the ops it uses, plus one integer and one bitwise op
 GPU_PAIRS = (("float32", "sum"), ("float32", "avg"), ("float32", "max"), ("float16", "sum"),
@@ -146,13 +199,16 @@ def job_kernel_path(rank: int, world: int, store: str, transport: str, count: in
             wrong, ops, choice, digest = allreduce_everything(
                 count, ("kernel-oneshot", "kernel-twoshot", None),
                 None if fake else GPU_PAIRS)(comm)
+            scattered, chosen, _ = scatter_gather_everything(
+                count, None if fake else GPU_PAIRS)(comm)
             verdict = str(comm.selector.group.kernel)
         finally:
             if rank == 0:  # the others free their regions only after rank 0 unmaps them
                 time.sleep(0.5)
             comm.close()
-        return {"wrong": wrong, "ops": ops, "engine": choice.engine, "digest": digest,
-                "verdict": verdict, "live": runtime.live_allocations() - before}
+        return {"wrong": wrong + scattered, "ops": ops, "engine": choice.engine,
+                "digest": digest, "verdict": verdict, "chosen": chosen,
+                "live": runtime.live_allocations() - before}
     finally:
         if saved is not None:
             runtime._devices, runtime.mps_on = saved

@@ -323,3 +323,110 @@ def test_launches_the_kernels_cannot_take_are_refused(fake: FakeRuntime) -> None
             launch(dtype=np.dtype(np.complex64), op=REDUCE_OPS["max"])
     finally:
         job.close()
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+# and all-gather: one kernel each, the same meetings
+
+
+def scatter_gather(fake: FakeRuntime, algorithm: str, world: int, per_rank: list[np.ndarray],
+                   *, schedule: str = "random", seed: int = 0, left_out: tuple[str, ...] = (),
+                   offset: int = 0, ops: int = 2, op: str = "sum") -> list[list[np.ndarray]]:
+    """``ops`` launches of ``algorithm`` back to back on one set of regions, each rank's
+    data holding ``per_rank[rank]`` (the reduce-scatter: its ``world`` blocks; the
+    all-gather: its bytes, stride = its length), changed from op to op (``_nth``); every
+    rank's output of each op."""
+    size = per_rank[0].nbytes
+    out_bytes = size // world if algorithm == "reduce_scatter" else size * world
+    regions = MappedRegions(fake, world, max(size, out_bytes), offset)
+    mirror = KernelMirror(fake, schedule=schedule, seed=seed, left_out=left_out)
+    results: list[list[np.ndarray]] = []
+    try:
+        for number in range(1, ops + 1):
+            outs = []
+            for rank in range(world):
+                values = _nth(per_rank[rank], number)
+                mirror.copy_in(rank, regions.data[rank], values)
+                if algorithm == "reduce_scatter":
+                    count, dtype, rop, stride = values.size // world, values.dtype, \
+                        REDUCE_OPS[op], 0
+                else:
+                    count, dtype, rop, stride = size, np.dtype(np.uint8), None, size
+                mirror.launch(Launch(algorithm, rank, regions.data, regions.pads, count, dtype,
+                                     rop, number, 3, 4, regions.outs[rank], stride))
+                outs.append(mirror.copy_out(rank, regions.outs[rank], out_bytes // dtype.itemsize,
+                                            dtype))
+            results.append(outs)
+        mirror.run()
+    finally:
+        regions.close()
+    return results
+
+
+def _nth(values: np.ndarray, number: int) -> np.ndarray:
+    """Op ``number``'s input: the first op's bytes, each xor the op's number (a different
+    input every op, so reading the next op's input shows)."""
+    return (values.view(np.uint8) ^ np.uint8(number - 1)).view(values.dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_scatter_of_every_dtype_and_op_equals_numpy(fake: FakeRuntime,
+                                                          world: int) -> None:
+    """Rank r's output is block r of every rank's input, reduced as the allreduce kernels
+    reduce (float32 accumulation for the halves), under random interleavings."""
+    for seed, (dtype, op) in enumerate(PAIRS):
+        values = inputs(dtype, op, world, seed, COUNT * world)
+        (results,) = scatter_gather(fake, "reduce_scatter", world, values, seed=seed, ops=1,
+                                    op=op)
+        for rank, got in enumerate(results):
+            block = [v[rank * COUNT:(rank + 1) * COUNT] for v in values]
+            check([got], block, dtype, op, f"reduce_scatter {op} {dtype} rank {rank}")
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+@pytest.mark.parametrize("nbytes", [1, 45, 64, 1000])
+def test_all_gather_puts_every_ranks_bytes_in_rank_order(fake: FakeRuntime, nbytes: int,
+                                                         offset: int) -> None:
+    """Every rank's output is every rank's bytes in rank order: 16 bytes at a time where
+    aligned, byte by byte otherwise (4 bytes off, or a length that is no multiple of 16)."""
+    for world in (1, 2, 3, 4):
+        rng = np.random.default_rng(nbytes + world)
+        values = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(world)]
+        for number, results in enumerate(scatter_gather(fake, "all_gather", world, values,
+                                                        seed=world, offset=offset), 1):
+            for got in results:
+                assert got.tobytes() == b"".join(_nth(v, number).tobytes() for v in values)
+
+
+def test_reduce_scatter_unaligned_takes_the_one_element_path(fake: FakeRuntime) -> None:
+    world = 3
+    values = inputs("float32", "sum", world, 5, COUNT * world)
+    for number, results in enumerate(scatter_gather(fake, "reduce_scatter", world, values,
+                                                    offset=4), 1):
+        for rank, got in enumerate(results):
+            check([got], [_nth(v, number)[rank * COUNT:(rank + 1) * COUNT] for v in values],
+                  "float32", "sum", f"unaligned rank {rank}")
+
+
+@pytest.mark.parametrize("wait", WAITS)
+@pytest.mark.parametrize("algorithm", ["reduce_scatter", "all_gather"])
+def test_each_wait_of_reduce_scatter_and_all_gather_is_needed(fake: FakeRuntime, algorithm: str,
+                                                              wait: str) -> None:
+    """Without the start meeting a rank reads a peer's input before it is copied in; without
+    the end meeting a peer's data already holds its next op's input: wrong, under one of the
+    one-sided schedules, at every world of 2 or more (the second op's inputs differ)."""
+    for world in (2, 3, 4):
+        caught = False
+        for schedule in ("low_ranks_first", "high_ranks_first"):
+            rng = np.random.default_rng(world)
+            if algorithm == "reduce_scatter":
+                values = inputs("float32", "sum", world, world, LONG * world)
+            else:
+                values = [rng.integers(0, 256, 4 * LONG, dtype=np.uint8) for _ in range(world)]
+            firsts = scatter_gather(fake, algorithm, world, values, schedule=schedule,
+                                    left_out=(wait,), ops=2)
+            clean = scatter_gather(fake, algorithm, world, values, schedule=schedule, ops=2)
+            caught |= any(not np.array_equal(a, b) for got, want in zip(firsts, clean,
+                                                                        strict=True)
+                          for a, b in zip(got, want, strict=True))
+        assert caught, f"{algorithm} without {wait} at {world}"

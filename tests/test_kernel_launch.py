@@ -18,8 +18,8 @@ from ringcomm.engines.kernels.cupy_launch import PEER_TABLE_BYTES, kernel_args, 
 from ringcomm.runtime.local import run_group
 
 #: the C types of the kernels' parameters, as CuPy must pass them
-C_TYPES = {"const PeerPointers*": np.uint64, "T*": np.uint64, "unsigned long long": np.uint64,
-           "int": np.int32, "unsigned int": np.uint32}
+C_TYPES = {"const PeerPointers*": np.uint64, "T*": np.uint64, "char*": np.uint64,
+           "unsigned long long": np.uint64, "int": np.int32, "unsigned int": np.uint32}
 
 
 def _parameters(kernel: str) -> list[tuple[str, str]]:
@@ -47,21 +47,31 @@ def test_the_peer_table_is_the_sources_struct() -> None:
         peer_table((1, 2), (3,))
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+NAMES = {"one_shot": ["table", "out", "count", "rank", "world", "op_number"],
+         "two_shot": ["table", "count", "rank", "world", "op_number"],
+         "reduce_scatter": ["table", "out", "count", "rank", "world", "op_number"],
+         "all_gather": ["table", "out", "nbytes", "stride", "rank", "world", "op_number"]}
+
+
+@pytest.mark.parametrize("algorithm", list(NAMES))
 def test_each_kernels_arguments_have_its_parameters_types(algorithm: str) -> None:
-    params = _parameters(f"{algorithm}_allreduce")
-    args = kernel_args(algorithm, 0xA000, 0xB000 if algorithm == "one_shot" else None,
-                       count=45, rank=1, world=3, op_number=(1 << 32) + 7)
-    assert [name for _, name in params] == (
-        ["table", "out", "count", "rank", "world", "op_number"] if algorithm == "one_shot"
-        else ["table", "count", "rank", "world", "op_number"])
+    function = algorithm if algorithm in ("reduce_scatter", "all_gather") else \
+        f"{algorithm}_allreduce"
+    params = _parameters(function)
+    args = kernel_args(algorithm, 0xA000, None if algorithm == "two_shot" else 0xB000,
+                       count=45, rank=1, world=3, op_number=(1 << 32) + 7, stride=64)
+    assert [name for _, name in params] == NAMES[algorithm]
     for (ctype, name), arg in zip(params, args, strict=True):
         assert type(arg) is C_TYPES[ctype], (name, ctype, type(arg))
     values = dict(zip([name for _, name in params], (int(a) for a in args), strict=True))
-    assert values["table"] == 0xA000 and values["count"] == 45 and values["rank"] == 1
-    assert values["world"] == 3 and values["op_number"] == 7  # the pads' 32-bit counter
-    with pytest.raises(ValueError, match="output of this rank's own"):
-        kernel_args("one_shot", 0xA000, None, 45, 1, 3, 1)
+    assert values["table"] == 0xA000 and values.get("count", values.get("nbytes")) == 45
+    assert values["rank"] == 1 and values["world"] == 3
+    assert values["op_number"] == 7  # the pads' 32-bit counter
+    if algorithm == "all_gather":
+        assert values["stride"] == 64
+    if algorithm != "two_shot":
+        with pytest.raises(ValueError, match="output of this rank's own"):
+            kernel_args(algorithm, 0xA000, None, 45, 1, 3, 1)
 
 
 @pytest.mark.parametrize("sms", [8, 132])

@@ -8,7 +8,7 @@ import gc
 
 import numpy as np
 import pytest
-from kernel_cases import allreduce_everything, pairs
+from kernel_cases import allreduce_everything, pairs, scatter_gather_everything
 
 from ringcomm.core.algorithms import CUDA_IPC, CUDA_KERNEL, STAGED
 from ringcomm.errors import ArgumentError
@@ -95,12 +95,17 @@ def test_the_selector_takes_the_kernel_path_only_where_the_verdict_holds(world):
     assert (large.engine, large.algorithm) == (CUDA_KERNEL, "kernel-twoshot")
     assert "each on its own GPU" in small.why and "one-shot" in small.why
     assert "default kernel constants" in large.why and "two-shot" in large.why
-    # host memory, and other collectives, never take it
+    # host memory never takes it; reduce-scatter and all-gather take its one kernel, the
+    # other collectives never
     assert yes.choose("allreduce", 1024).engine != CUDA_KERNEL
-    assert yes.choose("allgather", 1024, memory="fake-cuda").engine == CUDA_IPC
+    for collective in ("allgather", "reduce_scatter"):
+        choice = yes.choose(collective, 1024, memory="fake-cuda")
+        assert (choice.engine, choice.algorithm) == (CUDA_KERNEL, "kernel-direct")
+    assert yes.choose("broadcast", 1024, memory="fake-cuda").engine == CUDA_IPC
     no = _selector(world, Verdict(False, "ranks 0,1 share GPU g0 without MPS"))
-    for size in (1024, 256 << 20):
-        choice = no.choose("allreduce", size, memory="fake-cuda")
+    for collective, size in (("allreduce", 1024), ("allreduce", 256 << 20),
+                             ("allgather", 1024), ("reduce_scatter", 1024)):
+        choice = no.choose(collective, size, memory="fake-cuda")
         assert choice.engine == CUDA_IPC
         assert "not the kernel path (cuda-kernel): ranks 0,1 share GPU g0 without MPS" \
             in choice.why
@@ -216,6 +221,8 @@ def test_ranks_in_processes_map_each_others_regions(cluster, mps):
     for r in res:
         assert r["wrong"] == []
         assert r["ops"] == 3 * every and r["engine"] == CUDA_KERNEL
+        assert r["chosen"] == ["allgather cuda-kernel:kernel-direct",
+                               "reduce_scatter cuda-kernel:kernel-direct"]
         assert r["live"] == 0
     said = "share GPU fake:0 under MPS" if mps else "each on its own GPU"
     assert said in res[0]["verdict"]
@@ -257,6 +264,51 @@ def test_a_rank_killed_under_a_waiting_kernel_gives_typed_errors_in_time(cluster
         assert r["elapsed"] < 5.0 + 2.0, r
         assert r["abort_s"] < 4.0, r  # waits for the other survivor's "closed" only
         assert r["left"] == 0, r
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_scatter_and_allgather_take_one_kernel_and_equal_numpy(fake_devices, world):
+    """Every dtype and op by ``comm.reduce_scatter`` and every dtype by ``comm.allgather``
+    on fake device arrays, at worlds 1-4 with a GPU per rank: the kernel path's one kernel
+    each, equal to numpy on every rank."""
+    gc.collect()
+    live = fake_devices.live_allocations()
+    results = run_group(world, scatter_gather_everything(45), device="fake",
+                        gpus=list(range(world)))
+    for wrong, chosen, _ in results:
+        assert wrong == []
+        assert chosen == ["allgather cuda-kernel:kernel-direct",
+                          "reduce_scatter cuda-kernel:kernel-direct"]
+    assert fake_devices.live_allocations() == live
+
+
+def test_reduce_scatter_and_allgather_larger_than_the_region_run_in_pieces(fake_devices,
+                                                                          monkeypatch):
+    """A region of 64 B: the reduce-scatter's blocks and the all-gather's bytes go in
+    pieces, each piece of every block where the next kernel expects it."""
+    from ringcomm.engines import kernel
+
+    monkeypatch.setattr(kernel, "REGION_BYTES", 64)
+
+    def fn(comm):
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        world, rank = comm.world_size, comm.rank
+        x = FakeDeviceArray.from_host(np.arange(45 * world, dtype=np.float64) * (rank + 1))
+        out = FakeDeviceArray.from_host(np.zeros(45))
+        comm.reduce_scatter(out, x)
+        y = FakeDeviceArray.from_host(np.arange(45, dtype=np.int16) + 100 * rank)
+        gathered = FakeDeviceArray.from_host(np.zeros(45 * world, np.int16))
+        comm.allgather(gathered, y)
+        return out.to_host(), gathered.to_host(), comm.wiring.lanes[CUDA_KERNEL].channel.op_number
+
+    for rank, (out, gathered, launches) in enumerate(run_group(3, fn, device="fake",
+                                                               gpus=[0, 1, 2])):
+        want = np.arange(45 * 3, dtype=np.float64)[rank * 45:(rank + 1) * 45] * 6
+        assert out.tolist() == want.tolist()
+        assert gathered.tolist() == [v + 100 * r for r in range(3) for v in range(45)]
+        # 64 B hold 2 float64 of each of 3 blocks (23 pieces), or 64 of the 90 B (2 pieces)
+        assert launches == 23 + 2
 
 
 def test_an_allreduce_larger_than_the_region_runs_in_pieces(fake_devices, monkeypatch):

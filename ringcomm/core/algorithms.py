@@ -72,6 +72,10 @@ _ROWS = (
     AlgorithmName("kernel-twoshot", CUDA_KERNEL, False,
                   "one kernel, in place: each rank reduces its 1/p slice from every rank and "
                   "writes it into every rank's buffer (device memory, large messages)"),
+    AlgorithmName("kernel-direct", CUDA_KERNEL, False,
+                  "one kernel: each rank reads its block of every rank's mapped data and "
+                  "reduces it (reduce-scatter), or every rank's mapped data into its output "
+                  "(all-gather) (device memory)"),
 )
 
 ALGORITHMS = MappingProxyType({row.name: row for row in _ROWS})
@@ -84,6 +88,9 @@ ALLREDUCE_OVER_LINKS: tuple[str, ...] = tuple(r.name for r in _ROWS if r.allredu
 ALLREDUCE_ON_BOARD: tuple[str, ...] = ("board", "twoshot")
 # the allreduce algorithms of the kernel path (cuda-kernel engine): one launch each, no steps
 ALLREDUCE_KERNELS: tuple[str, ...] = ("kernel-oneshot", "kernel-twoshot")
+# the kernel path's one algorithm of each other collective it runs
+KERNEL_DIRECT = "kernel-direct"
+KERNEL_COLLECTIVES = frozenset({"reduce_scatter", "allgather"})
 # the collectives NCCL has a call of its own for: the ``nccl`` algorithm's
 NCCL_OWN = frozenset({"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"})
 

@@ -1,6 +1,7 @@
-"""The kernel path's engine (``cuda-kernel``): an allreduce of device memory as one kernel
-per op over regions every rank of the group maps, the ranks meeting through flags in those
-regions' signal pads (``ringcomm/engines/kernels/allreduce.cu``).
+"""The kernel path's engine (``cuda-kernel``): an allreduce, reduce-scatter or all-gather of
+device memory as one kernel per op over regions every rank of the group maps, the ranks
+meeting through flags in those regions' signal pads (``ringcomm/engines/kernels/
+allreduce.cu``).
 
 One owner of its memory and launches (``KernelChannel``), made once per communicator at
 set-up, where the group's verdict allows it (``ringcomm.plan.kernel_path``;
@@ -43,7 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.algorithms import ALLREDUCE_KERNELS, CUDA_KERNEL
+from ..core.algorithms import (
+    ALLREDUCE_KERNELS,
+    CUDA_KERNEL,
+    KERNEL_COLLECTIVES,
+    KERNEL_DIRECT,
+)
 from ..core.arrays import Buffer
 from ..core.device import kernel_geometry as geometry
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
@@ -106,7 +112,6 @@ class KernelChannel:
         self.launcher: Any = None
         try:
             self.region = self._malloc(geometry.PAD_BYTES + region_bytes)
-            self.out = self._malloc(region_bytes)
             self._side = stream = runtime.new_stream()
             runtime.from_host(self.region.ptr, np.zeros(geometry.PAD_WORDS, np.uint32), stream)
             runtime.synchronize(stream)
@@ -149,31 +154,66 @@ class KernelChannel:
                 self._opened.append(regions[-1])
         return tuple(regions)
 
+    def _launch(self, stream: Stream, kernel: str, count: int, dtype: np.dtype,
+                op: ReduceOp | None, out: int | None, stride: int = 0) -> None:
+        """One launch with the next op number (the same on every rank: every rank runs the
+        same ops in the same order) and the grid every rank computes alike."""
+        self.op_number += 1
+        self.blocks = geometry.grid_blocks("two_shot" if kernel == "two_shot" else "one_shot",
+                                           count, dtype.itemsize, self.world, _THREADS,
+                                           self.multiprocessors)
+        self.launcher.launch_kernel(
+            stream=stream, algorithm=kernel, rank=self.rank, data=self.data, pads=self.pads,
+            count=count, dtype=dtype, op=op, op_number=self.op_number, blocks=self.blocks,
+            threads=_THREADS, out=out, stride=stride)
+
     def allreduce(self, algorithm: str, ptr: int, count: int, dtype: np.dtype, op: ReduceOp,
                   stream: Stream) -> None:
         """Queue on ``stream``: ``count`` elements at ``ptr`` reduced over the group in
-        place, piece by piece: each piece copied into this rank's region, one launch of
-        ``algorithm``, the result copied back (the one-shot's from this rank's output, the
-        two-shot's from the region it wrote in place). A piece's copy into the region comes
-        after the previous launch on the stream, and that kernel ended only once every
-        rank's blocks had met at its end: no peer reads the region any more."""
-        runtime = self.runtime
-        per = self.capacity // dtype.itemsize
+        place, piece by piece: each piece copied into this rank's region, then one launch of
+        ``algorithm``: the one-shot writes the result straight to ``ptr`` (this rank's own
+        memory, which no peer reads), the two-shot into every rank's region, copied back
+        from this rank's. A piece's copy into the region comes after the previous launch on
+        the stream, and that kernel ended only once every rank's blocks had met at its end:
+        no peer reads the region any more."""
+        runtime, size = self.runtime, dtype.itemsize
         mine = self.data[self.rank]
         one_shot = algorithm == "kernel-oneshot"
-        kernel = "one_shot" if one_shot else "two_shot"
+        for first in range(0, count, self.capacity // size):
+            n = min(self.capacity // size, count - first)
+            at = ptr + first * size
+            runtime.copy(mine, at, n * size, stream)
+            self._launch(stream, "one_shot" if one_shot else "two_shot", n, dtype, op,
+                         at if one_shot else None)
+            if not one_shot:
+                runtime.copy(at, mine, n * size, stream)
+
+    def reduce_scatter(self, src: int, dst: int, count: int, dtype: np.dtype, op: ReduceOp,
+                       stream: Stream) -> None:
+        """Queue on ``stream``: block r (``count`` elements) of ``src``'s ``world`` blocks
+        reduced over the group into ``dst`` on rank r, piece by piece: each piece of every
+        block copied into this rank's region (block q's at q * piece), one launch writing
+        this rank's piece of the result straight to ``dst``."""
+        runtime, size = self.runtime, dtype.itemsize
+        mine = self.data[self.rank]
+        per = self.capacity // (self.world * size)
         for first in range(0, count, per):
             n = min(per, count - first)
-            at = ptr + first * dtype.itemsize
-            runtime.copy(mine, at, n * dtype.itemsize, stream)
-            self.op_number += 1
-            self.blocks = geometry.grid_blocks(kernel, n, dtype.itemsize, self.world, _THREADS,
-                                               self.multiprocessors)
-            self.launcher.launch_kernel(
-                stream=stream, algorithm=kernel, rank=self.rank, data=self.data,
-                pads=self.pads, count=n, dtype=dtype, op=op, op_number=self.op_number,
-                blocks=self.blocks, threads=_THREADS, out=self.out.ptr if one_shot else None)
-            runtime.copy(at, self.out.ptr if one_shot else mine, n * dtype.itemsize, stream)
+            for q in range(self.world):
+                runtime.copy(mine + q * n * size, src + (q * count + first) * size, n * size,
+                             stream)
+            self._launch(stream, "reduce_scatter", n, dtype, op, dst + first * size)
+
+    def all_gather(self, src: int, dst: int, nbytes: int, stream: Stream) -> None:
+        """Queue on ``stream``: every rank's ``nbytes`` at ``src`` into ``dst`` in rank
+        order, piece by piece: each piece of this rank's bytes copied into its region, one
+        launch copying every rank's piece straight to its place in ``dst``."""
+        mine = self.data[self.rank]
+        for first in range(0, nbytes, self.capacity):
+            n = min(self.capacity, nbytes - first)
+            self.runtime.copy(mine, src + first, n, stream)
+            self._launch(stream, "all_gather", n, np.dtype(np.uint8), None, dst + first,
+                         stride=nbytes)
 
     def abort(self, why: str) -> None:
         """Give up on the op in flight and on the channel: set this rank's abort word, so
@@ -304,10 +344,13 @@ class KernelEngine(Engine):
         self._peers = [q for q in range(self.world_size) if q != self.rank]
 
     def run(self, schedule: Schedule, buffers: Mapping[str, Buffer], ctx: OpContext) -> None:
-        if schedule.collective != "allreduce" or schedule.algorithm not in ALLREDUCE_KERNELS:
+        collective, algorithm = schedule.collective, schedule.algorithm
+        if not ((collective == "allreduce" and algorithm in ALLREDUCE_KERNELS) or (
+                collective in KERNEL_COLLECTIVES and algorithm == KERNEL_DIRECT)):
             raise ValueError(f"the {self.name} engine runs {', '.join(ALLREDUCE_KERNELS)} "
-                             f"allreduces, not {schedule.algorithm} {schedule.collective}")
-        assert ctx.reduce is not None
+                             f"allreduces and {KERNEL_DIRECT} "
+                             f"{' and '.join(sorted(KERNEL_COLLECTIVES))}, not {algorithm} "
+                             f"{collective}")
         channel = self.channel
         if channel.ended:
             raise CommAborted(f"the {self.name} engine cannot be used: it was "
@@ -317,14 +360,27 @@ class KernelEngine(Engine):
         hear_headers(self.transport, self._peers, ctx)
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
-            channel.allreduce(schedule.algorithm, pointers["data"], buffers["data"].count,
-                              ctx.dtype, ctx.reduce, self.lane.stream)
+            stream = self.lane.stream
+            if collective == "allreduce":
+                assert ctx.reduce is not None
+                channel.allreduce(algorithm, pointers["data"], buffers["data"].count,
+                                  ctx.dtype, ctx.reduce, stream)
+                written = "data"
+            elif collective == "reduce_scatter":
+                assert ctx.reduce is not None
+                channel.reduce_scatter(pointers["input"], pointers["output"],
+                                       buffers["output"].count, ctx.dtype, ctx.reduce, stream)
+                written = "output"
+            else:
+                channel.all_gather(pointers["input"], pointers["output"],
+                                   buffers["input"].nbytes, stream)
+                written = "output"
             if self._peers:  # a kernel that waits on peers: watched to its end or deadline
                 done = self.runtime.new_event()
                 self.runtime.record(done, self.lane.stream)
                 watch(self.runtime, self.transport, [(self._peers, done)], self._peers, ctx,
                       engine=self.name, abort=channel.abort, waiting_on=channel.waiting_on)
-            stage_out(self.lane, device, lifted, {"data"})
+            stage_out(self.lane, device, lifted, {written})
 
     def describe(self) -> str:
         return f"{self.channel.describe()} on {self.runtime.name} ({self.runtime.memory})"

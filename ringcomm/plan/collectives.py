@@ -34,7 +34,13 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ..core.algorithms import ALGORITHMS, ALLREDUCE_KERNELS, NCCL_OWN
+from ..core.algorithms import (
+    ALGORITHMS,
+    ALLREDUCE_KERNELS,
+    KERNEL_COLLECTIVES,
+    KERNEL_DIRECT,
+    NCCL_OWN,
+)
 from ..schedules import ALLREDUCE, allreduce_schedule, board, direct, ring, rooted
 from ..schedules.schedule import Schedule
 from ..transport.header import OpKind
@@ -217,8 +223,9 @@ class Collective:
         name = algorithm
         if name == "nccl" and self.name in NCCL_OWN:  # one NCCL call: no steps of ours
             return Schedule(self.name, "nccl", rank, world, ())
-        if name in ALLREDUCE_KERNELS and self.name == "allreduce":  # one kernel per piece
-            return Schedule(self.name, name, rank, world, ())
+        if (name in ALLREDUCE_KERNELS and self.name == "allreduce") or (
+                name == KERNEL_DIRECT and self.name in KERNEL_COLLECTIVES):  # one kernel
+            return Schedule(self.name, name, rank, world, ())  # per piece: no steps of ours
         if name is None:
             if self.name == "allreduce":
                 raise ValueError("allreduce runs the algorithm its caller chose (the "

@@ -54,6 +54,8 @@ from ..core.algorithms import (
     ALLREDUCE_KERNELS,
     BOARD,
     CUDA_KERNEL,
+    KERNEL_COLLECTIVES,
+    KERNEL_DIRECT,
     LINKS,
     NCCL,
     NCCL_OWN,
@@ -162,11 +164,16 @@ class Selector:
             chosen = self._kernel_allreduce(nbytes, forced)
             if chosen is not None:
                 return chosen
+        elif collective in KERNEL_COLLECTIVES and forced is None and kernel is not None \
+                and kernel.ok:  # one alternative: nothing to price
+            return CUDA_KERNEL, KERNEL_DIRECT, f"{CUDA_KERNEL} for device memory " \
+                                               f"({kernel.why}); one kernel"
         engine = self.group.device_engines[0]
         algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced,
                                                 native)
         why = f"{engine} for device memory; {why}"
-        if collective == "allreduce" and kernel is not None and not kernel.ok:
+        if (collective == "allreduce" or collective in KERNEL_COLLECTIVES) and \
+                kernel is not None and not kernel.ok:
             why += f"; not the kernel path ({CUDA_KERNEL}): {kernel.why}"
         return engine, algorithm, why
 

@@ -44,7 +44,9 @@ from ..core.device.runtime import Allocation
 from ..core.dtypes import ReduceOp, dtype_name, reduce_op
 from .fake_device import FakeDeviceFault, FakeRuntime, _Item
 
-ALGORITHMS = ("one_shot", "two_shot")
+ALGORITHMS = ("one_shot", "two_shot")  # the allreduce kernels
+#: every kernel: the allreduces, the reduce-scatter, the all-gather (of bytes)
+KERNELS = (*ALGORITHMS, "reduce_scatter", "all_gather")
 #: the waits each kernel makes, by the phase where its blocks meet
 WAITS = geometry.PHASES
 SCHEDULES = ("low_ranks_first", "high_ranks_first", "random")
@@ -55,20 +57,25 @@ STALE_BYTE = 0xA5
 @dataclass(frozen=True)
 class Launch:
     """One launch's arguments, as the launcher hands them to the kernel: every rank's data
-    buffer and signal pad as this rank maps them (index = rank), and for the one-shot this
-    rank's output (never a data buffer: peers read those while it is written)."""
+    buffer and signal pad as this rank maps them (index = rank), and for the one-shot, the
+    reduce-scatter and the all-gather this rank's output (never a data buffer: peers read
+    those while it is written). ``count``: elements of each rank's data (the one-shot's,
+    the two-shot's), of each rank's block (the reduce-scatter's: its data holds ``world``
+    blocks), or bytes (the all-gather's, whose ``dtype`` is uint8 and ``op`` None; rank q's
+    bytes land at ``out + q * stride``)."""
 
-    algorithm: str  # "one_shot" | "two_shot"
+    algorithm: str  # one of KERNELS
     rank: int
     data: tuple[int, ...]
     pads: tuple[int, ...]
     count: int
     dtype: np.dtype
-    op: ReduceOp
+    op: ReduceOp | None
     op_number: int  # this op's number, the same on every rank: what the pads will say
     blocks: int = 2
     threads: int = 4
     out: int | None = None
+    stride: int = 0  # the all-gather's: bytes between ranks' blocks in ``out``
 
     @property
     def world(self) -> int:
@@ -76,15 +83,22 @@ class Launch:
 
     def check(self) -> None:
         """What the kernel takes for granted, refused here as the launcher will refuse it."""
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm {self.algorithm!r}: one of {', '.join(ALGORITHMS)}")
+        if self.algorithm not in KERNELS:
+            raise ValueError(f"algorithm {self.algorithm!r}: one of {', '.join(KERNELS)}")
         geometry.check_launch(self.world, self.blocks, self.threads)
         if len(self.pads) != self.world or not 0 <= self.rank < self.world:
             raise ValueError("a launch names every rank's data and pad, and its own rank")
-        reduce_op(self.op, self.dtype)  # the pairs the host path has; the kernel the same
-        if self.algorithm == "one_shot" and (self.out is None or self.out in self.data):
-            raise ValueError("the one-shot writes to an output of this rank's own, never a "
-                             "data buffer, which every peer reads during the kernel")
+        if self.algorithm == "all_gather":
+            if self.op is not None or self.dtype != np.uint8:
+                raise ValueError("the all-gather copies bytes: dtype uint8, no op")
+            if self.stride < self.count:
+                raise ValueError(f"the all-gather's stride ({self.stride} B) is shorter than "
+                                 f"a rank's {self.count} B")
+        else:  # the pairs the host path has; the kernels the same
+            reduce_op(self.op, self.dtype)  # type: ignore[arg-type]
+        if self.algorithm != "two_shot" and (self.out is None or self.out in self.data):
+            raise ValueError(f"the {self.algorithm} writes to an output of this rank's own, "
+                             "never a data buffer, which every peer reads during the kernel")
         if self.op_number < 1:
             raise ValueError("op numbers start at 1 (a fresh pad holds 0)")
 
@@ -196,10 +210,12 @@ def _meet(mem: _Memory, launch: Launch, block: int, phase: str,
 
 
 def _reduce_turn(mem: _Memory, launch: Launch, first: int, end: int,
-                 destinations: Sequence[int]) -> None:
-    """One grid-stride turn: elements [first, end) of every rank's data, reduced, written to
-    each of ``destinations``."""
-    values = [mem.elements(ptr, first, end, launch.dtype).copy() for ptr in launch.data]
+                 destinations: Sequence[int], shift: int = 0) -> None:
+    """One grid-stride turn: elements [first, end) of every rank's data (``shift`` elements
+    in), reduced, written to elements [first, end) of each of ``destinations``."""
+    assert launch.op is not None
+    values = [mem.elements(ptr, first + shift, end + shift, launch.dtype).copy()
+              for ptr in launch.data]
     result = reduce_units(values, launch.op, launch.world, launch.dtype)
     for ptr in destinations:
         mem.elements(ptr, first, end, launch.dtype)[:] = result
@@ -252,7 +268,58 @@ def two_shot_block(mem: _Memory, launch: Launch, block: int,
     yield from _meet(mem, launch, block, "end", left_out)
 
 
-_BLOCKS = {"one_shot": one_shot_block, "two_shot": two_shot_block}
+def reduce_scatter_block(mem: _Memory, launch: Launch, block: int,
+                         left_out: frozenset[str] = frozenset()) -> Steps:
+    """Block ``block`` of ``reduce_scatter``: meet, reduce its units of this rank's block of
+    every rank's data into ``out`` (vectors where every pointer is aligned and a block is
+    whole vectors, then one element at a time), meet again."""
+    if (yield from _meet(mem, launch, block, "start", left_out)):
+        return
+    assert launch.out is not None
+    shift = launch.rank * launch.count
+    scalars_from = 0
+    if all(geometry.aligned(ptr) for ptr in (*launch.data, launch.out)) and \
+            launch.count * launch.dtype.itemsize % geometry.VECTOR_BYTES == 0:
+        width = geometry.vector_width(launch.dtype.itemsize)
+        for lo, hi in geometry.grid_stride(0, launch.count // width, block, launch.blocks,
+                                           launch.threads):
+            _reduce_turn(mem, launch, lo * width, hi * width, (launch.out,), shift)
+            yield None
+        scalars_from = launch.count // width * width
+    for lo, hi in geometry.grid_stride(scalars_from, launch.count, block, launch.blocks,
+                                       launch.threads):
+        _reduce_turn(mem, launch, lo, hi, (launch.out,), shift)
+        yield None
+    yield from _meet(mem, launch, block, "end", left_out)
+
+
+def all_gather_block(mem: _Memory, launch: Launch, block: int,
+                     left_out: frozenset[str] = frozenset()) -> Steps:
+    """Block ``block`` of ``all_gather``: meet, copy its units of every rank's bytes to
+    ``out + q * stride`` (16 bytes at a time where every pointer and the stride allow, then
+    byte by byte), meet again."""
+    if (yield from _meet(mem, launch, block, "start", left_out)):
+        return
+    assert launch.out is not None
+    out, stride, nbytes = launch.out, launch.stride, launch.count
+    scalars_from, width = 0, geometry.VECTOR_BYTES
+    byte = np.dtype(np.uint8)
+    if all(geometry.aligned(ptr) for ptr in (*launch.data, out)) and \
+            stride % geometry.VECTOR_BYTES == 0:
+        scalars_from = nbytes // width * width
+    turns = [(lo * width, hi * width) for lo, hi in geometry.grid_stride(
+        0, scalars_from // width, block, launch.blocks, launch.threads)]
+    turns += list(geometry.grid_stride(scalars_from, nbytes, block, launch.blocks,
+                                       launch.threads))
+    for lo, hi in turns:
+        for q, ptr in enumerate(launch.data):
+            mem.elements(out + q * stride, lo, hi, byte)[:] = mem.elements(ptr, lo, hi, byte)
+        yield None
+    yield from _meet(mem, launch, block, "end", left_out)
+
+
+_BLOCKS = {"one_shot": one_shot_block, "two_shot": two_shot_block,
+           "reduce_scatter": reduce_scatter_block, "all_gather": all_gather_block}
 
 
 # ----------------------------------------------------------------------------- the device
@@ -435,6 +502,16 @@ class MappedRegions:
 # ----------------------------------------------------------------------------- the launch
 
 
+def _sizes(launch: Launch) -> tuple[int, int]:
+    """Bytes a launch reads of each rank's data, and writes of its output."""
+    block = launch.count * launch.dtype.itemsize
+    if launch.algorithm == "reduce_scatter":
+        return block * launch.world, block
+    if launch.algorithm == "all_gather":
+        return block, launch.stride * (launch.world - 1) + block
+    return block, block
+
+
 class _KernelItem(_Item):
     """One rank's kernel on its stream: its blocks, run a step at a time whenever the
     stream runs this item, each held while its pad says a peer has not got there yet. A
@@ -445,13 +522,13 @@ class _KernelItem(_Item):
     __slots__ = ("launch", "memory", "blocks")
 
     def __init__(self, rt: FakeRuntime, launch: Launch) -> None:
-        size = launch.count * launch.dtype.itemsize
+        size, out_size = _sizes(launch)
         mine = [(launch.data[launch.rank], size), (launch.pads[launch.rank],
                                                    geometry.PAD_BYTES)]
         if launch.out is not None:
-            mine.append((launch.out, size))
-        super().__init__(f"{launch.algorithm} allreduce kernel of op {launch.op_number} on "
-                         f"rank {launch.rank}", tuple(mine))
+            mine.append((launch.out, out_size))
+        super().__init__(f"{launch.algorithm} kernel of op {launch.op_number} on rank "
+                         f"{launch.rank}", tuple(mine))
         self.launch = launch
         self.memory = _Memory(rt)
         self.blocks: list[list[Any]] | None = None  # [steps, wait] per block not done
@@ -508,15 +585,15 @@ class StreamLauncher:
         current device, as CUDA launches kernels)."""
         kernel = Launch(**launch)
         kernel.check()
-        what = f"the {kernel.algorithm} allreduce kernel of op {kernel.op_number}"
+        what = f"the {kernel.algorithm} kernel of op {kernel.op_number}"
         self.rt._kernel_on(stream, what)
-        size = kernel.count * kernel.dtype.itemsize
+        size, out_size = _sizes(kernel)
         for ptr in kernel.data:
             self.rt._find(ptr, size, what)
         for ptr in kernel.pads:
             self.rt._find(ptr, geometry.PAD_BYTES, what)
         if kernel.out is not None:
-            self.rt._find(kernel.out, size, what)
+            self.rt._find(kernel.out, out_size, what)
         self.rt._queue(stream, _KernelItem(self.rt, kernel))
 
     def release(self, *, free: bool = True) -> None:

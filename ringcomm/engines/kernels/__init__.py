@@ -28,9 +28,13 @@ ARCHITECTURES = ("compute_80", "compute_90")
 #: NVRTC's options besides the architecture: ``if constexpr`` needs C++17
 OPTIONS = ("-std=c++17",)
 
-#: the kernels, by algorithm
-ALGORITHMS = {"one_shot": "ringcomm::one_shot_allreduce",
-              "two_shot": "ringcomm::two_shot_allreduce"}
+#: the kernels, by algorithm: those that reduce are templates of an element type and an op
+REDUCING = {"one_shot": "ringcomm::one_shot_allreduce",
+            "two_shot": "ringcomm::two_shot_allreduce",
+            "reduce_scatter": "ringcomm::reduce_scatter"}
+#: the all-gather copies bytes: one kernel for every dtype
+ALL_GATHER = "all_gather"
+ALGORITHMS = {**REDUCING, ALL_GATHER: "ringcomm::all_gather"}
 
 #: ringcomm's dtypes (``ringcomm.core.dtypes``) -> the C++ type that holds one in the kernels
 CUDA_TYPES = {
@@ -58,20 +62,25 @@ class KernelCompileError(RuntimeError):
     """NVRTC refused the source; the message carries its log."""
 
 
-def kernel_name(algorithm: str, dtype: str, op: str) -> str:
+def kernel_name(algorithm: str, dtype: str = "", op: str = "") -> str:
     """The C++ name of one kernel instantiation (what NVRTC's name expressions and
-    ``cupy.RawModule(name_expressions=...)`` take): algorithm ``one_shot`` or ``two_shot``,
-    a dtype and an op by ringcomm's names."""
-    return f"{ALGORITHMS[algorithm]}<{CUDA_TYPES[dtype]}, {CUDA_OPS[op]}>"
+    ``cupy.RawModule(name_expressions=...)`` take): a reducing algorithm (``one_shot``,
+    ``two_shot``, ``reduce_scatter``) with a dtype and an op by ringcomm's names, or
+    ``all_gather`` (bytes: no dtype, no op)."""
+    if algorithm == ALL_GATHER:
+        return ALGORITHMS[ALL_GATHER]
+    return f"{REDUCING[algorithm]}<{CUDA_TYPES[dtype]}, {CUDA_OPS[op]}>"
 
 
 def instantiations() -> list[tuple[str, str, str]]:
     """Every (algorithm, dtype, op) the host path has: each op with each dtype
-    ``REDUCE_OPS`` says it takes, by both algorithms."""
+    ``REDUCE_OPS`` says it takes, by every reducing algorithm; and the all-gather's one
+    (``("all_gather", "", "")``)."""
     from ...core.dtypes import REDUCE_OPS  # numpy and ml_dtypes: only when asked
 
-    return [(algorithm, dtype, op.name) for algorithm in ALGORITHMS
-            for op in REDUCE_OPS.values() for dtype in sorted(op.dtypes)]
+    return [*((algorithm, dtype, op.name) for algorithm in REDUCING
+              for op in REDUCE_OPS.values() for dtype in sorted(op.dtypes)),
+            (ALL_GATHER, "", "")]
 
 
 def source() -> str:

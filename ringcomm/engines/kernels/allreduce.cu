@@ -1,16 +1,20 @@
-// Allreduce of device memory between the ranks of one host, in one kernel per op, with the
-// host out of the data path (issue 36).
+// Allreduce (and reduce-scatter, all-gather) of device memory between the ranks of one host,
+// in one kernel per op, with the host out of the data path (issue 36).
 //
 // Every rank owns a region of plain device memory: a signal pad (the flags below) and a data
 // buffer. Each region is exported once and mapped once by every peer, so a kernel reads and
 // writes its peers' buffers directly, and ranks meet through flags in those pads instead of
-// through the host. Two kernels, chosen by size:
+// through the host. Two allreduce kernels, chosen by size:
 //
 //   one_shot_allreduce  every rank reads every rank's data and reduces all of it into its
 //                       own output: one pass, lowest latency, p reads of every byte per rank.
 //   two_shot_allreduce  in place: rank r reduces its 1/p slice from every rank's data and
 //                       writes the result into that slice of every rank's buffer: about 2p
 //                       bytes moved per byte reduced, the large-message choice.
+//
+// and one kernel each for the reduce-scatter (rank r reduces block r of every rank's data
+// into its own output) and the all-gather (every rank copies every rank's data into its
+// output, bytes: one kernel for every dtype).
 //
 // The same algorithm, step by step, is played in numpy by ringcomm/testing/fake_kernels.py
 // (same slices, same blocks, same pad slots); tests run that mirror on every CPU machine and
@@ -302,17 +306,18 @@ __device__ __forceinline__ bool data_aligned(const PeerPointers& peers, int worl
 
 // Unit u reduced over every rank's data, rank 0 first: every rank combines in the same
 // order, so every rank gets the same bits.
+// `shift` bytes into every rank's data: where the reduce-scatter's block of this rank starts.
 template <class Op, class P>
 __device__ __forceinline__ P reduce_unit(const PeerPointers& peers, int world,
-                                         unsigned long long u) {
+                                         unsigned long long u, unsigned long long shift = 0) {
   using T = typename P::Element;
   using A = typename Accumulate<T>::Acc;
   A acc[P::kWidth];
-  const P first = static_cast<const P*>(peers.data[0])[u];
+  const P first = reinterpret_cast<const P*>(static_cast<const char*>(peers.data[0]) + shift)[u];
 #pragma unroll
   for (int i = 0; i < P::kWidth; ++i) acc[i] = Accumulate<T>::widen(first.v[i]);
   for (int q = 1; q < world; ++q) {
-    const P x = static_cast<const P*>(peers.data[q])[u];
+    const P x = reinterpret_cast<const P*>(static_cast<const char*>(peers.data[q]) + shift)[u];
 #pragma unroll
     for (int i = 0; i < P::kWidth; ++i) acc[i] = Op::combine(acc[i], Accumulate<T>::widen(x.v[i]));
   }
@@ -410,6 +415,68 @@ __global__ void __launch_bounds__(kMaxThreads)
     scalars_from = count;
   }
   if (rank == world - 1) two_shot_units<Op, Scalar<T>>(peers, scalars_from, count, world);
+  meet(peers, rank, world, kPhaseEnd, op_number);
+}
+
+// ------------------------------------------------------------------ reduce-scatter
+// Every rank's data holds its whole input, `world` blocks of `count` elements; rank r reduces
+// block r from every rank's data into its own `out` (its memory, never a data buffer): one
+// pass, each rank reading 1/p of every peer's input. Meetings as the one-shot's: at the start
+// (every input written), at the end (no rank overwrites its data while a peer reads it).
+// Vector loads where every data buffer and `out` are aligned and a block is a whole number of
+// vectors (so every rank's block starts aligned).
+template <class Op, class P>
+__device__ void reduce_scatter_units(const PeerPointers& peers, void* out,
+                                     unsigned long long first, unsigned long long end, int world,
+                                     unsigned long long shift) {
+  for (unsigned long long u = first + thread_index(); u < end; u += grid_threads())
+    static_cast<P*>(out)[u] = reduce_unit<Op, P>(peers, world, u, shift);
+}
+
+template <class T, class Op>
+__global__ void __launch_bounds__(kMaxThreads)
+    reduce_scatter(const PeerPointers* table, T* out, unsigned long long count, int rank,
+                   int world, unsigned int op_number) {
+  __shared__ PeerPointers peers;
+  if (threadIdx.x == 0) peers = *table;
+  if (meet(peers, rank, world, kPhaseStart, op_number)) return;
+  const unsigned long long shift = static_cast<unsigned long long>(rank) * count * sizeof(T);
+  unsigned long long scalars_from = 0;
+  if (data_aligned(peers, world) && aligned(out) && (count * sizeof(T)) % kVectorBytes == 0) {
+    constexpr int N = Vector<T>::kWidth;
+    reduce_scatter_units<Op, Vector<T>>(peers, out, 0, count / N, world, shift);
+    scalars_from = count / N * N;
+  }
+  reduce_scatter_units<Op, Scalar<T>>(peers, out, scalars_from, count, world, shift);
+  meet(peers, rank, world, kPhaseEnd, op_number);
+}
+
+// ------------------------------------------------------------------ all-gather
+// Every rank's data holds its `nbytes` of input; every rank copies rank q's into its own
+// `out` at q * stride (bytes), for every q: bytes, since a copy needs no element type (16 of
+// them at a time where every data buffer, `out` and `stride` allow). Meetings as above.
+template <class P>
+__device__ void all_gather_units(const PeerPointers& peers, char* out, unsigned long long first,
+                                 unsigned long long end, int world, unsigned long long stride) {
+  for (unsigned long long u = first + thread_index(); u < end; u += grid_threads()) {
+    for (int q = 0; q < world; ++q)
+      reinterpret_cast<P*>(out + q * stride)[u] = static_cast<const P*>(peers.data[q])[u];
+  }
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    all_gather(const PeerPointers* table, char* out, unsigned long long nbytes,
+               unsigned long long stride, int rank, int world, unsigned int op_number) {
+  __shared__ PeerPointers peers;
+  if (threadIdx.x == 0) peers = *table;
+  if (meet(peers, rank, world, kPhaseStart, op_number)) return;
+  unsigned long long scalars_from = 0;
+  if (data_aligned(peers, world) && aligned(out) && stride % kVectorBytes == 0) {
+    using V = Pack<unsigned char, kVectorBytes, kVectorBytes>;
+    all_gather_units<V>(peers, out, 0, nbytes / kVectorBytes, world, stride);
+    scalars_from = nbytes / kVectorBytes * kVectorBytes;
+  }
+  all_gather_units<Scalar<unsigned char>>(peers, out, scalars_from, nbytes, world, stride);
   meet(peers, rank, world, kPhaseEnd, op_number);
 }
 

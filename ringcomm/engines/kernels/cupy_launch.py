@@ -24,7 +24,7 @@ from ...core.device import kernel_geometry as geometry
 from ...core.device.cupy_runtime import CupyRuntime
 from ...core.device.runtime import Allocation, Stream
 from ...core.dtypes import ReduceOp, dtype_name, reduce_op
-from . import OPTIONS, kernel_name, source
+from . import ALL_GATHER, OPTIONS, kernel_name, source
 
 #: ``struct PeerPointers { void* data[kMaxRanks]; unsigned int* pads[kMaxRanks]; }``
 PEER_TABLE_BYTES = 2 * geometry.MAX_RANKS * 8
@@ -43,21 +43,26 @@ def peer_table(data: tuple[int, ...], pads: tuple[int, ...]) -> np.ndarray:
 
 
 def kernel_args(algorithm: str, table: int, out: int | None, count: int, rank: int,
-                world: int, op_number: int) -> tuple[np.generic, ...]:
+                world: int, op_number: int, stride: int = 0) -> tuple[np.generic, ...]:
     """A launch's arguments in the kernel's parameter order and C types (CuPy passes a
     numpy scalar as its own type): ``one_shot_allreduce(const PeerPointers* table, T* out,
-    unsigned long long count, int rank, int world, unsigned int op_number)``;
-    ``two_shot_allreduce`` the same without ``out``. Op numbers are the pads' 32-bit
+    unsigned long long count, int rank, int world, unsigned int op_number)`` and
+    ``reduce_scatter`` alike; ``two_shot_allreduce`` the same without ``out``;
+    ``all_gather(table, char* out, unsigned long long nbytes, unsigned long long stride,
+    int rank, int world, unsigned int op_number)``. Op numbers are the pads' 32-bit
     counters."""
     number = np.uint32(op_number % (1 << 32))
-    tail = (np.uint64(count), np.int32(rank), np.int32(world), number)
-    if algorithm == "one_shot":
-        if out is None:
-            raise ValueError("the one-shot writes to an output of this rank's own")
-        return (np.uint64(table), np.uint64(out), *tail)
+    tail = (np.int32(rank), np.int32(world), number)
     if algorithm == "two_shot":
-        return (np.uint64(table), *tail)
-    raise ValueError(f"algorithm {algorithm!r}: one_shot or two_shot")
+        return (np.uint64(table), np.uint64(count), *tail)
+    if algorithm not in ("one_shot", "reduce_scatter", "all_gather"):
+        raise ValueError(f"algorithm {algorithm!r}: one_shot, two_shot, reduce_scatter or "
+                         "all_gather")
+    if out is None:
+        raise ValueError(f"the {algorithm} writes to an output of this rank's own")
+    if algorithm == "all_gather":
+        return (np.uint64(table), np.uint64(out), np.uint64(count), np.uint64(stride), *tail)
+    return (np.uint64(table), np.uint64(out), np.uint64(count), *tail)
 
 
 _FUNCTIONS: dict[tuple[int, str], Any] = {}  # (device, kernel name) -> compiled RawKernel
@@ -80,8 +85,9 @@ class CupyLauncher:
 
         return nvrtc_problem()
 
-    def _function(self, algorithm: str, dtype: np.dtype, op: ReduceOp) -> Any:
-        name = kernel_name(algorithm, dtype_name(dtype), op.name)
+    def _function(self, algorithm: str, dtype: np.dtype, op: ReduceOp | None) -> Any:
+        name = kernel_name(algorithm) if op is None else \
+            kernel_name(algorithm, dtype_name(dtype), op.name)
         key = (self.runtime.current_device(), name)
         function = _FUNCTIONS.get(key)
         if function is None:
@@ -103,15 +109,18 @@ class CupyLauncher:
 
     def launch_kernel(self, *, stream: Stream, algorithm: str, rank: int,
                       data: tuple[int, ...], pads: tuple[int, ...], count: int,
-                      dtype: np.dtype, op: ReduceOp, op_number: int, blocks: int,
-                      threads: int, out: int | None = None) -> None:
+                      dtype: np.dtype, op: ReduceOp | None, op_number: int, blocks: int,
+                      threads: int, out: int | None = None, stride: int = 0) -> None:
         """Queue one rank's kernel of one op on ``stream`` (the fake's ``Launch`` fields)."""
         world = len(data)
         geometry.check_launch(world, blocks, threads)
-        reduce_op(op, dtype)  # the pairs the host path has: the only kernels there are
+        if algorithm == ALL_GATHER:
+            op = None  # bytes: one kernel for every dtype
+        else:  # the pairs the host path has: the only kernels there are
+            reduce_op(op, dtype)  # type: ignore[arg-type]
         function = self._function(algorithm, dtype, op)
         args = kernel_args(algorithm, self._table(data, pads, stream), out, count, rank,
-                           world, op_number)
+                           world, op_number, stride)
         with self.runtime._cupy_stream(stream):
             function((blocks,), (threads,), args)
 
