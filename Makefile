@@ -2,7 +2,8 @@
 #   make demo   several ranks on localhost under torchrun: a checked allreduce and its bandwidth
 #   make test   type checks (mypy, configured in pyproject.toml), then the default test suite
 #   (make test-slow runs the tests marked slow: timing, torch's own suite, simulated hosts,
-#   the fault matrix; make soak runs 300 seeded random faults)
+#   the fault matrix, and the device kernels' compilation by NVRTC; make soak runs 300
+#   seeded random faults)
 # make docs regenerates from the code and bench/results/: docs/tutorial.md, its figures and the
 # README's explain picture and page (docs/build_tutorial.py); docs/settings.md, docs/support.md
 # and the figures of README.md and docs/benchmarks.md (docs/build_reference.py). Each has
@@ -12,7 +13,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak bench bench-quick bench-small gpu-check lint docs setup clean
+.PHONY: demo test test-slow kernels-compile soak bench bench-quick bench-small gpu-check lint docs setup clean
 
 setup: $(STAMP)
 
@@ -29,8 +30,24 @@ test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) kernels-compile
 	$(PY) -m pytest -q -m slow
+
+# The device kernels compiled by NVRTC for every architecture they target, and their launch
+# checked against the CUDA source, in a venv of their own with CuPy's NVRTC binding and
+# NVRTC's library (no GPU needed; the main venv stays without CuPy, as a CPU user's is).
+NVRTC_VENV  := .venv-nvrtc
+NVRTC_STAMP := $(NVRTC_VENV)/.installed
+$(NVRTC_STAMP): pyproject.toml constraints.txt
+	test -x $(NVRTC_VENV)/bin/python || $(PYTHON) -m venv $(NVRTC_VENV)
+	$(NVRTC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NVRTC_VENV)/bin/python -m pip install -q -c constraints.txt cupy-cuda12x \
+		nvidia-cuda-nvrtc-cu12 numpy ml_dtypes pyzmq xxhash pytest pytest-timeout hypothesis
+	touch $(NVRTC_STAMP)
+
+kernels-compile: $(NVRTC_STAMP)
+	PYTHONPATH=$(CURDIR) $(NVRTC_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_kernels_compile.py tests/test_kernel_launch.py -k "not unchecked"
 
 # Seeded random faults (kill, delay, drop, corrupt) in random ops at world sizes 2-4 over
 # real processes, counted by outcome (about 5 minutes on 2 cores); SEED=n repeats a run.
@@ -80,4 +97,4 @@ gpu-check:
 	PYTHON=$(GPU_PYTHON) bench/gpu_check.sh $(if $(FAKE),--fake) $(if $(QUICK),--quick)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NVRTC_VENV) build *.egg-info

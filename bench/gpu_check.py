@@ -27,9 +27,12 @@ still to come, within the run's budget. The steps:
                    through ``RINGCOMM_PROFILE``)
     bench          ``ringcomm bench --device``: the short device sweep (rows with #wrong 0
                    pass), without MPS (unless a daemon not of this run's runs already)
-    bench-mps      the sweep again, shorter, under an MPS daemon this run starts and stops
-                   (as root, with ``nvidia-cuda-mps-control`` on PATH and no daemon running;
-                   skipped with the reason otherwise)
+    bench-mps      under an MPS daemon this run starts and stops (as root, with
+                   ``nvidia-cuda-mps-control`` on PATH and no daemon running; skipped with the
+                   reason otherwise): first the kernel path's gpu tests
+                   (``tests/test_kernel_path.py``: ranks sharing one GPU run its kernels at
+                   once only under MPS, so pytest-gpu skips them there), then the sweep
+                   again, shorter, with the kernel path as a backend
 
 ``--quick`` fits in four minutes instead of eight: the same tests, no tune step, the
 benchmarks at 8 B, 8 KiB and 8 MiB only and without plots.
@@ -75,8 +78,9 @@ QUICK_BUDGET_S = 225.0
 # theirs. On an H100 (2026-11) the probes took seconds each and the gpu tests 98 s in six
 # workers (236 s serially were not enough).
 PLAN = {"wheels": (20, 120), "modules": (5, 60), "versions": (15, 90), "ipc": (15, 90),
-        "host-register": (10, 60), "mps": (5, 20), "pytest-gpu": (170, 260),
-        "tune": (40, 60), "bench": (140, 200), "bench-mps": (50, 80)}
+        "host-register": (10, 60), "mps": (5, 20), "pytest-gpu": (150, 260),
+        "tune": (40, 60), "bench": (140, 200), "bench-mps": (70, 140)}
+KERNEL_TESTS_S = 60.0  # of bench-mps: the kernel path's gpu tests under its daemon
 QUICK_PLAN = {**PLAN, "ipc": (10, 90), "host-register": (5, 60), "pytest-gpu": (110, 170),
               "tune": (0, 0), "bench": (35, 60), "bench-mps": (20, 40)}
 PER_TEST_S = 120.0  # --timeout for each gpu test (the suite's own default), --quick: 90
@@ -482,6 +486,26 @@ class Run:
                       detail={"exit_code": code, "rows": len(rows), "mps": about})
         return self.record(check), figures
 
+    def kernel_tests(self, env: dict[str, str]) -> dict[str, Any]:
+        """The kernel path's gpu tests under this run's MPS daemon (``env``), within
+        ``KERNEL_TESTS_S`` of bench-mps's time: its exit status, seconds and pytest's
+        summary line."""
+        have = gpu_pytest.importable(self.python, ("pytest_timeout",))
+        argv = [self.python, "-m", "pytest", "-q", "-m", gpu_pytest.MARKER, "-p",
+                "no:cacheprovider", *(["--timeout=120", "--timeout-method=signal"]
+                                      if have.get("pytest_timeout") else []),
+                "tests/test_kernel_path.py"]
+        limit = min(KERNEL_TESTS_S, self.limit("bench-mps"))
+        self.say(f"\n=== bench-mps (the kernel path's gpu tests under MPS): "
+                 f"{shlex.join(argv)} (limit {limit:.0f} s)")
+        code, output, seconds = bounded(
+            argv, cwd=self.root, env={**os.environ, **env,
+                                      "RINGCOMM_TEST_RUNTIME": "fake" if self.fake else "cupy"},
+            limit=limit, log=self.log)
+        lines = [line for line in output.splitlines() if line.strip()]
+        return {"exit_code": code, "seconds": round(seconds, 1),
+                "summary": lines[-1] if lines else ""}
+
     def bench_mps(self) -> tuple[Check, dict[str, Any]]:
         """The sweep again, shorter, under an MPS daemon this run starts and always stops:
         ranks sharing the GPU without time-slicing."""
@@ -495,9 +519,13 @@ class Run:
                     self.say(f"\n=== bench-mps: the MPS daemon did not start: {error}")
                     return self.record(Check("bench-mps", "fail", failed=1, detail={
                         "why": f"the MPS daemon did not start: {error}"})), {}
+                kernel = self.kernel_tests(daemon.env)
                 check, figures = self.bench("bench-mps", daemon.env, about=(
                     f"under an MPS daemon this run started, CUDA_MPS_PIPE_DIRECTORY="
                     f"{daemon.env['CUDA_MPS_PIPE_DIRECTORY']}"))
+                check.detail["kernel_tests"] = kernel
+                if kernel["exit_code"] != 0:
+                    check.status, check.failed = "fail", check.failed + 1
             finally:
                 stopped = daemon.stop()
                 self.say(f"MPS daemon {'stopped' if stopped else 'still running 10 s after quit'}")

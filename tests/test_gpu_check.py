@@ -504,6 +504,38 @@ def test_the_mps_bench_starts_its_daemon_and_always_stops_it(tmp_path, monkeypat
     assert "MPS daemon stopped" in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
+def test_bench_mps_runs_the_kernel_paths_gpu_tests_under_its_daemon_first(tmp_path,
+                                                                        monkeypatch):
+    """Ranks sharing one GPU run the kernel path only under MPS: bench-mps runs its gpu
+    tests under the daemon it started, before the sweep, and a failing test fails the
+    step."""
+    _mps_control(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check, "mps_unavailable", lambda fake: None)
+    ran = []
+
+    def bounded(argv, *, cwd, env, limit, log):
+        ran.append((argv, env, limit))
+        return exit_codes.pop(0), "x\n2 passed in 9.0s\n", 9.0
+
+    exit_codes = [0, 1]
+    monkeypatch.setattr(gpu_check, "bounded", bounded)
+    monkeypatch.setattr(gpu_check.Run, "bench", lambda self, name="bench", env=None,
+                        about=None: (self.record(gpu_check.Check(name)), {"rows": []}))
+    run = gpu_check.Run(ROOT, tmp_path / "out", False, 60, sys.executable)
+    check, _ = run.bench_mps()
+    assert check.status == "pass"
+    assert check.detail["kernel_tests"] == {"exit_code": 0, "seconds": 9.0,
+                                            "summary": "2 passed in 9.0s"}
+    argv, env, limit = ran[0]
+    assert argv[-1] == "tests/test_kernel_path.py" and gpu_check.gpu_pytest.MARKER in argv
+    assert env["RINGCOMM_TEST_RUNTIME"] == "cupy" and "CUDA_MPS_PIPE_DIRECTORY" in env
+    assert limit <= gpu_check.KERNEL_TESTS_S
+    check, _ = run.bench_mps()  # a test failed: the step fails
+    run.log.close()
+    assert check.status == "fail" and check.detail["kernel_tests"]["exit_code"] == 1
+
+
 def test_an_mps_daemon_that_does_not_start_fails_the_step_and_is_still_told_to_quit(
         tmp_path, monkeypatch):
     calls = _mps_control(tmp_path / "bin", start_exit=1)
