@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .core.algorithms import ALLREDUCE_KERNELS, CUDA_KERNEL
 from .errors import ArgumentError
 from .plan import cost
 from .schedules import ALLREDUCE
@@ -226,26 +227,37 @@ def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str
 
     from .core import config
     from .core.device import release, zeros
+    from .runtime.devices import named_runtime, runtime_name
 
     variable = config.BY_NAME["device_engine"].env  # must match: every rank forces it
     assert variable is not None
     os.environ[variable] = engine
+    kernel = engine == CUDA_KERNEL
+    if kernel:  # a GPU each where there are enough (their kernels run at once), else all
+        runtime = named_runtime(runtime_name(device) or device)  # on the first (under MPS)
+        runtime.set_device(rank if runtime.device_count() >= world else 0)
     comm = ringcomm.init(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120,
                          segment_bytes=cost.DEFAULT_SEGMENT_BYTES, device=device)
     try:
         rt = comm.device
+        verdict = comm.selector.group.kernel
+        if kernel and (verdict is None or not verdict.ok):  # the ranks agree: all say so
+            if rank == 0:
+                results.put({"unavailable": str(verdict)})
+            return
         if rt is None or engine not in comm.engines:
             raise RuntimeError(f"no {engine} engine in this group (device {device!r}): "
                                f"{sorted(comm.engines)}")
+        names = ALLREDUCE_KERNELS if kernel else ALLREDUCE
         timings: dict[tuple[str, int], list[float]] = {}
         for nbytes in sizes:
             x = zeros(rt, max(1, nbytes // 4), np.float32)
             iters = 20 if nbytes <= 65536 else 3
-            for name in ALLREDUCE:
+            for name in names:
                 comm.allreduce(x, algorithm=name)  # warm-up
             rt.synchronize(rt.current_stream())
             for _ in range(reps):
-                for name in ALLREDUCE:
+                for name in names:
                     comm.barrier()
                     start = time.perf_counter()
                     for _ in range(iters):
@@ -262,11 +274,11 @@ def _device_rank_main(rank: int, world: int, port: int, device: str, engine: str
 
 
 def measure_device(device: str, engine: str, world: int, sizes: tuple[int, ...],
-                   reps: int) -> dict[tuple[str, int], float]:
-    """Median seconds per (algorithm, size) of allreduces of device arrays over ``engine``,
-    on ``world`` ranks."""
-    result: dict[tuple[str, int], float] = _run_ranks(world, _device_rank_main, device,
-                                                      engine, sizes, reps)
+                   reps: int) -> dict[Any, Any]:
+    """Median seconds per (algorithm, size) of allreduces of device arrays over ``engine``
+    (``cuda-kernel``: by each of its algorithms), on ``world`` ranks; for the kernel path
+    where the group cannot take it, ``{"unavailable": why}``."""
+    result: dict[Any, Any] = _run_ranks(world, _device_rank_main, device, engine, sizes, reps)
     return result
 
 
@@ -294,13 +306,40 @@ def tune_device(device: str, worlds: list[int], *, quick: bool = False,
                 terms = cost.allreduce_cost(name, world, nbytes // 4, 4,
                                             cost.DEFAULT_SEGMENT_BYTES // 4)
                 samples.append(Sample(terms, 1.0, seconds))
-        params = fit(samples, gamma, floor=_DEVICE_FLOOR)
-        profile.devices[engine] = params
-        errors = relative_errors(samples, params)
-        log(f"  {engine}: alpha {params.alpha * 1e6:.1f} us  beta "
-            f"{1 / params.beta / 1e9:.2f} GB/s  median |error| "
-            f"{statistics.median(abs(e) for e in errors):.0%}")
+        _fitted(profile, engine, samples, gamma, log)
+    _tune_kernel_path(device, worlds, sizes, reps, gamma, profile, log)
     return profile
+
+
+def _fitted(profile: cost.Profile, name: str, samples: list[Sample], gamma: float,
+            log: Callable[[str], None]) -> None:
+    params = fit(samples, gamma, floor=_DEVICE_FLOOR)
+    profile.devices[name] = params
+    errors = relative_errors(samples, params)
+    log(f"  {name}: alpha {params.alpha * 1e6:.1f} us  beta "
+        f"{1 / params.beta / 1e9:.2f} GB/s  median |error| "
+        f"{statistics.median(abs(e) for e in errors):.0%}")
+
+
+def _tune_kernel_path(device: str, worlds: list[int], sizes: tuple[int, ...], reps: int,
+                      gamma: float, profile: cost.Profile,
+                      log: Callable[[str], None]) -> None:
+    """The kernel path's constants, one set per algorithm (the selector prices each with
+    its own: ``cost.kernel_allreduce``), where the ranks can take it (their kernels run at
+    once: under MPS, or a GPU each); else the defaults stay, and the log says why."""
+    samples: dict[str, list[Sample]] = {name: [] for name in ALLREDUCE_KERNELS}
+    for world in worlds:
+        log(f"measuring {CUDA_KERNEL} on {world} ranks ...")
+        measured = measure_device(device, CUDA_KERNEL, world, sizes, reps)
+        if "unavailable" in measured:
+            log(f"  {CUDA_KERNEL}: not measured on {world} ranks: {measured['unavailable']}")
+            continue
+        for (name, nbytes), seconds in measured.items():
+            terms = cost.kernel_allreduce_terms(name, world, nbytes // 4 * 4)
+            samples[name].append(Sample(terms, 1.0, seconds))
+    for name, taken in samples.items():
+        if taken:
+            _fitted(profile, name, taken, gamma, log)
 
 
 def tune(worlds: list[int], *, quick: bool = False, log=print) -> cost.Profile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -191,14 +192,31 @@ def test_tune_on_a_device_adds_the_device_engines_and_keeps_the_host_constants(t
     out.write_text(host.to_json())
     proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "tune", "--device", "fake",
                            "-n", "2", "--quick", "-o", str(out)], capture_output=True, text=True,
-                          timeout=110)
+                          timeout=110, env={**os.environ, "RINGCOMM_FAKE_DEVICES": "2"})
     assert proc.returncode == 0, proc.stderr
     profile = cost.Profile.from_json(out.read_text(), str(out))
     assert profile.params == host.params and profile.segment_bytes == 1 << 20
-    assert set(profile.devices) == {"cuda-ipc", "staged"}
+    # two fake devices: a rank on each, so the kernel path's algorithms are fitted too
+    assert set(profile.devices) == {"cuda-ipc", "staged", "kernel-oneshot", "kernel-twoshot"}
     for params in profile.devices.values():
         assert 0 < params.alpha < 0.1 and 0 < params.beta < 1e-6 and params.gamma > 0
-    assert proc.stdout.count("median |error|") == 2 and "device reduction" in proc.stdout
+    assert proc.stdout.count("median |error|") == 4 and "device reduction" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tune_says_why_it_leaves_the_kernel_path_unmeasured(tmp_path):
+    """Ranks sharing one device without MPS cannot take the kernel path: its defaults stay,
+    and the log says why."""
+    out = tmp_path / "tuned.json"
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.cli", "tune", "--device", "fake",
+                           "-n", "2", "--quick", "-o", str(out)], capture_output=True, text=True,
+                          timeout=110, env={**os.environ, "RINGCOMM_FAKE_DEVICES": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert set(cost.Profile.from_json(out.read_text(), str(out)).devices) == {"cuda-ipc",
+                                                                              "staged"}
+    assert "cuda-kernel: not measured on 2 ranks: ranks 0,1 share GPU fake:0 without MPS" \
+        in proc.stdout
 
 
 TWO_BY_TWO = ((0, 1), (2, 3))

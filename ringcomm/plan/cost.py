@@ -105,6 +105,13 @@ def kernel_allreduce(algorithm: str, world_size: int, nbytes: int,
     to every rank, ``2 * nbytes`` moved, ``(p - 1) / p * nbytes`` reduced. So the one-shot
     wins small messages (its launch costs less) and the two-shot large ones (``ringcomm
     .plan.select``)."""
+    return kernel_allreduce_terms(algorithm, world_size, nbytes).time(params)
+
+
+def kernel_allreduce_terms(algorithm: str, world_size: int, nbytes: int) -> ScheduleCost:
+    """``kernel_allreduce``'s terms (one launch, the bytes moved and reduced), as the
+    schedules' are, so ``ringcomm tune`` fits the kernel path's constants as it fits the
+    links'. Every rank's kernel does the same: the critical path is one rank's work."""
     p = world_size
     moved: float
     reduced: float
@@ -114,7 +121,8 @@ def kernel_allreduce(algorithm: str, world_size: int, nbytes: int,
         moved, reduced = 2 * nbytes, (p - 1) * nbytes / p
     else:
         raise ValueError(f"{algorithm!r} is no algorithm of the kernel path")
-    return params.alpha + moved * params.beta + reduced * params.gamma
+    one = Terms(1.0, moved, reduced)
+    return ScheduleCost(one, Terms(p * 1.0, p * moved, p * reduced), p)
 
 
 def nccl_own_allreduce(world_size: int, nbytes: int, itemsize: int,
