@@ -526,6 +526,8 @@ class Run:
                 check.detail["kernel_tests"] = kernel
                 if kernel["exit_code"] != 0:
                     check.status, check.failed = "fail", check.failed + 1
+                    self.say(f"--- bench-mps: fail (the kernel path's gpu tests under MPS: "
+                             f"exit {kernel['exit_code']}, {kernel['summary']})")
             finally:
                 stopped = daemon.stop()
                 self.say(f"MPS daemon {'stopped' if stopped else 'still running 10 s after quit'}")

@@ -148,8 +148,9 @@ def device_report() -> list[str]:
         "cuda-ipc": "cuda-ipc (every rank must be on one host); staged always",
         "staged": "staged only",
         "nccl": "nccl only: every pair of ranks over NCCL's communicator",
-        "cuda-kernel": "as auto, and the kernel path for allreduces wherever every rank's "
-                       "kernels run at once, on any runtime that can launch them"}[engine])
+        "cuda-kernel": "as auto, and the kernel path for allreduces, reduce-scatters and "
+                       "all-gathers wherever every rank's kernels run at once, on any "
+                       "runtime that can launch them"}[engine])
     nccl = device.nccl_library(runtime)
     lines.append(f"  nccl: {nccl.version() if nccl.available() else 'unavailable'} "
                  f"({nccl.name}; used where RINGCOMM_DEVICE_ENGINE=nccl)")

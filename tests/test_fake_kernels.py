@@ -3,8 +3,8 @@
 every schedule, and wrong, every time, with any one of its waits taken out.
 
 The mirror follows ``ringcomm/engines/kernels/allreduce.cu`` step by step (same slices,
-blocks and pad slots), so these tests are the kernels' own on a CPU; on a GPU a later slice
-runs the same cases on the real kernels and compares.
+blocks and pad slots), so these tests are the kernels' own on a CPU; on a GPU the kernel
+path's gpu tests (``tests/test_kernel_path.py``) run the real kernels against numpy.
 """
 
 from __future__ import annotations

@@ -91,12 +91,32 @@ def test_every_rank_launches_one_grid_that_fits_the_sms(sms: int, world: int) ->
     assert geometry.grid_blocks("two_shot", 1 << 26, 4, 2, 512, 132) == 66  # 132 SMs, 2 ranks
 
 
-def test_cupy_says_why_it_cannot_launch_without_nvrtc() -> None:
-    from ringcomm.core.device.cupy_runtime import CupyRuntime
+class _Gpu:
+    """What CupyLauncher.problem asks of a runtime: the current device and its compute
+    capability."""
 
-    problem = CupyRuntime.kernel_launch(object.__new__(CupyRuntime))
-    assert problem == kernels.nvrtc_problem()
+    def __init__(self, capability: tuple[int, int]) -> None:
+        self.capability = capability
+
+    def current_device(self) -> int:
+        return 0
+
+    def compute_capability(self, index: int) -> tuple[int, int]:
+        return self.capability
+
+
+def test_cupy_says_why_it_cannot_launch(monkeypatch) -> None:
+    from ringcomm.core.device.cupy_runtime import CupyRuntime
+    from ringcomm.engines.kernels.cupy_launch import CupyLauncher
+
+    assert CupyRuntime.launcher_factory is CupyLauncher
     assert not CupyRuntime.kernel_path_checked  # until a GPU run checks it
+    monkeypatch.setattr(kernels, "nvrtc_problem", lambda: "")
+    assert CupyLauncher.problem(_Gpu((9, 0))) == ""  # an H100
+    assert CupyLauncher.problem(_Gpu((7, 5))) == (
+        "GPU 0 is sm_75: the kernels need sm_80 or newer (A100, H100, ...)")
+    monkeypatch.setattr(kernels, "nvrtc_problem", lambda: "no NVRTC here")
+    assert CupyLauncher.problem(_Gpu((9, 0))) == "no NVRTC here"
 
 
 def _said(comm):

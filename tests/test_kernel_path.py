@@ -102,6 +102,8 @@ def test_the_selector_takes_the_kernel_path_only_where_the_verdict_holds(world):
         choice = yes.choose(collective, 1024, memory="fake-cuda")
         assert (choice.engine, choice.algorithm) == (CUDA_KERNEL, "kernel-direct")
     assert yes.choose("broadcast", 1024, memory="fake-cuda").engine == CUDA_IPC
+    forced = yes.choose("allgather", 1024, memory="fake-cuda", forced="kernel-direct")
+    assert forced.algorithm == "kernel-direct" and "forced" in forced.why
     no = _selector(world, Verdict(False, "ranks 0,1 share GPU g0 without MPS"))
     for collective, size in (("allreduce", 1024), ("allreduce", 256 << 20),
                              ("allgather", 1024), ("reduce_scatter", 1024)):
@@ -109,6 +111,8 @@ def test_the_selector_takes_the_kernel_path_only_where_the_verdict_holds(world):
         assert choice.engine == CUDA_IPC
         assert "not the kernel path (cuda-kernel): ranks 0,1 share GPU g0 without MPS" \
             in choice.why
+    with pytest.raises(ArgumentError, match="runs on the kernel path.*without MPS"):
+        no.choose("reduce_scatter", 1024, memory="fake-cuda", forced="kernel-direct")
 
 
 def test_one_and_two_shot_are_priced_and_cross_over():
@@ -284,11 +288,12 @@ def test_reduce_scatter_and_allgather_take_one_kernel_and_equal_numpy(fake_devic
 
 def test_reduce_scatter_and_allgather_larger_than_the_region_run_in_pieces(fake_devices,
                                                                           monkeypatch):
-    """A region of 64 B: the reduce-scatter's blocks and the all-gather's bytes go in
-    pieces, each piece of every block where the next kernel expects it."""
+    """A region of 128 B: the reduce-scatter's blocks and the all-gather's bytes go in
+    pieces, each piece of every block where the next kernel expects it (the reduce-scatter's
+    in whole 16-byte vectors, so every rank's block of a piece starts aligned)."""
     from ringcomm.engines import kernel
 
-    monkeypatch.setattr(kernel, "REGION_BYTES", 64)
+    monkeypatch.setattr(kernel, "REGION_BYTES", kernel.MIN_REGION_BYTES)
 
     def fn(comm):
         from ringcomm.testing.fake_device import FakeDeviceArray
@@ -297,8 +302,8 @@ def test_reduce_scatter_and_allgather_larger_than_the_region_run_in_pieces(fake_
         x = FakeDeviceArray.from_host(np.arange(45 * world, dtype=np.float64) * (rank + 1))
         out = FakeDeviceArray.from_host(np.zeros(45))
         comm.reduce_scatter(out, x)
-        y = FakeDeviceArray.from_host(np.arange(45, dtype=np.int16) + 100 * rank)
-        gathered = FakeDeviceArray.from_host(np.zeros(45 * world, np.int16))
+        y = FakeDeviceArray.from_host(np.arange(100, dtype=np.int16) + 100 * rank)
+        gathered = FakeDeviceArray.from_host(np.zeros(100 * world, np.int16))
         comm.allgather(gathered, y)
         return out.to_host(), gathered.to_host(), comm.wiring.lanes[CUDA_KERNEL].channel.op_number
 
@@ -306,15 +311,60 @@ def test_reduce_scatter_and_allgather_larger_than_the_region_run_in_pieces(fake_
                                                                gpus=[0, 1, 2])):
         want = np.arange(45 * 3, dtype=np.float64)[rank * 45:(rank + 1) * 45] * 6
         assert out.tolist() == want.tolist()
-        assert gathered.tolist() == [v + 100 * r for r in range(3) for v in range(45)]
-        # 64 B hold 2 float64 of each of 3 blocks (23 pieces), or 64 of the 90 B (2 pieces)
-        assert launches == 23 + 2
+        assert gathered.tolist() == [v + 100 * r for r in range(3) for v in range(100)]
+        # 128 B hold 4 float64 (two whole vectors) of each of 3 blocks: 12 pieces of 45;
+        # or 128 of the 200 B: 2 pieces
+        assert launches == 12 + 2
+
+
+def test_a_rank_whose_launch_fails_ends_its_channel_and_its_peers_are_told(fake_devices,
+                                                                          monkeypatch):
+    """Rank 1's launch of the second op fails after the headers were swapped, so rank 0's
+    kernel waits for a kernel that never comes: rank 1 raises its error and aborts its
+    channel (later ops refused, never run with op numbers that no longer agree); rank 0
+    gets a typed error well within its timeout, not a hang."""
+    import time
+
+    from ringcomm.errors import CommAborted, CommError
+    from ringcomm.testing.fake_kernels import StreamLauncher
+
+    launch = StreamLauncher.launch_kernel
+
+    def failing(self, **kw):
+        if kw["rank"] == 1 and kw["op_number"] == 2:
+            raise RuntimeError("the launch failed")
+        return launch(self, **kw)
+
+    monkeypatch.setattr(StreamLauncher, "launch_kernel", failing)
+
+    def fn(comm):
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        x = FakeDeviceArray.from_host(np.ones(64, np.float32))
+        comm.allreduce(x)
+        started = time.monotonic()
+        try:
+            comm.allreduce(x)
+            x.to_host()
+        except (CommError, RuntimeError) as err:
+            outcome = (type(err).__name__, str(err), time.monotonic() - started)
+        else:
+            outcome = ("none", "", 0.0)
+        if comm.rank == 1:
+            with pytest.raises(CommAborted, match="cuda-kernel engine cannot be used"):
+                comm.allreduce(x)
+        return outcome
+
+    (zero, one) = run_group(2, fn, device="fake", gpus=[0, 1], timeout=5)
+    assert one[0] == "RuntimeError" and "the launch failed" in one[1]
+    assert zero[0] in ("RemoteError", "CommTimeout", "PeerLostError"), zero
+    assert zero[2] < 5 + 2
 
 
 def test_an_allreduce_larger_than_the_region_runs_in_pieces(fake_devices, monkeypatch):
     from ringcomm.engines import kernel
 
-    monkeypatch.setattr(kernel, "REGION_BYTES", 64)
+    monkeypatch.setattr(kernel, "REGION_BYTES", kernel.MIN_REGION_BYTES)  # 128 B
 
     def fn(comm):
         import numpy as np
@@ -332,7 +382,7 @@ def test_an_allreduce_larger_than_the_region_runs_in_pieces(fake_devices, monkey
     for out, launches in run_group(3, fn, device="fake", gpus=[0, 1, 2]):
         for got in out.values():
             assert got.tolist() == (np.arange(45) * 6.0).tolist()
-        assert launches == 2 * 6  # 360 B in pieces of 64 B, twice
+        assert launches == 2 * 3  # 360 B in pieces of 128 B, twice
 
 
 def test_ranks_that_launch_different_kernels_get_a_desync(fake_devices):

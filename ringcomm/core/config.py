@@ -270,11 +270,11 @@ SETTINGS: tuple[Setting, ...] = (
             "links, across hosts too), nccl (NCCL through CuPy: its own collectives, and "
             "ringcomm's schedules as NCCL groups; one GPU per rank, a communicator per group "
             "from a unique id rank 0 draws at set-up and the others read from the store), "
-            "cuda-kernel (as auto, and allreduces take the kernel path wherever every rank's "
-            "kernels run at once, on a runtime whose launch is not yet checked on a GPU "
-            "too); auto takes cuda-ipc where every rank is on one host, else staged, and "
-            "the kernel path where every rank's kernels run at once and the runtime's "
-            "launch is checked",
+            "cuda-kernel (as auto, and allreduces, reduce-scatters and all-gathers take the "
+            "kernel path wherever every rank's kernels run at once, on a runtime whose "
+            "launch is not yet checked on a GPU too); auto takes cuda-ipc where every "
+            "rank is on one host, else staged, and the kernel path where every rank's "
+            "kernels run at once and the runtime's launch is checked",
             "auto", _choice(*DEVICE_ENGINES)),
     Setting("ipc_slots", Scope.AGREED, "RINGCOMM_IPC_SLOTS", None,
             "device staging slots per peer of the cuda-ipc engine (messages in flight)",

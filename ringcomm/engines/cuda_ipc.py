@@ -56,7 +56,7 @@ from ..transport.base import Transport
 from ..transport.header import Header
 from .context import OpContext
 from .device_channel import DeviceChannel, Exchange
-from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
+from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, await_closed
 
 __all__ = ["IpcChannel"]
 
@@ -69,7 +69,6 @@ _HANDLES_KEY = "cuda-ipc/handles"
 _CLOSED_KEY = "cuda-ipc/closed"
 _ALIGN = 16  # slot sizes are multiples of every element size, so pieces split no element
 _BRIEF_S = 0.002  # how long one host wait lasts while pieces wait for slots
-_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 
 
 @dataclass(slots=True)
@@ -395,7 +394,7 @@ class IpcChannel(DeviceChannel):
         self._closed = True
         if not self._peers:
             return
-        wait_s = min(self.close_wait_s, _AFTER_FAILURE_S) if failed else self.close_wait_s
+        wait_s = min(self.close_wait_s, AFTER_FAILURE_S) if failed else self.close_wait_s
         if not self._settle(time.monotonic() + wait_s):
             log.warning("rank %d's device work on its cuda-ipc slots did not finish within "
                         "%g s (a peer lost in the middle of an op?): its mappings and slots "

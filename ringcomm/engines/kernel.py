@@ -6,19 +6,23 @@ allreduce.cu``).
 One owner of its memory and launches (``KernelChannel``), made once per communicator at
 set-up, where the group's verdict allows it (``ringcomm.plan.kernel_path``;
 ``ringcomm.runtime.devices.open_lanes``): each rank allocates its region (``[signal pad |
-data]``, the pad cleared once and never again: its flags count ops) and an output for the
-one-shot, exports the region once and publishes its handle through the group's device
-exchange; every rank opens every peer's once (a peer in its own process by pointer: CUDA
-IPC is between processes) and closes them at close, before the owners free them
-(``peer_memory.await_closed``).
+data]``, the pad cleared once and never again: its flags count ops), exports it once and
+publishes its handle through the group's device exchange; every rank opens every peer's
+once (a peer in its own process by pointer: CUDA IPC is between processes) and closes them
+at close, before the owners free them (``peer_memory.await_closed``).
 
-An op: the ranks first swap the op's header over the group's transport (ranks that called
+An op: its kernel is compiled first where the runtime compiles on first use (while no peer
+waits); the ranks swap the op's header over the group's transport (ranks that called
 different ops get a ``DesyncError`` before any kernel starts, where the kernels themselves
 would spin or reduce garbage); then, on the lane's stream in the caller's stream order,
-the caller's data is copied into this rank's region (in pieces of the region's size, each
+the caller's input is copied into this rank's region (in pieces of the region's size, each
 piece one launch with the next op number, the same on every rank since every rank runs the
-same ops in the same order), the kernel the selector chose is launched, and the result is
-copied back. No byte of the op passes through the host. The host then watches the op to its
+same ops in the same order) and the kernel the selector chose is launched: the one-shot,
+the reduce-scatter and the all-gather write straight into the caller's output (this rank's
+own memory, which no peer reads), the two-shot into every rank's region, copied back from
+this rank's. No byte of the op passes through the host. A rank whose own part fails after
+the headers were swapped aborts its channel too, so its peers' kernels are not left
+waiting for it. The host then watches the op to its
 end, polling an event and the links (``device.watch``, as for NCCL): the kernels have no
 timeout of their own, so only the host can end a wait for a peer that is lost or late. At
 the deadline, or when a peer's failure arrives, it sets its pad's abort word (its blocks
@@ -63,6 +67,7 @@ from .device import (
     DeviceLane,
     hear_headers,
     held,
+    on_device,
     stage_in,
     stage_out,
     tell_headers,
@@ -70,21 +75,23 @@ from .device import (
 )
 from .device_channel import Exchange
 from .kernels import cupy_launch  # noqa: F401 - registers CuPy's launch of the kernels
-from .peer_memory import EXPORTS, LEFT_FOR_EXIT, await_closed
+from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, await_closed
 
 log = logging.getLogger("ringcomm")
 
-#: data bytes of each rank's region: an allreduce larger than this runs as several launches
+#: data bytes of each rank's region: an op larger than this runs as several launches
 REGION_BYTES = 1 << 20
+#: the least a region holds: a 16-byte vector of each of the most ranks (a reduce-scatter's
+#: piece holds every rank's block)
+MIN_REGION_BYTES = geometry.MAX_RANKS * geometry.VECTOR_BYTES
 _REGIONS_KEY = "kernel-regions"
 _CLOSED_KEY = "kernel-regions/closed"
-_AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 _THREADS = geometry.MAX_THREADS
 
 
 class KernelChannel:
-    """This rank's region, output and view of every peer's, and the launcher (module
-    docstring). Collective: every rank of the group makes it at set-up."""
+    """This rank's region, its view of every peer's, and the launcher (module docstring).
+    Collective: every rank of the group makes it at set-up."""
 
     name = CUDA_KERNEL
 
@@ -92,16 +99,16 @@ class KernelChannel:
                  deadline: float, region_bytes: int | None = None,
                  close_wait_s: float = 60.0) -> None:
         region_bytes = REGION_BYTES if region_bytes is None else region_bytes
-        if region_bytes <= 0 or region_bytes % geometry.VECTOR_BYTES:
-            raise ValueError(f"region_bytes {region_bytes}: a positive multiple of "
-                             f"{geometry.VECTOR_BYTES}")
+        if region_bytes < MIN_REGION_BYTES or region_bytes % geometry.VECTOR_BYTES:
+            raise ValueError(f"region_bytes {region_bytes}: a multiple of "
+                             f"{geometry.VECTOR_BYTES}, at least {MIN_REGION_BYTES}")
         self.runtime = runtime
         self.exchange = exchange
         self.rank, self.world = rank, world
         self.capacity = region_bytes
         self.close_wait_s = close_wait_s
         self.op_number = 0  # launches so far: the next one's number is one more
-        self.blocks = 1  # the last launch's grid, for naming who a timed-out op waits on
+        self._pieces: list[tuple[int, int]] = []  # the op's launches: (op number, blocks)
         self._held: list[Allocation] = []
         self._exported: list[bytes] = []
         self._opened: list[int] = []  # pointers open_memory returned, closed at close
@@ -159,13 +166,22 @@ class KernelChannel:
         """One launch with the next op number (the same on every rank: every rank runs the
         same ops in the same order) and the grid every rank computes alike."""
         self.op_number += 1
-        self.blocks = geometry.grid_blocks("two_shot" if kernel == "two_shot" else "one_shot",
-                                           count, dtype.itemsize, self.world, _THREADS,
-                                           self.multiprocessors)
+        blocks = geometry.grid_blocks(kernel, count, dtype.itemsize, self.world, _THREADS,
+                                      self.multiprocessors)
+        self._pieces.append((self.op_number, blocks))
         self.launcher.launch_kernel(
             stream=stream, algorithm=kernel, rank=self.rank, data=self.data, pads=self.pads,
-            count=count, dtype=dtype, op=op, op_number=self.op_number, blocks=self.blocks,
+            count=count, dtype=dtype, op=op, op_number=self.op_number, blocks=blocks,
             threads=_THREADS, out=out, stride=stride)
+
+    def prepare(self, kernel: str, dtype: np.dtype, op: ReduceOp | None) -> None:
+        """What a launch of ``kernel`` needs before any rank's kernel waits for this one's
+        (a runtime's first compile of it): the engine calls it before the op's headers are
+        swapped, so no peer spins meanwhile."""
+        self._pieces = []
+        prepare = getattr(self.launcher, "prepare", None)
+        if prepare is not None:
+            prepare(kernel, dtype, op)
 
     def allreduce(self, algorithm: str, ptr: int, count: int, dtype: np.dtype, op: ReduceOp,
                   stream: Stream) -> None:
@@ -196,7 +212,9 @@ class KernelChannel:
         this rank's piece of the result straight to ``dst``."""
         runtime, size = self.runtime, dtype.itemsize
         mine = self.data[self.rank]
-        per = self.capacity // (self.world * size)
+        most = self.capacity // (self.world * size)  # at least 1: MIN_REGION_BYTES
+        width = geometry.vector_width(size)
+        per = most // width * width or most  # whole vectors: every block starts aligned
         for first in range(0, count, per):
             n = min(per, count - first)
             for q in range(self.world):
@@ -242,13 +260,14 @@ class KernelChannel:
             self.runtime.synchronize(self._side)
         except Exception:  # noqa: BLE001 - the device is in trouble: name every peer
             return peers
-        number = self.op_number % (1 << 32)
-        for phase in geometry.PHASES:  # first those whose kernel never started
-            behind = [peer for peer in peers
-                      if not all(geometry.reached(int(flags[geometry.pad_slot(
-                          phase, block, peer)]), number) for block in range(self.blocks))]
-            if behind:
-                return behind
+        for number, blocks in self._pieces:  # the first launch not every peer finished
+            for phase in geometry.PHASES:  # first those whose kernel never started
+                behind = [peer for peer in peers
+                          if not all(geometry.reached(int(flags[geometry.pad_slot(
+                              phase, block, peer)]), number % (1 << 32))
+                              for block in range(blocks))]
+                if behind:
+                    return behind
         return peers
 
     def close(self, *, failed: bool = False) -> None:
@@ -260,7 +279,7 @@ class KernelChannel:
             return
         self._closed = True
         self._close_opened()
-        wait_s = min(self.close_wait_s, _AFTER_FAILURE_S) if failed else self.close_wait_s
+        wait_s = min(self.close_wait_s, AFTER_FAILURE_S) if failed else self.close_wait_s
         if self._pids:
             try:
                 self.exchange.publish(_CLOSED_KEY, b"1")
@@ -322,13 +341,20 @@ class KernelChannel:
             self.launcher = None
 
     def describe(self) -> str:
-        return (f"{self.name}: one kernel per allreduce over {self.world} mapped regions of "
-                f"{self.capacity} B, {self.op_number} launches so far")
+        return (f"{self.name}: one kernel per allreduce, reduce-scatter or all-gather (per "
+                f"piece of {self.capacity} B) over {self.world} mapped regions, "
+                f"{self.op_number} launches so far")
+
+
+#: the kernel each op launches, by allreduce algorithm or other collective
+_KERNEL_OF = {"kernel-oneshot": "one_shot", "kernel-twoshot": "two_shot",
+              "reduce_scatter": "reduce_scatter", "allgather": "all_gather"}
 
 
 class KernelEngine(Engine):
-    """Allreduces of device memory on the kernel path (module docstring): the schedule it
-    is handed has no steps, only the algorithm (``kernel-oneshot``, ``kernel-twoshot``)."""
+    """Allreduces, reduce-scatters and all-gathers of device memory on the kernel path
+    (module docstring): the schedule it is handed has no steps, only the algorithm
+    (``kernel-oneshot``, ``kernel-twoshot``; ``kernel-direct``)."""
 
     name = CUDA_KERNEL
 
@@ -356,8 +382,22 @@ class KernelEngine(Engine):
             raise CommAborted(f"the {self.name} engine cannot be used: it was "
                               f"{channel.ended}; create a new communicator", rank=self.rank,
                               op=ctx.name)
+        kernel = _KERNEL_OF[algorithm if collective == "allreduce" else collective]
+        with on_device(self.runtime, self.lane.device):
+            channel.prepare(kernel, ctx.dtype, None if kernel == "all_gather" else ctx.reduce)
         tell_headers(self.transport, self._peers, ctx)
         hear_headers(self.transport, self._peers, ctx)
+        try:
+            self._launched(collective, algorithm, buffers, ctx)
+        except BaseException as err:  # peers' kernels may wait for this rank's: end them
+            channel.abort(f"{type(err).__name__} on rank {self.rank} during {ctx.name}")
+            raise
+
+    def _launched(self, collective: str, algorithm: str, buffers: Mapping[str, Buffer],
+                  ctx: OpContext) -> None:
+        """The op's device work queued, watched to its end, and handed back to the caller's
+        streams."""
+        channel = self.channel
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
             stream = self.lane.stream

@@ -165,7 +165,7 @@ class NcclEngine(Engine):
         pointers = stage_in(lane, buffers, self.name, device, lifted)
         if schedule.algorithm == NCCL:
             peers = [p for p in range(self.world_size) if p != self.rank]
-            self._tell(peers, ctx)
+            tell_headers(self.transport, peers, ctx)
             self._collective(schedule, buffers, pointers, ctx)
             marks = [(peers, self._mark())]
             written = {"output" if "output" in buffers else "data"}
@@ -177,7 +177,7 @@ class NcclEngine(Engine):
             if plan.temp:
                 pointers[TEMP] = lane.scratch(TEMP, plan.temp * itemsize)
             peers = sorted({c.peer for g in plan.groups for c in g.calls})
-            self._tell(peers, ctx)
+            tell_headers(self.transport, peers, ctx)
             marks = self._enqueue(plan, pointers, ctx)
             written = {step.dst.buf for step in schedule.steps if step.dst is not None}
         self._hear(peers, ctx)
@@ -185,10 +185,6 @@ class NcclEngine(Engine):
         stage_out(lane, device, lifted, written)
 
     # ------------------------------------------------------------------ agreement
-    def _tell(self, peers: list[int], ctx: OpContext) -> None:
-        """Send every peer of the op this rank's header of it (no payload)."""
-        tell_headers(self.transport, peers, ctx)
-
     def _hear(self, peers: list[int], ctx: OpContext) -> None:
         """Take every peer's header of the op: ``DesyncError`` where it disagrees (the
         communicator is aborted first: its queued work may wait for ever)."""

@@ -25,6 +25,7 @@ from .device_channel import Exchange
 log = logging.getLogger("ringcomm")
 
 SAY_WAITING_AFTER_S = 5.0  # a close that waits longer for a peer's "closed" says so
+AFTER_FAILURE_S = 2.0  # how long a failed group's close waits for its peers' "closed"
 
 
 class Exports:

@@ -164,10 +164,10 @@ class Selector:
             chosen = self._kernel_allreduce(nbytes, forced)
             if chosen is not None:
                 return chosen
-        elif collective in KERNEL_COLLECTIVES and forced is None and kernel is not None \
-                and kernel.ok:  # one alternative: nothing to price
-            return CUDA_KERNEL, KERNEL_DIRECT, f"{CUDA_KERNEL} for device memory " \
-                                               f"({kernel.why}); one kernel"
+        elif collective in KERNEL_COLLECTIVES:
+            chosen = self._kernel_direct(collective, forced)
+            if chosen is not None:
+                return chosen
         engine = self.group.device_engines[0]
         algorithm, why = self._device_algorithm(engine, collective, nbytes, itemsize, forced,
                                                 native)
@@ -176,6 +176,23 @@ class Selector:
                 kernel is not None and not kernel.ok:
             why += f"; not the kernel path ({CUDA_KERNEL}): {kernel.why}"
         return engine, algorithm, why
+
+    def _kernel_direct(self, collective: str,
+                       forced: str | None) -> tuple[str, str, str] | None:
+        """The kernel path's one kernel for a reduce-scatter or all-gather of device memory
+        (nothing to price), where the verdict holds and nothing forces another algorithm;
+        forced where it does not hold, an ``ArgumentError`` saying why."""
+        kernel = self.group.kernel
+        name = forced.lower() if isinstance(forced, str) else forced
+        if name == KERNEL_DIRECT and (kernel is None or not kernel.ok):
+            why = kernel.why if kernel is not None else "the group has no device runtime"
+            raise ArgumentError(f"{collective} algorithm {forced!r} runs on the kernel path "
+                                f"({CUDA_KERNEL}), which this group cannot take: {why}; "
+                                "leave the algorithm unset for the automatic choice")
+        if name not in (None, KERNEL_DIRECT) or kernel is None or not kernel.ok:
+            return None
+        how = "forced by algorithm=" if name else "one kernel"
+        return CUDA_KERNEL, KERNEL_DIRECT, f"{CUDA_KERNEL} for device memory ({kernel.why}); {how}"
 
     def _kernel_allreduce(self, nbytes: int, forced: str | None) -> tuple[str, str, str] | None:
         """The kernel path for an allreduce of device memory, where the group's verdict

@@ -1,12 +1,14 @@
-"""The device allreduce kernels (``ringcomm/engines/kernels/allreduce.cu``) played in numpy
-on the fake runtime's memory, flags included, so their algorithm is tested on every CPU.
+"""The device kernels (``ringcomm/engines/kernels/allreduce.cu``: allreduce, reduce-scatter,
+all-gather) played in numpy on the fake runtime's memory, flags included, so their
+algorithm is tested on every CPU.
 
 Why a mirror: no usable CUDA simulator exists, and NVRTC only proves the kernels compile.
 Each function here is its kernel step by step: the same signal-pad slots and op numbers,
 the same unit width, slices and grid-stride blocks (``ringcomm.core.device.kernel_geometry``),
 the same accumulation type and rounding (float16 and bfloat16 in float32, rounded once; a
-complex product rounded per operation; ``avg`` as one scale). On a GPU the same tests can
-compare the real kernels with it (a later slice launches them).
+complex product rounded per operation; ``avg`` as one scale). On a GPU the tests that run
+the kernel path on the test runtime run the real kernels (``kernels.cupy_launch``) and
+compare them with numpy as the mirror's tests do.
 
 How concurrency is modelled. Ranks are threads of one process sharing the fake's memory (a
 peer's region is read and written at its own address, as a mapping would be). Every rank's
@@ -25,8 +27,8 @@ every coroutine waits, the fake reports the hang a GPU would spin in (``FakeDevi
 The fake's launch of the kernels for the ``cuda-kernel`` engine (``ringcomm.engines.kernel``)
 is ``StreamLauncher``: each rank's launch is an item on its stream, and its blocks run
 there, step by step, polling their pads (real shared memory between processes) as a GPU's
-blocks spin on them; ranks may be threads or processes. Registering user memory in place,
-and CuPy's launch, are later slices of issue 36.
+blocks spin on them; ranks may be threads or processes. Registering user memory in place is
+not written yet.
 """
 
 from __future__ import annotations
@@ -91,14 +93,9 @@ class Launch:
         if self.algorithm == "all_gather":
             if self.op is not None or self.dtype != np.uint8:
                 raise ValueError("the all-gather copies bytes: dtype uint8, no op")
-            if self.stride < self.count:
-                raise ValueError(f"the all-gather's stride ({self.stride} B) is shorter than "
-                                 f"a rank's {self.count} B")
         else:  # the pairs the host path has; the kernels the same
             reduce_op(self.op, self.dtype)  # type: ignore[arg-type]
-        if self.algorithm != "two_shot" and (self.out is None or self.out in self.data):
-            raise ValueError(f"the {self.algorithm} writes to an output of this rank's own, "
-                             "never a data buffer, which every peer reads during the kernel")
+        geometry.check_output(self.algorithm, self.data, self.out, self.count, self.stride)
         if self.op_number < 1:
             raise ValueError("op numbers start at 1 (a fresh pad holds 0)")
 
@@ -454,7 +451,8 @@ class KernelMirror:
 @dataclass
 class MappedRegions:
     """Each rank's region of fake device memory, ``[signal pad | data]`` as the kernels
-    expect it, and an output per rank for the one-shot. Ranks here are threads of one
+    expect it, and an output per rank (the one-shot's, the reduce-scatter's, the
+    all-gather's). Ranks here are threads of one
     process, so every rank sees a region at the address it was allocated at; the pads start
     at 0 (as the host clears them once, when it maps them) and the data holds
     ``STALE_BYTE``s until an input is copied in.

@@ -125,6 +125,11 @@ class CupyRuntime(DeviceRuntime):
     def multiprocessors(self, index: int) -> int:
         return int(self._rt.getDeviceProperties(index)["multiProcessorCount"])
 
+    def compute_capability(self, index: int) -> tuple[int, int]:
+        """Device ``index``'s (major, minor) compute capability: (9, 0) for an H100."""
+        props = self._rt.getDeviceProperties(index)
+        return int(props["major"]), int(props["minor"])
+
     def describe(self) -> dict[str, str]:
         props = self._rt.getDeviceProperties(self.current_device())
         name = props["name"]

@@ -1,8 +1,9 @@
-"""Where the device allreduce kernels put things: the signal pad's slots, each rank's slice,
-each block's units. One description for every side that must agree with
-``ringcomm/engines/kernels/allreduce.cu``: the launcher that will size pads and grids (a
-later slice of issue 36), and the numpy mirror of the kernels (``ringcomm.testing
-.fake_kernels``). A test compares the constants here with the CUDA source's.
+"""Where the device kernels put things: the signal pad's slots, each rank's slice, each
+block's units, the grid. One description for every side that must agree with
+``ringcomm/engines/kernels/allreduce.cu``: the channel that sizes grids and the launchers
+(``ringcomm.engines.kernel``, ``kernels.cupy_launch``), and the numpy mirror of the kernels
+(``ringcomm.testing.fake_kernels``). A test compares the constants here with the CUDA
+source's.
 
 Why the mirror takes these from here rather than computing its own: a slice or a block
 assignment that differed from the kernel's would make the mirror test another algorithm.
@@ -72,7 +73,8 @@ def grid_stride(first: int, end: int, block: int, blocks: int,
 def grid_blocks(algorithm: str, count: int, itemsize: int, world: int, threads: int,
                 multiprocessors: int) -> int:
     """Blocks per rank for one launch: enough for every thread to get a unit (of the whole
-    array for the one-shot, of a rank's slice for the two-shot), at most
+    array for the one-shot, of a rank's slice for the two-shot, of its block for the
+    reduce-scatter, of its bytes for the all-gather, whose ``itemsize`` is 1), at most
     ``MAX_BLOCKS`` (the pad's rows), and at most ``multiprocessors // world``, so that
     every block of every rank can be resident at once (ranks that share a GPU share its
     SMs; a block that waits on a peer's block that cannot be scheduled would spin for
@@ -83,6 +85,22 @@ def grid_blocks(algorithm: str, count: int, itemsize: int, world: int, threads: 
         units = -(-units // world)
     wanted = max(1, -(-units // threads))
     return max(1, min(wanted, MAX_BLOCKS, multiprocessors // world))
+
+
+def check_output(algorithm: str, data: tuple[int, ...], out: int | None, count: int,
+                 stride: int) -> None:
+    """What every launch's output must hold (both launchers check): the two-shot writes in
+    place; every other kernel writes to an output of this rank's own, never a data buffer
+    (every peer reads those while the kernel runs); the all-gather's ranks' blocks in it
+    (``stride`` bytes apart) do not overlap."""
+    if algorithm == "two_shot":
+        return
+    if out is None or out in data:
+        raise ValueError(f"the {algorithm} writes to an output of this rank's own, never a "
+                         "data buffer, which every peer reads during the kernel")
+    if algorithm == "all_gather" and stride < count:
+        raise ValueError(f"the all-gather's stride ({stride} B) is shorter than a rank's "
+                         f"{count} B")
 
 
 def check_launch(world: int, blocks: int, threads: int) -> None:

@@ -52,11 +52,12 @@ struct PeerPointers {
   unsigned int* pads[kMaxRanks];
 };
 
-// A signal pad is unsigned int[kPhases][kMaxBlocks][kMaxRanks] (then the abort word): slot (phase, block, r) of
-// rank q's pad is written only by block `block` of rank r, read only by rank q. Its value is
-// the number of the last op in which rank r's block reached that phase. Op numbers only grow
-// (the host numbers a communicator's ops 1, 2, 3, ... the same on every rank), so nothing is
-// ever reset between ops: the op's number is the value a waiting block expects.
+// A signal pad is unsigned int[kPhases][kMaxBlocks][kMaxRanks], then the abort word: slot
+// (phase, block, r) of rank q's pad is written only by block `block` of rank r, read only by
+// rank q. Its value is the number of the last op in which rank r's block reached that phase.
+// Op numbers only grow (the host numbers a communicator's ops 1, 2, 3, ... the same on every
+// rank), so nothing is ever reset between ops: the op's number is the value a waiting block
+// expects.
 __device__ __forceinline__ int pad_slot(int phase, int block, int rank) {
   return (phase * kMaxBlocks + block) * kMaxRanks + rank;
 }

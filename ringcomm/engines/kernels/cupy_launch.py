@@ -16,6 +16,7 @@ the kernel path on CuPy only where ``RINGCOMM_DEVICE_ENGINE=cuda-kernel`` asks f
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,7 @@ def kernel_args(algorithm: str, table: int, out: int | None, count: int, rank: i
 
 
 _FUNCTIONS: dict[tuple[int, str], Any] = {}  # (device, kernel name) -> compiled RawKernel
+_COMPILING = threading.Lock()  # ranks that are threads of one process compile once
 _LEFT_FOR_EXIT: list[Allocation] = []  # tables a failed channel could not free
 
 
@@ -78,12 +80,25 @@ class CupyLauncher:
 
     @classmethod
     def problem(cls, runtime: CupyRuntime) -> str:
-        """Why CuPy cannot compile the kernels here ("" where it can): NVRTC, which
+        """Why CuPy cannot run the kernels here ("" where it can): NVRTC, which
         ``cupy.RawModule`` compiles with, must load (the CUDA toolkit's, or the
-        ``nvidia-cuda-nvrtc`` wheel's)."""
+        ``nvidia-cuda-nvrtc`` wheel's), and the GPU must be sm_80 or newer (bfloat16's
+        conversion, ``cvt.rn.bf16.f32``; the architectures CI compiles for)."""
         from . import nvrtc_problem
 
-        return nvrtc_problem()
+        if problem := nvrtc_problem():
+            return problem
+        device = runtime.current_device()
+        major, minor = runtime.compute_capability(device)
+        if major < 8:
+            return (f"GPU {device} is sm_{major}{minor}: the kernels need sm_80 or newer "
+                    "(A100, H100, ...)")
+        return ""
+
+    def prepare(self, algorithm: str, dtype: np.dtype, op: ReduceOp | None) -> None:
+        """Compile ``algorithm``'s kernel for ``dtype`` and ``op`` now, if it is not yet
+        (NVRTC takes a while): before the op's first launch, while no peer waits."""
+        self._function(algorithm, dtype, op)
 
     def _function(self, algorithm: str, dtype: np.dtype, op: ReduceOp | None) -> Any:
         name = kernel_name(algorithm) if op is None else \
@@ -93,8 +108,12 @@ class CupyLauncher:
         if function is None:
             import cupy
 
-            module = cupy.RawModule(code=source(), options=OPTIONS, name_expressions=[name])
-            function = _FUNCTIONS[key] = module.get_function(name)
+            with _COMPILING:
+                function = _FUNCTIONS.get(key)
+                if function is None:
+                    module = cupy.RawModule(code=source(), options=OPTIONS,
+                                            name_expressions=[name])
+                    function = _FUNCTIONS[key] = module.get_function(name)
         return function
 
     def _table(self, data: tuple[int, ...], pads: tuple[int, ...], stream: Stream) -> int:
@@ -114,6 +133,7 @@ class CupyLauncher:
         """Queue one rank's kernel of one op on ``stream`` (the fake's ``Launch`` fields)."""
         world = len(data)
         geometry.check_launch(world, blocks, threads)
+        geometry.check_output(algorithm, data, out, count, stride)
         if algorithm == ALL_GATHER:
             op = None  # bytes: one kernel for every dtype
         else:  # the pairs the host path has: the only kernels there are
