@@ -27,6 +27,8 @@ def pairs() -> Iterator[tuple[str, np.dtype, str]]:
 
 
 def inputs(dtype: np.dtype, op: str, world: int, count: int, seed: int) -> list[np.ndarray]:
+    """One input per rank: values that make a wrong or stale element show (no zeros where a
+    product would hide them; integers that wrap)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(world):

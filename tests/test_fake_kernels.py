@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import kernel_cases
 import numpy as np
 import pytest
 
@@ -46,22 +47,9 @@ def fake() -> FakeRuntime:
 
 def inputs(dtype_name: str, op: str, world: int, seed: int, count: int = COUNT) -> list:
     """One input per rank: values that make a wrong or stale element show (no zeros where a
-    product would hide them; integers that wrap)."""
-    rng = np.random.default_rng(seed)
-    dtype = DTYPES[dtype_name]
-    out = []
-    for _ in range(world):
-        if dtype.kind == "b":
-            x = rng.random(count) < 0.5
-        elif dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            x = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
-        elif dtype.kind == "c":
-            x = rng.normal(size=count) + 1j * rng.normal(size=count)
-        else:
-            x = rng.normal(size=count) * (1.0 if op == "prod" else 10.0)
-        out.append(np.asarray(x).astype(dtype))
-    return out
+    product would hide them; integers that wrap): the engine tests' own
+    (``kernel_cases.inputs``)."""
+    return kernel_cases.inputs(DTYPES[dtype_name], op, world, count, seed)
 
 
 def host_path(values: list[np.ndarray], op: str) -> np.ndarray:

@@ -56,7 +56,7 @@ from ..transport.base import Transport
 from ..transport.header import Header
 from .context import OpContext
 from .device_channel import DeviceChannel, Exchange
-from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, await_closed
+from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, close_in_order
 
 __all__ = ["IpcChannel"]
 
@@ -402,17 +402,9 @@ class IpcChannel(DeviceChannel):
             self._leave_for_exit()
             return
         self._close_opened()
-        try:
-            self.exchange.publish(_CLOSED_KEY, b"1")
-        except Exception as err:  # noqa: BLE001 - the store may be gone with the group
-            log.warning("rank %d could not say its cuda-ipc mappings are closed: %s",
-                        self.rank, err)
-        mapping = self._await_importers(time.monotonic() + wait_s)
-        if mapping:  # freeing what a living peer maps is undefined on a GPU: never do it
-            log.warning("rank %d leaves its cuda-ipc slots and events for the process's exit "
-                        "to give back: rank(s) %s, still running, did not say within %g s "
-                        "that they closed their mappings of them", self.rank,
-                        ", ".join(map(str, mapping)), wait_s)
+        pids = {peer: self._pids[peer] for peer in self._peers if peer in self._pids}
+        if not close_in_order(self.exchange, _CLOSED_KEY, self.rank, pids, wait_s,
+                              "cuda-ipc slots and events"):
             self._leave_for_exit()
             return
         self._give_back(keep_events=failed)
@@ -462,13 +454,6 @@ class IpcChannel(DeviceChannel):
         self._their_ready, self._their_done = {}, {}
         for event in events:
             self.runtime.close_event(event)
-
-    def _await_importers(self, deadline: float) -> list[int]:
-        """Wait until every peer that maps this rank's slots has said "closed", or is gone,
-        or ``deadline`` has passed; the peers still mapping them (``await_closed``)."""
-        return await_closed(self.exchange, _CLOSED_KEY, self.rank,
-                            {peer: self._pids[peer] for peer in self._peers
-                             if peer in self._pids}, deadline, "cuda-ipc slots")
 
     def _give_back(self, *, keep_events: bool = False) -> None:
         """Close what is still open and free this rank's memory (the last step of close, or

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, PeerLostError
 from ..schedules.schedule import Kind, Schedule
 from ..transport.base import Transport
 from ..transport.link import Wait
@@ -358,6 +358,7 @@ def hear_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None
 
 
 _WATCH_POLL_S = 0.0002  # how often a watched op looks at the device and the links
+_LEFT_GRACE_S = 1.0  # how long a watched op's device work may still finish after a peer left
 
 
 def watch(runtime: DeviceRuntime, transport: Transport, marks: list[tuple[list[int], Any]],
@@ -367,9 +368,12 @@ def watch(runtime: DeviceRuntime, transport: Transport, marks: list[tuple[list[i
     """Until an op's device work is done (each mark: the peers its work waits on, and an
     event recorded after it), for engines whose device work waits on peers' device work
     with no timeout of its own (NCCL, the kernel path): poll the device, and read the links
-    for a peer's abort (``abort`` is told, then the peer's error raised). At the deadline:
-    ``abort``, then ``CommTimeout`` naming the peers the first unfinished mark waits on
-    (``waiting_on`` may narrow them from what the device says, before the abort)."""
+    for a peer's abort (``abort`` is told, then the peer's error raised). A peer whose links
+    closed may have finished its part of the op and left (its last bytes already delivered
+    to this rank's device work): the work gets ``_LEFT_GRACE_S`` more to finish before that
+    counts as a failure. At the deadline: ``abort``, then ``CommTimeout`` naming the peers
+    the first unfinished mark waits on (``waiting_on`` may narrow them from what the device
+    says, before the abort)."""
     waits = {peer: Wait(ctx.name, ctx.deadline, ctx.desc.incoming(peer, 0, 0))
              for peer in peers}
     pending = list(marks)
@@ -380,7 +384,10 @@ def watch(runtime: DeviceRuntime, transport: Transport, marks: list[tuple[list[i
         try:
             for peer, wait in waits.items():
                 transport.screen(peer, wait)
-        except CommError as err:  # a peer failed and told us: our work waits for it
+        except CommError as err:  # a peer failed and told us, or left: our work may wait for it
+            if isinstance(err, PeerLostError) and _finishes(
+                    runtime, pending, min(ctx.deadline, time.monotonic() + _LEFT_GRACE_S)):
+                return
             abort(f"rank {getattr(err, 'peer', '?')} failed")
             raise
         error = device_error() if device_error is not None else None
@@ -396,4 +403,15 @@ def watch(runtime: DeviceRuntime, transport: Transport, marks: list[tuple[list[i
                               f"work still waits on rank(s) {waiting}; the communicator is "
                               "aborted", rank=transport.rank, op=ctx.name,
                               peer=waiting[0] if waiting else None)
+        time.sleep(_WATCH_POLL_S)
+
+
+def _finishes(runtime: DeviceRuntime, marks: list[tuple[list[int], Any]],
+              deadline: float) -> bool:
+    """Whether every mark's event completes by ``deadline`` (polled)."""
+    while True:
+        if all(runtime.event_done(event) for _, event in marks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(_WATCH_POLL_S)

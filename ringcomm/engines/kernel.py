@@ -9,7 +9,7 @@ set-up, where the group's verdict allows it (``ringcomm.plan.kernel_path``;
 data]``, the pad cleared once and never again: its flags count ops), exports it once and
 publishes its handle through the group's device exchange; every rank opens every peer's
 once (a peer in its own process by pointer: CUDA IPC is between processes) and closes them
-at close, before the owners free them (``peer_memory.await_closed``).
+at close, before the owners free them (``peer_memory.close_in_order``).
 
 An op: its kernel is compiled first where the runtime compiles on first use (while no peer
 waits); the ranks swap the op's header over the group's transport (ranks that called
@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,7 +74,7 @@ from .device import (
 )
 from .device_channel import Exchange
 from .kernels import cupy_launch  # noqa: F401 - registers CuPy's launch of the kernels
-from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, await_closed
+from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, close_in_order
 
 log = logging.getLogger("ringcomm")
 
@@ -280,21 +279,10 @@ class KernelChannel:
         self._closed = True
         self._close_opened()
         wait_s = min(self.close_wait_s, AFTER_FAILURE_S) if failed else self.close_wait_s
-        if self._pids:
-            try:
-                self.exchange.publish(_CLOSED_KEY, b"1")
-            except Exception as err:  # noqa: BLE001 - the store may be gone with the group
-                log.warning("rank %d could not say its kernel-region mappings are closed: %s",
-                            self.rank, err)
-            mapping = await_closed(self.exchange, _CLOSED_KEY, self.rank, self._pids,
-                                   time.monotonic() + wait_s, "kernel region")
-            if mapping:
-                log.warning("rank %d leaves its kernel region for the process's exit to give "
-                            "back: rank(s) %s, still running, did not say within %g s that "
-                            "they closed their mappings of it", self.rank,
-                            ", ".join(map(str, mapping)), wait_s)
-                self._leave_for_exit()
-                return
+        if self._pids and not close_in_order(self.exchange, _CLOSED_KEY, self.rank,
+                                             self._pids, wait_s, "kernel region"):
+            self._leave_for_exit()
+            return
         self._give_back()
 
     def abandon(self) -> None:

@@ -102,3 +102,23 @@ def await_closed(exchange: Exchange, key: str, rank: int, pids: dict[int, int],
                                 "undefined on a GPU)", rank, peer, rank, what,
                                 deadline - now)
     return mapping
+
+
+def close_in_order(exchange: Exchange, key: str, rank: int, pids: dict[int, int],
+                   wait_s: float, what: str) -> bool:
+    """This rank's half of a close in the safe order, after it closed what it opened of its
+    peers': say so (``key``), then wait up to ``wait_s`` for every peer in ``pids`` that
+    maps this rank's ``what`` to say the same, or be gone. Whether this rank may free it
+    now; where not (a living peer still maps it), the warning is logged and the caller
+    keeps it to the process's exit."""
+    try:
+        exchange.publish(key, b"1")
+    except Exception as err:  # noqa: BLE001 - the store may be gone with the group
+        log.warning("rank %d could not say its mappings of its peers' %s are closed: %s",
+                    rank, what, err)
+    mapping = await_closed(exchange, key, rank, pids, time.monotonic() + wait_s, what)
+    if mapping:  # freeing what a living peer maps is undefined on a GPU: never do it
+        log.warning("rank %d leaves its %s for the process's exit to give back: rank(s) %s, "
+                    "still running, did not say within %g s that they closed their mappings "
+                    "of them", rank, what, ", ".join(map(str, mapping)), wait_s)
+    return not mapping
