@@ -174,7 +174,8 @@ class KernelChannel:
             threads=_THREADS, out=out, stride=stride)
 
     def prepare(self, kernel: str, dtype: np.dtype, op: ReduceOp | None) -> None:
-        """What a launch of ``kernel`` needs before any rank's kernel waits for this one's
+        """Start an op: forget the last op's launches (``waiting_on`` reads this op's), and
+        do what a launch of ``kernel`` needs before any rank's kernel waits for this one's
         (a runtime's first compile of it): the engine calls it before the op's headers are
         swapped, so no peer spins meanwhile."""
         self._pieces = []

@@ -177,6 +177,17 @@ class Selector:
             why += f"; not the kernel path ({CUDA_KERNEL}): {kernel.why}"
         return engine, algorithm, why
 
+    def _kernel_or_refuse(self, collective: str, forced: str | None) -> Verdict:
+        """The group's kernel path verdict for an algorithm of it that the caller forced: an
+        ``ArgumentError`` saying why where the group cannot take the path."""
+        kernel = self.group.kernel
+        if kernel is None or not kernel.ok:
+            why = kernel.why if kernel is not None else "the group has no device runtime"
+            raise ArgumentError(f"{collective} algorithm {forced!r} runs on the kernel path "
+                                f"({CUDA_KERNEL}), which this group cannot take: {why}; "
+                                "leave the algorithm unset for the automatic choice")
+        return kernel
+
     def _kernel_direct(self, collective: str,
                        forced: str | None) -> tuple[str, str, str] | None:
         """The kernel path's one kernel for a reduce-scatter or all-gather of device memory
@@ -184,11 +195,8 @@ class Selector:
         forced where it does not hold, an ``ArgumentError`` saying why."""
         kernel = self.group.kernel
         name = forced.lower() if isinstance(forced, str) else forced
-        if name == KERNEL_DIRECT and (kernel is None or not kernel.ok):
-            why = kernel.why if kernel is not None else "the group has no device runtime"
-            raise ArgumentError(f"{collective} algorithm {forced!r} runs on the kernel path "
-                                f"({CUDA_KERNEL}), which this group cannot take: {why}; "
-                                "leave the algorithm unset for the automatic choice")
+        if name == KERNEL_DIRECT:
+            kernel = self._kernel_or_refuse(collective, forced)
         if name not in (None, KERNEL_DIRECT) or kernel is None or not kernel.ok:
             return None
         how = "forced by algorithm=" if name else "one kernel"
@@ -203,11 +211,7 @@ class Selector:
         kernel = group.kernel
         name = forced.lower() if isinstance(forced, str) else forced
         if name in ALLREDUCE_KERNELS:
-            if kernel is None or not kernel.ok:
-                why = kernel.why if kernel is not None else "the group has no device runtime"
-                raise ArgumentError(f"allreduce algorithm {forced!r} runs on the kernel path "
-                                    f"({CUDA_KERNEL}), which this group cannot take: {why}; "
-                                    "leave the algorithm unset for the automatic choice")
+            kernel = self._kernel_or_refuse("allreduce", forced)
             return CUDA_KERNEL, name, f"{CUDA_KERNEL} for device memory ({kernel.why}); " \
                                       "forced by algorithm="
         if forced is not None or group.settings.algorithm is not None:
