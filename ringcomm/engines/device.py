@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..core.arrays import HOST, Buffer, DeviceBuffer, keep_until_done
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..errors import CommError, CommTimeout, PeerLostError
@@ -341,20 +343,30 @@ def stage_out(lane: DeviceLane, device: list[DeviceBuffer],
 
 
 
-def tell_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None:
-    """Send every peer of an op this rank's header of it, without payload: what engines
-    whose data moves without the host (NCCL, the kernel path) check ops by
-    (``hear_headers``)."""
+def tell_headers(transport: Transport, peers: list[int], ctx: OpContext,
+                 note: np.ndarray | None = None) -> None:
+    """Send every peer of an op this rank's header of it: what engines whose data moves
+    without the host (NCCL, the kernel path) check ops by (``hear_headers``), with a small
+    ``note`` of the engine's own where it has one (the same size on every rank)."""
+    nbytes = 0 if note is None else note.nbytes
     for peer in peers:
-        transport.send(peer, ctx.desc.outgoing(peer, transport.rank, 0, 0), None, ctx.name)
+        transport.send(peer, ctx.desc.outgoing(peer, transport.rank, 0, nbytes), note,
+                       ctx.name)
 
 
-def hear_headers(transport: Transport, peers: list[int], ctx: OpContext) -> None:
+def hear_headers(transport: Transport, peers: list[int], ctx: OpContext,
+                 note_bytes: int = 0) -> list[bytes]:
     """Take every peer's header of the op (``tell_headers``): a ``DesyncError`` naming both
-    ranks where one differs from this rank's, before any device work of the op is queued."""
+    ranks where one differs from this rank's, before any device work of the op is queued.
+    Returns each peer's note (``note_bytes`` long), in the order of ``peers``."""
+    notes = []
     for peer in peers:
-        transport.recv(peer, ctx.desc.incoming(peer, 0, 0), ctx.deadline, ctx.name)
+        got = transport.recv(peer, ctx.desc.incoming(peer, 0, note_bytes), ctx.deadline,
+                             ctx.name)
+        if note_bytes:
+            notes.append(bytes(got))
         transport.release(peer)
+    return notes
 
 
 _WATCH_POLL_S = 0.0002  # how often a watched op looks at the device and the links

@@ -33,8 +33,12 @@ Where it runs: on the fake runtime the launch is an item on the rank's stream th
 the kernel in numpy (``ringcomm.testing.fake_kernels.StreamLauncher``), for ranks that are
 threads or processes. On CuPy it is ``cupy.RawModule``'s (``kernels.cupy_launch``), not yet
 run on a GPU, so taken only where ``RINGCOMM_DEVICE_ENGINE=cuda-kernel`` asks for it
-(``runtime.devices.launch_problem``). In-place registration of user memory is not written
-yet: every op copies through the rank's region.
+(``runtime.devices.launch_problem``).
+
+Registered memory (``registered``): where every rank's buffer of an op lies in memory its
+rank registered (each says so in its header), the two-shot, the reduce-scatter and the
+all-gather run on the callers' arrays where they lie, one launch whatever the size, with no
+copy through the regions.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from ..core.algorithms import (
     KERNEL_COLLECTIVES,
     KERNEL_DIRECT,
 )
-from ..core.arrays import Buffer
+from ..core.arrays import Buffer, DeviceBuffer
 from ..core.device import kernel_geometry as geometry
 from ..core.device.runtime import Allocation, DeviceRuntime, Stream
 from ..core.dtypes import ReduceOp
@@ -75,6 +79,7 @@ from .device import (
 from .device_channel import Exchange
 from .kernels import cupy_launch  # noqa: F401 - registers CuPy's launch of the kernels
 from .peer_memory import AFTER_FAILURE_S, EXPORTS, LEFT_FOR_EXIT, close_in_order
+from .registered import Registry
 
 log = logging.getLogger("ringcomm")
 
@@ -116,6 +121,8 @@ class KernelChannel:
         self.ended = ""  # why the channel cannot be used any more ("aborted: ...")
         self._side: Stream | None = None  # for the host's look at its pad during an op
         self.launcher: Any = None
+        self.registry: Registry | None = None
+        self.in_place = 0  # ops that ran on registered memory where it lies
         try:
             self.region = self._malloc(geometry.PAD_BYTES + region_bytes)
             self._side = stream = runtime.new_stream()
@@ -123,6 +130,7 @@ class KernelChannel:
             runtime.synchronize(stream)
             self.pads = self._map_peers(deadline)
             self.data = tuple(pad + geometry.PAD_BYTES for pad in self.pads)
+            self.registry = Registry(runtime, exchange, rank, world, self._pids)
             self.launcher = runtime.kernel_launcher()
         except BaseException:
             self._give_back()
@@ -161,15 +169,18 @@ class KernelChannel:
         return tuple(regions)
 
     def _launch(self, stream: Stream, kernel: str, count: int, dtype: np.dtype,
-                op: ReduceOp | None, out: int | None, stride: int = 0) -> None:
+                op: ReduceOp | None, out: int | None, stride: int = 0,
+                data: tuple[int, ...] | None = None) -> None:
         """One launch with the next op number (the same on every rank: every rank runs the
-        same ops in the same order) and the grid every rank computes alike."""
+        same ops in the same order) and the grid every rank computes alike, over the ranks'
+        regions or ``data`` (registered memory)."""
         self.op_number += 1
         blocks = geometry.grid_blocks(kernel, count, dtype.itemsize, self.world, _THREADS,
                                       self.multiprocessors)
         self._pieces.append((self.op_number, blocks))
         self.launcher.launch_kernel(
-            stream=stream, algorithm=kernel, rank=self.rank, data=self.data, pads=self.pads,
+            stream=stream, algorithm=kernel, rank=self.rank,
+            data=self.data if data is None else data, pads=self.pads,
             count=count, dtype=dtype, op=op, op_number=self.op_number, blocks=blocks,
             threads=_THREADS, out=out, stride=stride)
 
@@ -203,6 +214,28 @@ class KernelChannel:
                          at if one_shot else None)
             if not one_shot:
                 runtime.copy(at, mine, n * size, stream)
+
+    def in_place_allreduce(self, data: tuple[int, ...], count: int, dtype: np.dtype,
+                           op: ReduceOp, stream: Stream) -> None:
+        """Queue on ``stream`` the two-shot over every rank's registered memory where it
+        lies (``data``, as this process reaches it): one launch, whatever the size."""
+        self.in_place += 1
+        self._launch(stream, "two_shot", count, dtype, op, None, data=data)
+
+    def in_place_reduce_scatter(self, data: tuple[int, ...], dst: int, count: int,
+                                dtype: np.dtype, op: ReduceOp, stream: Stream) -> None:
+        """Queue on ``stream`` one reduce-scatter launch reading every rank's registered
+        input where it lies, writing this rank's block to ``dst``."""
+        self.in_place += 1
+        self._launch(stream, "reduce_scatter", count, dtype, op, dst, data=data)
+
+    def in_place_all_gather(self, data: tuple[int, ...], dst: int, nbytes: int,
+                            stream: Stream) -> None:
+        """Queue on ``stream`` one all-gather launch reading every rank's registered input
+        where it lies into ``dst``."""
+        self.in_place += 1
+        self._launch(stream, "all_gather", nbytes, np.dtype(np.uint8), None, dst,
+                     stride=nbytes, data=data)
 
     def reduce_scatter(self, src: int, dst: int, count: int, dtype: np.dtype, op: ReduceOp,
                        stream: Stream) -> None:
@@ -278,10 +311,14 @@ class KernelChannel:
         if self._closed:
             return
         self._closed = True
+        registered = self.registry.close_all() if self.registry is not None else []
         self._close_opened()
         wait_s = min(self.close_wait_s, AFTER_FAILURE_S) if failed else self.close_wait_s
-        if self._pids and not close_in_order(self.exchange, _CLOSED_KEY, self.rank,
-                                             self._pids, wait_s, "kernel region"):
+        safe = not self._pids or close_in_order(self.exchange, _CLOSED_KEY, self.rank,
+                                                self._pids, wait_s, "kernel region")
+        if self.registry is not None:
+            self.registry.let_go(registered, safe)
+        if not safe:
             self._leave_for_exit()
             return
         self._give_back()
@@ -298,6 +335,8 @@ class KernelChannel:
         except Exception as err:  # noqa: BLE001 - abandoning must not raise
             log.warning("rank %d could not set its kernel path's abort word: %s", self.rank,
                         err)
+        if self.registry is not None:
+            self.registry.abandon()
         self._leave_for_exit()
 
     def _close_opened(self) -> None:
@@ -334,6 +373,11 @@ class KernelChannel:
                 f"piece of {self.capacity} B) over {self.world} mapped regions, "
                 f"{self.op_number} launches so far")
 
+
+#: the kernels that run on registered memory where it lies (``registered``)
+_IN_PLACE = frozenset({"two_shot", "reduce_scatter", "all_gather"})
+#: what each rank adds to the op's header: its registration and offset, or (-1, 0)
+_NOTE_BYTES = 16
 
 #: the kernel each op launches, by allreduce algorithm or other collective
 _KERNEL_OF = {"kernel-oneshot": "one_shot", "kernel-twoshot": "two_shot",
@@ -374,31 +418,84 @@ class KernelEngine(Engine):
         kernel = _KERNEL_OF[algorithm if collective == "allreduce" else collective]
         with on_device(self.runtime, self.lane.device):
             channel.prepare(kernel, ctx.dtype, None if kernel == "all_gather" else ctx.reduce)
-        tell_headers(self.transport, self._peers, ctx)
-        hear_headers(self.transport, self._peers, ctx)
+        spot = self._registered(kernel, buffers)
+        tell_headers(self.transport, self._peers, ctx,
+                     np.array(spot if spot is not None else (-1, 0), np.int64))
+        notes = hear_headers(self.transport, self._peers, ctx, _NOTE_BYTES)
         try:
-            self._launched(collective, algorithm, buffers, ctx)
+            data = None if spot is None else self._where_they_lie(kernel, spot, notes, buffers)
+            self._launched(collective, algorithm, buffers, ctx, data)
         except BaseException as err:  # peers' kernels may wait for this rank's: end them
             channel.abort(f"{type(err).__name__} on rank {self.rank} during {ctx.name}")
             raise
 
+    def _registered(self, kernel: str, buffers: Mapping[str, Buffer]) -> tuple[int, int] | None:
+        """Where the buffer the peers read lies in this rank's registered memory (the
+        registration and the offset in it), for a kernel that can run there: the two-shot
+        on its data, the reduce-scatter and all-gather on their input, whose output (this
+        rank's, never read by a peer) must not overlap it. None: the op copies through the
+        region."""
+        registry = self.channel.registry
+        if kernel not in _IN_PLACE or registry is None or not registry.live:
+            return None
+        read = buffers["data" if kernel == "two_shot" else "input"]
+        if not (isinstance(read, DeviceBuffer) and read.memory == self.runtime.memory
+                and read.device == self.lane.device):
+            return None
+        out = buffers.get("output")
+        if isinstance(out, DeviceBuffer) and (out.pointer < read.pointer + read.nbytes
+                                              and read.pointer < out.pointer + out.nbytes):
+            return None
+        return registry.find(read.pointer, read.nbytes)
+
+    def _where_they_lie(self, kernel: str, spot: tuple[int, int], notes: list[bytes],
+                        buffers: Mapping[str, Buffer]) -> tuple[int, ...] | None:
+        """Every rank's buffer as this process reaches it, where every rank's header said
+        it lies in a registration (agreed: each rank runs in place only if all do); else
+        None."""
+        registry = self.channel.registry
+        assert registry is not None
+        spots = dict(zip(self._peers, (tuple(int(v) for v in np.frombuffer(note, np.int64))
+                                       for note in notes), strict=True))
+        spots[self.rank] = spot
+        if any(index < 0 for index, _ in spots.values()):
+            return None
+        nbytes = buffers["data" if kernel == "two_shot" else "input"].nbytes
+        return tuple(registry.view(spots[q][0], q, spots[q][1], nbytes)
+                     for q in range(self.world_size))
+
     def _launched(self, collective: str, algorithm: str, buffers: Mapping[str, Buffer],
-                  ctx: OpContext) -> None:
-        """The op's device work queued, watched to its end, and handed back to the caller's
-        streams."""
+                  ctx: OpContext, data: tuple[int, ...] | None) -> None:
+        """The op's device work queued (on every rank's registered memory where it lies,
+        ``data``, else through the regions), watched to its end, and handed back to the
+        caller's streams."""
         channel = self.channel
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
             stream = self.lane.stream
             if collective == "allreduce":
                 assert ctx.reduce is not None
-                channel.allreduce(algorithm, pointers["data"], buffers["data"].count,
-                                  ctx.dtype, ctx.reduce, stream)
+                if data is not None:
+                    channel.in_place_allreduce(data, buffers["data"].count, ctx.dtype,
+                                               ctx.reduce, stream)
+                else:
+                    channel.allreduce(algorithm, pointers["data"], buffers["data"].count,
+                                      ctx.dtype, ctx.reduce, stream)
                 written = "data"
             elif collective == "reduce_scatter":
                 assert ctx.reduce is not None
-                channel.reduce_scatter(pointers["input"], pointers["output"],
-                                       buffers["output"].count, ctx.dtype, ctx.reduce, stream)
+                if data is not None:
+                    channel.in_place_reduce_scatter(data, pointers["output"],
+                                                    buffers["output"].count, ctx.dtype,
+                                                    ctx.reduce, stream)
+                else:
+                    channel.reduce_scatter(pointers["input"], pointers["output"],
+                                           buffers["output"].count, ctx.dtype, ctx.reduce,
+                                           stream)
+                written = "output"
+            elif data is not None:
+                channel.in_place_all_gather(data, pointers["output"], buffers["input"].nbytes,
+                                            stream)
                 written = "output"
             else:
                 channel.all_gather(pointers["input"], pointers["output"],

@@ -65,10 +65,11 @@ from ..transport.base import Transport
 from ..transport.group import GroupTransport
 from ..transport.header import OpKind
 from ..transport.kinds import KINDS
-from . import devices
+from . import devices, registration
 from .hang_report import ReportStore
 from .ops import CollectiveCall, OpRunner
 from .p2p import P2POp
+from .registration import Registration
 
 log = logging.getLogger("ringcomm")
 _ALLREDUCE = COLLECTIVES["allreduce"]
@@ -401,6 +402,32 @@ class Communicator:
         sub.barrier()  # every member is connected
         sub.start_faults()
         return sub
+
+    def register(self, x: Any) -> Registration:
+        """Register device array ``x`` with the group, so the kernel path's allreduces (its
+        two-shot), reduce-scatters and all-gathers run on it where it lies, without a copy,
+        whenever every rank's buffer of an op lies in a registration. Collective: every rank
+        registers its array at the same point, in the same order. The registration holds
+        ``x`` (its memory is neither freed nor handed out again) until its ``deregister``,
+        which every rank also calls at the same point, or ``close``. Costs one CUDA IPC
+        export of the allocation holding ``x`` (once per allocation), one record through the
+        store and one open of each peer's allocation (once per allocation); refused, with the
+        reason, for host memory, another device's, or memory without an IPC handle (torch's
+        expandable segments). Where the group has no kernel path it holds nothing and says
+        why (``Registration.why``). ``ringcomm.engines.registered`` tells how it works.
+
+        Example::
+
+            with comm.register(bucket):      # every rank, once
+                for step in range(steps):
+                    comm.allreduce(bucket)   # in place, no copy
+        """
+        try:
+            return registration.register(
+                x, lanes=self.wiring.lanes, kernel=self.selector.group.kernel,
+                device=self.device, between_ops=self._ops.between_ops, timeout=self.timeout)
+        except ArgumentError as err:
+            raise _named(err, self.rank, "register") from None
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, x: Any, op: str = "sum", *, algorithm: str | None = None,

@@ -61,6 +61,8 @@ register; a range overlapping a registered one;       cudaErrorHostMemoryAlready
 unregistering a range never registered                cudaErrorHostMemoryNotRegistered
 a host array a copy cannot use as it is (not          the seam's contract: a copy moves one
 contiguous; read-only as a destination)               contiguous range of bytes
+exporting memory of ``malloc_mapped`` (as            cuIpcGetMemHandle docs: memory of
+``cuMemCreate``/``cuMemMap`` map it)                  cuMemAlloc only
 an IPC handle that is not one, or names no live       cudaErrorInvalidResourceHandle
 allocation or event of its process
 a handle opened on two threads at once; a 129th       the fake's own bookkeeping (not CUDA's):
@@ -114,6 +116,9 @@ _MEM_MAGIC = b"RCFAKEMM"
 _EVENT_MAGIC = b"RCFAKEEV"
 _MEM_HANDLE = struct.Struct("<8sQQQQ")  # magic, pid, fd, id, nbytes
 _EVENT_HANDLE = struct.Struct("<8sQQQ")  # magic, pid, fd, id
+_NO_IPC_HANDLE = ("export of {ptr:#x}: memory mapped with cuMemCreate/cuMemMap (as torch's "
+                  "expandable segments map it) has no CUDA IPC handle (cuIpcGetMemHandle "
+                  "takes memory of cuMemAlloc only)")
 _IMPORTERS_AT = 64  # header offset of the importer table: (pid, start time) pairs
 _IMPORTER_SLOTS = 128
 _POLL_S = 0.0002  # how often a stream waiting on another process's event looks again
@@ -322,6 +327,7 @@ class _Region:
     ident: int
     owner: int  # the pid that allocated it
     data: np.ndarray = field(repr=False)
+    exportable: bool = True  # False: mapped as cuMemCreate/cuMemMap map it (no IPC handle)
 
     @property
     def end(self) -> int:
@@ -795,6 +801,15 @@ class FakeRuntime(DeviceRuntime):
             self._add(_Region(base, nbytes, "allocation", fd, mm, ident, self.pid, data))
         return Allocation(base, nbytes, self.current_device())
 
+    def malloc_mapped(self, nbytes: int) -> Allocation:
+        """Device memory as ``cuMemCreate`` + ``cuMemMap`` make it (torch's expandable
+        segments): used like any other, but without a CUDA IPC handle (``export_memory``
+        refuses it, as ``cuIpcGetMemHandle`` takes memory of ``cuMemAlloc`` only)."""
+        allocation = self.malloc(nbytes)
+        with self._lock:
+            self._regions[allocation.ptr].exportable = False
+        return allocation
+
     def _find(self, ptr: int, nbytes: int, what: str) -> _Region:
         """The region holding ``nbytes`` at ``ptr``, or a fault saying why there is none."""
         with self._lock:
@@ -976,7 +991,22 @@ class FakeRuntime(DeviceRuntime):
             raise FakeDeviceFault(
                 f"export_memory({allocation.ptr:#x}): only the base of a live allocation "
                 "made here by malloc can be exported")
+        if not region.exportable:
+            raise FakeDeviceFault(_NO_IPC_HANDLE.format(ptr=allocation.ptr))
         return _MEM_HANDLE.pack(_MEM_MAGIC, self.pid, region.fd, region.ident, region.nbytes)
+
+    def export_user_memory(self, ptr: int) -> tuple[bytes, int, int]:
+        try:
+            region = self._find(ptr, 0, "export_user_memory")
+        except FakeDeviceFault as err:
+            raise ValueError(str(err)) from None
+        if region.kind != "allocation":
+            raise ValueError(f"export_user_memory({ptr:#x}): a mapping of process "
+                             f"{region.owner}'s memory, not memory of this process")
+        if not region.exportable:
+            raise ValueError(_NO_IPC_HANDLE.format(ptr=ptr))
+        return (_MEM_HANDLE.pack(_MEM_MAGIC, self.pid, region.fd, region.ident, region.nbytes),
+                region.base, region.nbytes)
 
     def open_memory(self, handle: bytes) -> int:
         self._drain_deferred()
@@ -1172,18 +1202,35 @@ class FakeDeviceArray:
         x.to_host()                                      # synchronizes, then copies
     """
 
-    __slots__ = ("runtime", "allocation", "shape", "dtype", "_finalizer", "__weakref__")
+    __slots__ = ("runtime", "allocation", "shape", "dtype", "offset", "base", "_finalizer",
+                 "__weakref__")
 
     def __init__(self, shape: tuple[int, ...] | int, dtype: Any,
-                 runtime: FakeRuntime | None = None) -> None:
+                 runtime: FakeRuntime | None = None, *, mapped: bool = False) -> None:
         rt = runtime if runtime is not None else _default_runtime()
         self.runtime = rt
         self.shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
-        self.allocation = rt.malloc(self.nbytes)
+        self.offset = 0
+        self.base: FakeDeviceArray | None = None
+        self.allocation = rt.malloc_mapped(self.nbytes) if mapped else rt.malloc(self.nbytes)
         # given back as a pool does, for reuse on the stream current now (release_soon)
-        self._finalizer = weakref.finalize(self, rt.release_soon, self.allocation,
-                                           rt.current_stream().handle)
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, rt.release_soon, self.allocation, rt.current_stream().handle)
+
+    def block(self, offset: int, shape: tuple[int, ...] | int, dtype: Any) -> FakeDeviceArray:
+        """An array of its own in this one's memory, ``offset`` bytes in, as a caching
+        allocator hands out blocks of one segment (a block's pointer is no allocation's
+        base): it keeps this array alive, and its memory is freed with this one's."""
+        block = object.__new__(FakeDeviceArray)
+        block.runtime, block.allocation, block._finalizer = self.runtime, self.allocation, None
+        block.shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        block.dtype = np.dtype(dtype)
+        block.offset, block.base = self.offset + offset, self
+        if offset < 0 or offset + block.nbytes > self.nbytes:
+            raise ValueError(f"a block of {block.nbytes} B at {offset} does not fit in "
+                             f"{self.nbytes} B")
+        return block
 
     @classmethod
     def empty(cls, shape: tuple[int, ...] | int, dtype: Any,
@@ -1204,7 +1251,7 @@ class FakeDeviceArray:
 
     @property
     def ptr(self) -> int:
-        return self.allocation.ptr
+        return self.allocation.ptr + self.offset
 
     @property
     def size(self) -> int:
@@ -1225,7 +1272,10 @@ class FakeDeviceArray:
 
     def close(self) -> None:
         """Give the device memory back now, as dropping the array does (the runtime's
-        ``release_soon``: work still queued on it is a fault)."""
+        ``release_soon``: work still queued on it is a fault); a block's goes with the array
+        it lies in."""
+        if self._finalizer is None:
+            raise ValueError("a block's memory is given back with the array it lies in")
         self._finalizer()
         self.runtime.live_allocations()  # a safe point: the free happens here
 

@@ -33,6 +33,23 @@ def _cupy() -> Any:
     return cupy
 
 
+def _address_range(ptr: int) -> tuple[int, int]:
+    """The base and size of the device allocation holding ``ptr``: the driver's
+    ``cuMemGetAddressRange`` (CuPy does not wrap it), through ctypes."""
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    get_range = driver.cuMemGetAddressRange_v2
+    get_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                          ctypes.c_uint64]
+    base, nbytes = ctypes.c_uint64(), ctypes.c_size_t()
+    result = get_range(ctypes.byref(base), ctypes.byref(nbytes), ctypes.c_uint64(ptr))
+    if result:
+        raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed with CUDA error {result}: "
+                         "not device memory of this process")
+    return int(base.value), int(nbytes.value)
+
+
 def cupy_problem() -> str:
     """Why the CuPy runtime cannot be used here ("" when it can)."""
     try:
@@ -234,6 +251,18 @@ class CupyRuntime(DeviceRuntime):
                 raise ValueError(f"export_memory({allocation.ptr:#x}): only the base of a "
                                  "live allocation made here by malloc can be exported")
         return bytes(self._rt.ipcGetMemHandle(allocation.ptr))
+
+    def export_user_memory(self, ptr: int) -> tuple[bytes, int, int]:
+        base, nbytes = _address_range(ptr)
+        try:
+            handle = bytes(self._rt.ipcGetMemHandle(base))
+        except Exception as err:  # noqa: BLE001 - CUDA's own words, with what to do
+            raise ValueError(
+                f"cudaIpcGetMemHandle refused the allocation at {base:#x} holding {ptr:#x} "
+                f"({err}): only cudaMalloc'd memory has a CUDA IPC handle, not memory mapped "
+                "with cuMemCreate/cuMemMap (torch's expandable_segments) or taken from a "
+                "stream-ordered pool (cudaMallocAsync)") from None
+        return handle, base, nbytes
 
     def open_memory(self, handle: bytes) -> int:
         ptr = int(self._rt.ipcOpenMemHandle(bytes(handle), 1))  # lazy peer access

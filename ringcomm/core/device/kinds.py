@@ -215,6 +215,34 @@ class TorchCUDAKind(RuntimeKind):
         return runtime.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
 
+def export_problem(x: Any) -> str:
+    """Why the memory of device array ``x`` cannot be shared with another process through a
+    CUDA IPC handle, where its kind says so before the driver is asked ("" otherwise): torch's
+    caching allocator with expandable segments maps memory with ``cuMemCreate``/``cuMemMap``,
+    and its ``cudaMallocAsync`` backend takes it from a stream-ordered pool; neither has a
+    ``cudaIpcGetMemHandle`` handle."""
+    if not TorchCUDAKind().owns(x):
+        return ""
+    torch = sys.modules["torch"]
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()
+    return torch_allocator_problem(str(settings), torch.cuda.get_allocator_backend())
+
+
+def torch_allocator_problem(settings: str, backend: str) -> str:
+    """``export_problem`` for torch's allocator, from its settings (``PYTORCH_ALLOC_CONF``'s
+    form, ``expandable_segments:True,...``) and its backend's name."""
+    options = dict(part.split(":", 1) for part in settings.replace(" ", "").split(",")
+                   if ":" in part)
+    if options.get("expandable_segments", "").lower() == "true":
+        return ("torch's caching allocator runs with expandable_segments:True, whose memory "
+                "(cuMemCreate/cuMemMap) has no CUDA IPC handle; unset it in "
+                "PYTORCH_ALLOC_CONF to register tensors")
+    if backend == "cudaMallocAsync":
+        return ("torch's allocator backend is cudaMallocAsync, whose stream-ordered pool has "
+                "no CUDA IPC handles; use the native backend to register tensors")
+    return ""
+
+
 def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:
     """Whether byte ``strides`` lay ``shape`` out in C order without gaps (a dimension of
     length 1 may have any stride)."""

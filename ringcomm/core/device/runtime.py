@@ -214,6 +214,17 @@ class DeviceRuntime(abc.ABC):
     def export_memory(self, allocation: Allocation) -> bytes:
         """A handle to ``allocation`` that another process opens with ``open_memory``."""
 
+    def export_user_memory(self, ptr: int) -> tuple[bytes, int, int]:
+        """For memory this process allocated elsewhere (a caching allocator's block, a
+        user's array): the handle of the whole allocation holding ``ptr``, its base and its
+        size, since an IPC handle names an allocation's base, never a pointer inside it
+        (``cuMemGetAddressRange``, then ``cuIpcGetMemHandle`` of the base; torch's
+        ``storage._share_cuda_`` sends base + offset alike). Raises ``ValueError`` saying
+        why where the memory has no such handle (not device memory of this process; mapped
+        with ``cuMemCreate``/``cuMemMap``, as torch's expandable segments are; from a
+        stream-ordered pool)."""
+        raise ValueError(f"the {self.name} runtime cannot export memory it did not allocate")
+
     @abc.abstractmethod
     def open_memory(self, handle: bytes) -> int:
         """Map another process's exported allocation; its base pointer here. Opening a

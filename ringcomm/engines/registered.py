@@ -1,0 +1,247 @@
+"""User memory registered with the kernel path, so an op reads (and the two-shot writes) the
+caller's arrays where they lie, without the copy through the rank's region.
+
+Why registration is explicit and collective (NCCL's ``ncclCommRegister``, torch's
+symmetric-memory rendezvous): a peer's kernel can reach a rank's array only through a mapping
+of the whole allocation that holds it (an IPC handle names an allocation's base, never a
+pointer inside it: a caching allocator's block is reached as its segment's base plus an
+offset, as torch's ``storage._share_cuda_`` sends it), and that mapping must stay correct for
+as long as any peer may use it. A mapping made behind the user's back could not be: torch's
+caching allocator gives a segment back to CUDA at any ``empty_cache``, and freeing memory a
+peer maps is undefined on a GPU. So ``register`` is a call every rank of the group makes in the
+same order (a DDP bucket, once), which
+
+- keeps the caller's array alive until ``deregister`` (its memory cannot be freed or handed
+  out again meanwhile: the caller may keep writing it, which is the point),
+- exports the allocation holding it once per allocation and communicator (a second array in
+  the same segment reuses the handle), and has every peer open it once per allocation (a
+  second registration in a segment already open only counts),
+- and ends with ``deregister`` (or the communicator's close): every peer closes its mapping,
+  says so, and only then is the array let go; a peer that never says so leaves it to the
+  process's exit (``peer_memory.close_in_order``).
+
+What it costs: once per registration, one export (where the allocation is new), one record
+through the group's store and one read of every peer's, and one IPC open per peer allocation
+not yet open (CUDA maps it: about a millisecond); per op nothing but a lookup of the
+pointer. What is refused, saying why: host memory, another device's, memory without a CUDA
+IPC handle (``cuMemCreate``/``cuMemMap``, as torch's expandable segments map it; a
+stream-ordered pool). A rank that refuses tells its peers, so every rank raises.
+
+An op runs in place when every rank's buffer lies in a registration (each rank says which,
+and where, in the header it swaps with its peers before any kernel starts: agreed, never
+assumed) and the kernel can: the two-shot allreduce (each rank reduces its slice from every
+rank's array and writes it into every rank's array), the reduce-scatter and the all-gather
+(their inputs read where they lie, the output written by its own rank only). The one-shot
+writes its result while peers still read the inputs, so it always copies its input first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.device.runtime import DeviceRuntime
+from ..errors import ArgumentError
+from .device_channel import Exchange
+from .peer_memory import LEFT_FOR_EXIT, close_in_order
+
+log = logging.getLogger("ringcomm")
+
+_KEY = "kernel-registered/{index}"
+_CLOSED_KEY = "kernel-registered/{index}/closed"
+
+
+@dataclass
+class Registered:
+    """One registration as this rank sees it: its own range, every rank's range as this
+    process reaches it (``views``) and how long each is, and what it holds open."""
+
+    index: int
+    ptr: int
+    nbytes: int
+    keep: Any = field(repr=False)  # the caller's array: alive until deregistered
+    base: int  # this rank's allocation holding it
+    views: tuple[int, ...]
+    sizes: tuple[int, ...]
+    opened: list[tuple[int, bytes]]  # the peers' allocations opened for it: (peer, handle)
+
+
+class Registry:
+    """The user memory registered with one kernel channel (module docstring)."""
+
+    def __init__(self, runtime: DeviceRuntime, exchange: Exchange, rank: int, world: int,
+                 pids: dict[int, int]) -> None:
+        self.runtime = runtime
+        self.exchange = exchange
+        self.rank, self.world = rank, world
+        self._pids = pids  # the peers, by rank: their processes
+        self._lock = threading.Lock()
+        self._live: dict[int, Registered] = {}
+        self._next = 0
+        self._exports: dict[int, list[Any]] = {}  # allocation base -> [handle, registrations]
+        self._maps: dict[tuple[int, bytes], list[int]] = {}  # (peer, handle) -> [ptr, uses]
+        self.exported = 0  # allocations exported so far (one per allocation: the cache)
+        self.opens = 0  # peers' allocations opened so far
+
+    # ------------------------------------------------------------------ register
+    def register(self, ptr: int, nbytes: int, keep: Any, deadline: float,
+                 refused: str = "") -> Registered:
+        """Collective: this rank's ``nbytes`` at ``ptr`` (of the caller's array ``keep``)
+        registered with every peer's. ``refused``: why this rank cannot (its peers hear it
+        and raise too). Raises ``ArgumentError`` naming the rank that refused."""
+        index = self._next
+        self._next += 1
+        record: dict[str, Any] = {"pid": os.getpid()}
+        base = 0
+        if not refused:
+            try:
+                handle, base, _ = self._export(ptr)
+            except ValueError as err:
+                refused = str(err)
+            else:
+                record.update(handle=handle.hex(), base=base, offset=ptr - base,
+                              nbytes=nbytes)
+        if refused:
+            record["refused"] = refused
+        self.exchange.publish(_KEY.format(index=index), json.dumps(record).encode())
+        if refused:
+            self._drop_export(base)
+            raise ArgumentError(f"cannot register this array: {refused}; leave it "
+                                "unregistered (ops on it copy it through the kernel path's "
+                                "region)", rank=self.rank)
+        views, sizes, opened = [], [], []
+        try:
+            for peer in range(self.world):
+                if peer == self.rank:
+                    views.append(ptr)
+                    sizes.append(nbytes)
+                    continue
+                theirs = json.loads(self.exchange.read(_KEY.format(index=index), peer,
+                                                       deadline))
+                if "refused" in theirs:
+                    raise ArgumentError(f"rank {peer} could not register its array "
+                                        f"({theirs['refused']}), so no rank registers it",
+                                        rank=self.rank, peer=peer)
+                handle = bytes.fromhex(theirs["handle"])
+                if int(theirs["pid"]) == os.getpid():  # a peer of this process: its pointer
+                    mapped = int(theirs["base"])
+                else:
+                    mapped = self._open(peer, handle)
+                    opened.append((peer, handle))
+                views.append(mapped + int(theirs["offset"]))
+                sizes.append(int(theirs["nbytes"]))
+        except BaseException:
+            self._close_maps(opened)
+            self._drop_export(base)
+            raise
+        registered = Registered(index, ptr, nbytes, keep, base, tuple(views), tuple(sizes),
+                                opened)
+        with self._lock:
+            self._live[index] = registered
+        return registered
+
+    def _export(self, ptr: int) -> tuple[bytes, int, int]:
+        handle, base, size = self.runtime.export_user_memory(ptr)
+        held = self._exports.get(base)
+        if held is not None:  # the same allocation: its handle again
+            held[1] += 1
+            return held[0], base, size
+        self._exports[base] = [handle, 1]
+        self.exported += 1
+        return handle, base, size
+
+    def _drop_export(self, base: int) -> None:
+        held = self._exports.get(base)
+        if held is not None:
+            held[1] -= 1
+            if not held[1]:
+                del self._exports[base]
+
+    def _open(self, peer: int, handle: bytes) -> int:
+        held = self._maps.get((peer, handle))
+        if held is None:
+            held = self._maps[(peer, handle)] = [self.runtime.open_memory(handle), 0]
+            self.opens += 1
+        held[1] += 1
+        return held[0]
+
+    def _close_maps(self, opened: list[tuple[int, bytes]]) -> None:
+        for key in opened:
+            held = self._maps[key]
+            held[1] -= 1
+            if not held[1]:
+                del self._maps[key]
+                self.runtime.close_memory(held[0])
+
+    # ------------------------------------------------------------------ ops
+    def find(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """The registration holding ``nbytes`` at ``ptr`` and the offset in it, if any."""
+        with self._lock:
+            for registered in self._live.values():
+                if registered.ptr <= ptr and ptr + nbytes <= registered.ptr + registered.nbytes:
+                    return registered.index, ptr - registered.ptr
+        return None
+
+    def view(self, index: int, rank: int, offset: int, nbytes: int) -> int:
+        """Where rank ``rank``'s ``nbytes`` at ``offset`` in its registration ``index`` lie,
+        as this process reaches them (what a peer's header named)."""
+        with self._lock:
+            registered = self._live.get(index)
+        if registered is None or offset < 0 or offset + nbytes > registered.sizes[rank]:
+            raise RuntimeError(f"rank {rank} named its registration {index} at offset "
+                               f"{offset} for {nbytes} B, which rank {self.rank} does not "
+                               "hold: the ranks registered or deregistered in different "
+                               "orders")
+        return registered.views[rank] + offset
+
+    # ------------------------------------------------------------------ deregister
+    def deregister(self, index: int, wait_s: float) -> None:
+        """Collective: registration ``index`` ended on every rank. This rank closes its
+        mappings of the peers' arrays, says so, and lets its own array go once every peer
+        has said the same (or is gone); else keeps it to the process's exit."""
+        with self._lock:
+            registered = self._live.pop(index)
+        self._close_maps(registered.opened)
+        self._let_go([registered], _CLOSED_KEY.format(index=index), wait_s)
+
+    def close_all(self) -> list[Registered]:
+        """At the channel's close, before it says its mappings are closed: close every
+        mapping of the peers' arrays and hand back the registrations, whose arrays the
+        channel lets go (``let_go``) once every peer said the same."""
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for registered in live:
+            self._close_maps(registered.opened)
+        return live
+
+    def abandon(self) -> None:
+        """After a failure whose device work may never end: keep every registered array and
+        every mapping of a peer's to the process's exit (closing one waits for the device)."""
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        LEFT_FOR_EXIT.append(list(self._maps.values()))
+        self._maps = {}
+        self.let_go(live, safe=False)
+
+    def let_go(self, registrations: list[Registered], safe: bool) -> None:
+        """The arrays of ``registrations`` let go (``safe``: no peer maps them any more) or
+        kept to the process's exit."""
+        for registered in registrations:
+            self._drop_export(registered.base)
+            if not safe:
+                LEFT_FOR_EXIT.append(registered.keep)
+            registered.keep = None
+
+    def _let_go(self, registrations: list[Registered], key: str, wait_s: float) -> None:
+        safe = close_in_order(self.exchange, key, self.rank, self._pids, wait_s,
+                              "registered memory")
+        self.let_go(registrations, safe)
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+

@@ -1,0 +1,115 @@
+"""``Communicator.register``: a device array registered with the group, so the kernel path's
+ops read it (and the two-shot writes it) where it lies (``ringcomm.engines.registered``).
+
+Registering is collective, as NCCL's and torch's symmetric memory's are: every rank registers
+its array at the same point of its program, in the same order (a DDP bucket, once, after it
+is made). Where the group has no kernel path (another engine, no MPS on a shared GPU, host
+memory only) a registration holds nothing, is not exchanged and says why: ops run as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..core.algorithms import CUDA_KERNEL
+from ..core.arrays import HOST, DeviceBuffer, as_buffer
+from ..core.device.kinds import export_problem
+from ..core.device.runtime import DeviceRuntime
+from ..engines.device import DeviceLane
+from ..engines.kernel import KernelChannel
+from ..errors import ArgumentError
+from ..plan.kernel_path import Verdict
+
+
+class Registration:
+    """One array registered with a communicator: in place (its ops run where it lies, while
+    every rank's buffer of an op lies in a registration) or not (``why``). Holds the array
+    until ``deregister``, which every rank calls at the same point, or the communicator's
+    close. A context manager::
+
+        with comm.register(bucket):
+            for step in range(steps):
+                comm.allreduce(bucket)
+    """
+
+    def __init__(self, nbytes: int, why: str,
+                 end: Callable[[], None] | None = None) -> None:
+        self.nbytes = nbytes
+        self.why = why
+        self._end = end
+
+    @property
+    def in_place(self) -> bool:
+        """Whether this registration maps the array for the group's ops (until it ends)."""
+        return self._end is not None
+
+    def deregister(self) -> None:
+        """End it on every rank (collective: each calls it at the same point): the peers
+        close their mappings, then the array is let go. Once only; a no-op after."""
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deregister()
+
+    def __repr__(self) -> str:
+        state = "in place" if self.in_place else "not in place"
+        return f"<Registration of {self.nbytes} B, {state}: {self.why}>"
+
+
+def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
+             device: DeviceRuntime | None, between_ops: Callable[[Callable[[], Any]], Any],
+             timeout: float) -> Registration:
+    """``Communicator.register(x)`` (its docstring), for a group with these device
+    ``lanes``, kernel-path verdict and ``device`` runtime, whose ops are ordered by
+    ``between_ops`` (``OpRunner.between_ops``) and time out after ``timeout`` seconds."""
+    lane = lanes.get(CUDA_KERNEL)
+    problem, buffer = _problem(x, device, lane)
+    if buffer is not None and lane is not None:
+        problem = export_problem(x)
+    if lane is None or kernel is None or not kernel.ok:
+        if problem:
+            raise ArgumentError(f"cannot register x: {problem}")
+        why = ("the group has no device runtime" if kernel is None else
+               f"the group has no kernel path ({kernel.why})")
+        return Registration(0 if buffer is None else buffer.nbytes, f"{why}: ops copy it as "
+                            "before")
+    channel = lane.channel
+    assert isinstance(channel, KernelChannel) and channel.registry is not None
+    registry = channel.registry
+    ptr, nbytes = (0, 0) if buffer is None else (buffer.pointer, buffer.nbytes)
+    registered = between_ops(lambda: registry.register(
+        ptr, nbytes, x, time.monotonic() + timeout, problem))
+
+    def end() -> None:
+        between_ops(lambda: registry.deregister(registered.index, timeout))
+
+    return Registration(nbytes, f"registration {registered.index} of the kernel path: "
+                        "its ops run where it lies", end)
+
+
+def _problem(x: Any, device: DeviceRuntime | None,
+             lane: DeviceLane | None) -> tuple[str, DeviceBuffer | None]:
+    """Why ``x`` cannot be registered here ("" where it can), and its buffer."""
+    try:
+        buffer = as_buffer(x, name="x", reads=False)
+    except ArgumentError as err:
+        return err.detail, None
+    if buffer.memory is HOST or not isinstance(buffer, DeviceBuffer):
+        return ("it is host memory: only device memory registers (host arrays take the "
+                "shared board or the links as they are)"), None
+    if device is None or buffer.memory != device.memory:
+        return (f"it is {buffer.memory} memory, and this communicator's device runtime is "
+                f"{'none' if device is None else device.memory}"), None
+    if lane is not None and buffer.device != lane.device:
+        return (f"it is on device {buffer.device}, and this rank's communicator runs on "
+                f"device {lane.device}"), None
+    if not buffer.nbytes:
+        return "it is empty", None
+    return "", buffer
