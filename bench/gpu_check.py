@@ -30,7 +30,8 @@ still to come, within the run's budget. The steps:
     bench-mps      under an MPS daemon this run starts and stops (as root, with
                    ``nvidia-cuda-mps-control`` on PATH and no daemon running; skipped with the
                    reason otherwise): first the kernel path's gpu tests
-                   (``tests/test_kernel_path.py``: ranks sharing one GPU run its kernels at
+                   (``tests/test_kernel_path.py``, ``tests/test_registration.py``: ranks
+                   sharing one GPU run its kernels at
                    once only under MPS, so pytest-gpu skips them there), then the sweep
                    again, shorter, with the kernel path as a backend
 
@@ -80,7 +81,7 @@ QUICK_BUDGET_S = 225.0
 PLAN = {"wheels": (20, 120), "modules": (5, 60), "versions": (15, 90), "ipc": (15, 90),
         "host-register": (10, 60), "mps": (5, 20), "pytest-gpu": (150, 260),
         "tune": (40, 60), "bench": (140, 200), "bench-mps": (70, 140)}
-KERNEL_TESTS_S = 60.0  # of bench-mps: the kernel path's gpu tests under its daemon
+KERNEL_TESTS_S = 80.0  # of bench-mps: the kernel path's gpu tests under its daemon
 QUICK_PLAN = {**PLAN, "ipc": (10, 90), "host-register": (5, 60), "pytest-gpu": (110, 170),
               "tune": (0, 0), "bench": (35, 60), "bench-mps": (20, 40)}
 PER_TEST_S = 120.0  # --timeout for each gpu test (the suite's own default), --quick: 90
@@ -487,14 +488,14 @@ class Run:
         return self.record(check), figures
 
     def kernel_tests(self, env: dict[str, str]) -> dict[str, Any]:
-        """The kernel path's gpu tests under this run's MPS daemon (``env``), within
-        ``KERNEL_TESTS_S`` of bench-mps's time: its exit status, seconds and pytest's
-        summary line."""
+        """The kernel path's gpu tests (its ops, registered memory) under this run's MPS
+        daemon (``env``), within ``KERNEL_TESTS_S`` of bench-mps's time: its exit status,
+        seconds and pytest's summary line."""
         have = gpu_pytest.importable(self.python, ("pytest_timeout",))
         argv = [self.python, "-m", "pytest", "-q", "-m", gpu_pytest.MARKER, "-p",
                 "no:cacheprovider", *(["--timeout=120", "--timeout-method=signal"]
                                       if have.get("pytest_timeout") else []),
-                "tests/test_kernel_path.py"]
+                "tests/test_kernel_path.py", "tests/test_registration.py"]
         limit = min(KERNEL_TESTS_S, self.limit("bench-mps"))
         self.say(f"\n=== bench-mps (the kernel path's gpu tests under MPS): "
                  f"{shlex.join(argv)} (limit {limit:.0f} s)")

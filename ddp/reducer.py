@@ -172,6 +172,7 @@ class Reducer:
         self._used_since_sync: set[int] = set()
         self.rebuilds: list[tuple[int, str]] = []  # (sync step, reason) of every rebuild
         self.last_step: StepRecord | None = None
+        self._registrations: list[Any] = []  # the buckets' with the group, where it has any
         self._install(assign_buckets(params, range(len(params) - 1, -1, -1), self._cap,
                                      self._first_cap))
         verify_layout_across_ranks(layout_fingerprint(self.layout, params), self.group,
@@ -264,6 +265,7 @@ class Reducer:
         self._buckets = [Bucket(b, idx, self._params, control if b == 0 else 0)
                          for b, idx in enumerate(layout)]
         self._where = {i: (b, k) for b, idx in enumerate(layout) for k, i in enumerate(idx)}
+        self._register_buckets()
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for i, p in enumerate(self._params):
@@ -272,6 +274,19 @@ class Reducer:
                         view = self._buckets[b].views[k]
                         view.copy_(p.grad)
                         p.grad = view
+
+    def _register_buckets(self) -> None:
+        """Register the buckets with the group where its backend registers device memory
+        (ringcomm's ``register_memory``: its kernel path then reduces each bucket where it
+        lies, mapped once, instead of copying it every step); the last layout's first. Every
+        rank installs the same layout at the same point, as registering needs. The
+        registrations end with the group, or at the next rebuild."""
+        for registration in self._registrations:
+            registration.deregister()
+        self._registrations = []
+        register = getattr(self.group, "register_memory", None)
+        if register is not None and self.device.type == "cuda":
+            self._registrations = [register(bucket.flat) for bucket in self._buckets]
 
     def _rebuild(self, why: str) -> None:
         """Rank 0 lays the buckets out along its latest observed order; everyone follows."""

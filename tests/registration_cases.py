@@ -206,3 +206,53 @@ def job_held_until_deregistered(rank: int, world: int, store: str, transport: st
         return out
     finally:
         _restore(runtime, saved)
+
+
+def ddp_rank(rank: int, world: int, store: str, out: Any) -> None:
+    """A rank of our DDP on CUDA over ringcomm's kernel path (``RINGCOMM_DEVICE_ENGINE=
+    cuda-kernel``; MPS or a GPU per rank): three steps of a small model whose buckets DDP
+    registered. Its gradients after each step against the average of every rank's, computed
+    here from every rank's inputs; how many ops ran in place; the registrations."""
+    import os
+    import traceback
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import ringcomm  # noqa: F401 - registers the backend
+        from ddp import DistributedDataParallel
+
+        os.environ["RINGCOMM_DEVICE_ENGINE"] = CUDA_KERNEL
+        torch.cuda.set_device(rank if torch.cuda.device_count() >= world else 0)
+        dist.init_process_group("ringcomm", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                        torch.nn.Linear(256, 8)).cuda()
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
+            worst = 0.0
+            for step in range(3):
+                batches = [torch.Generator().manual_seed(100 * step + r) for r in range(world)]
+                inputs = [torch.randn(16, 64, generator=g).cuda() for g in batches]
+                ddp.zero_grad()
+                ddp(inputs[rank]).square().mean().backward()
+                local = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                            torch.nn.Linear(256, 8)).cuda()
+                for p, q in zip(local.parameters(), model.parameters(), strict=True):
+                    p.data.copy_(q.data)
+                for x in inputs:
+                    (local(x).square().mean() / world).backward()
+                for p, q in zip(local.parameters(), model.parameters(), strict=True):
+                    worst = max(worst, float((p.grad - q.grad).abs().max()))
+            comm = dist.group.WORLD.comm
+            channel = comm.wiring.lanes[CUDA_KERNEL].channel
+            registrations = ddp.reducer._registrations
+            result = {"worst": worst, "in_place": channel.in_place,
+                      "registered": [r.in_place for r in registrations]}
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - sent back to the test
+        out.put((rank, "err", traceback.format_exc()))

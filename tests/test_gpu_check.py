@@ -528,7 +528,8 @@ def test_bench_mps_runs_the_kernel_paths_gpu_tests_under_its_daemon_first(tmp_pa
     assert check.detail["kernel_tests"] == {"exit_code": 0, "seconds": 9.0,
                                             "summary": "2 passed in 9.0s"}
     argv, env, limit = ran[0]
-    assert argv[-1] == "tests/test_kernel_path.py" and gpu_check.gpu_pytest.MARKER in argv
+    assert argv[-2:] == ["tests/test_kernel_path.py", "tests/test_registration.py"]
+    assert gpu_check.gpu_pytest.MARKER in argv
     assert env["RINGCOMM_TEST_RUNTIME"] == "cupy" and "CUDA_MPS_PIPE_DIRECTORY" in env
     assert limit <= gpu_check.KERNEL_TESTS_S
     check, _ = run.bench_mps()  # a test failed: the step fails

@@ -148,3 +148,31 @@ def test_an_unchecked_launch_is_taken_only_on_request(unchecked_fake, monkeypatc
     assert engine == CUDA_KERNEL and "each on its own GPU" in why
     (why, engine), _ = run_group(2, _said, device="fake")  # one GPU, no MPS: still refused
     assert engine == CUDA_IPC and "without MPS" in why
+
+
+def test_the_peer_tables_are_kept_once_per_place_and_bounded(monkeypatch) -> None:
+    """CuPy's launcher writes one device table per set of pointers (registered memory gives
+    one per place an op's buffers lie) and reuses it; past ``MOST_TABLES`` it waits for its
+    stream and frees them all, so a program that reduces ever new slices of registered
+    memory does not grow its device memory without end. On the fake runtime's memory."""
+    import ringcomm.testing  # noqa: F401 - registers the fake runtime
+    from ringcomm.core import device
+    from ringcomm.engines.kernels import cupy_launch
+
+    rt = device.runtime("fake")
+    monkeypatch.setattr(cupy_launch, "MOST_TABLES", 4)
+    launcher = cupy_launch.CupyLauncher(rt)  # type: ignore[arg-type]
+    stream = rt.new_stream()
+    live = rt.live_allocations()
+    pads = (1 << 20, 2 << 20)
+    first = launcher._table((8, 16), pads, stream)
+    assert launcher._table((8, 16), pads, stream) == first  # written once
+    for offset in range(1, 10):
+        launcher._table((8 + offset, 16 + offset), pads, stream)
+        assert rt.live_allocations() - live <= 4
+    table = np.zeros(cupy_launch.PEER_TABLE_BYTES // 8, np.uint64)
+    rt.to_host(table, launcher._table((99, 98), pads, stream), stream)
+    rt.synchronize(stream)
+    assert table[:2].tolist() == [99, 98]
+    launcher.release()
+    assert rt.live_allocations() == live

@@ -11,7 +11,7 @@ import gc
 import numpy as np
 import pytest
 from kernel_cases import pairs
-from registration_cases import block, fill, registered_everything
+from registration_cases import block, ddp_rank, fill, registered_everything
 
 from ringcomm.core.algorithms import CUDA_KERNEL
 from ringcomm.core.device.kinds import torch_allocator_problem
@@ -221,3 +221,44 @@ def test_registered_memory_on_the_test_runtime(cluster, gpu_runtime, gpu_device,
         assert r["wrong"] == [], r["wrong"]
         assert r["in_place"] == r["ops"] and r["untouched"]
         assert r["left"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_our_ddp_registers_its_buckets_and_reduces_them_where_they_lie(gpu_runtime):
+    """On a GPU under MPS (or a GPU per rank), through torch: our DDP registers its CUDA
+    buckets with the ringcomm group, every bucket's allreduce runs where it lies, and the
+    gradients equal the average of every rank's to float32 rounding."""
+    import multiprocessing
+    import os
+    import tempfile
+
+    import torch
+
+    world = 2
+    if gpu_runtime.name != "cupy" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU, CuPy and a CUDA build of torch (none here)")
+    if gpu_runtime.device_count() < world and not gpu_runtime.mps().on:
+        pytest.skip("the ranks would share a GPU without MPS: no kernel path "
+                    "(bench/gpu_check.sh starts MPS)")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=ddp_rank, args=(r, world, store, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            got = [out.get(timeout=200) for _ in range(world)]
+        finally:
+            for p in procs:
+                p.join(timeout=20)
+                if p.is_alive():
+                    p.kill()
+    errors = [detail for _, status, detail in got if status != "ok"]
+    assert not errors, "\n".join(errors)
+    for _, _, r in got:
+        assert r["registered"] and all(r["registered"]), r
+        assert r["in_place"] >= 3 * len(r["registered"]), r
+        assert r["worst"] < 1e-5, r

@@ -63,6 +63,9 @@ class Registration:
         return f"<Registration of {self.nbytes} B, {state}: {self.why}>"
 
 
+_HOST_MEMORY = "it is host memory"
+
+
 def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
              device: DeviceRuntime | None, between_ops: Callable[[Callable[[], Any]], Any],
              timeout: float) -> Registration:
@@ -74,7 +77,7 @@ def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
     if buffer is not None and lane is not None:
         problem = export_problem(x)
     if lane is None or kernel is None or not kernel.ok:
-        if problem:
+        if problem.startswith(_HOST_MEMORY):  # wrong everywhere, kernel path or not
             raise ArgumentError(f"cannot register x: {problem}")
         why = ("the group has no device runtime" if kernel is None else
                f"the group has no kernel path ({kernel.why})")
@@ -102,7 +105,7 @@ def _problem(x: Any, device: DeviceRuntime | None,
     except ArgumentError as err:
         return err.detail, None
     if buffer.memory is HOST or not isinstance(buffer, DeviceBuffer):
-        return ("it is host memory: only device memory registers (host arrays take the "
+        return (f"{_HOST_MEMORY}: only device memory registers (host arrays take the "
                 "shared board or the links as they are)"), None
     if device is None or buffer.memory != device.memory:
         return (f"it is {buffer.memory} memory, and this communicator's device runtime is "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..core.tensors import HostViews
 from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
+from ..runtime.registration import Registration
 from ..runtime.work import Work as CommWork
 from .tensors import CallBuffers, check, in_place, movable, one, reduce_op, same
 from .work import FinishedWork, RingcommWork, torch_style
@@ -82,6 +83,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return (f"<RingcommProcessGroup {self._group_name or '?'} rank {self.comm.rank} of "
                 f"{self.comm.world_size}>")
+
+    def register_memory(self, tensor: torch.Tensor) -> Registration:
+        """Register a CUDA tensor with the group's communicator, so the kernel path's ops
+        on it run where it lies (``Communicator.register``: collective, held until its
+        ``deregister`` or the group's end; a registration that holds nothing says why where
+        the group has no kernel path). Our DDP registers its buckets through this."""
+        return self.comm.register(tensor)
 
     # -- lifecycle
     def shutdown(self) -> None:

@@ -29,6 +29,8 @@ from . import ALL_GATHER, OPTIONS, kernel_name, source
 
 #: ``struct PeerPointers { void* data[kMaxRanks]; unsigned int* pads[kMaxRanks]; }``
 PEER_TABLE_BYTES = 2 * geometry.MAX_RANKS * 8
+#: the peer tables a launcher keeps (one per place an op's buffers lie) before it frees them
+MOST_TABLES = 256
 
 
 def peer_table(data: tuple[int, ...], pads: tuple[int, ...]) -> np.ndarray:
@@ -118,10 +120,15 @@ class CupyLauncher:
 
     def _table(self, data: tuple[int, ...], pads: tuple[int, ...], stream: Stream) -> int:
         """The device copy of the peer table for these mappings, written once (on
-        ``stream``, so the launch after it reads it written)."""
+        ``stream``, so the launch after it reads it written). Registered memory gives a
+        table per place an op's buffers lie: past ``MOST_TABLES`` the stream is waited for
+        (no kernel reads a table any more) and they are all freed."""
         held = self._tables.get((data, pads))
         if held is None:
             runtime = self.runtime
+            if len(self._tables) >= MOST_TABLES:
+                runtime.synchronize(stream)
+                self.release()
             held = self._tables[(data, pads)] = runtime.malloc(PEER_TABLE_BYTES)
             runtime.from_host(held.ptr, peer_table(data, pads), stream)
         return held.ptr
