@@ -177,6 +177,7 @@ class Reducer:
                                      self._first_cap))
         verify_layout_across_ranks(layout_fingerprint(self.layout, params), self.group,
                                    self.device, "at construction")
+        self._register_buckets()  # once every rank is known to have the same buckets
         log.debug("ddp: rank %d: %d buckets for %d parameters in reverse registration order: %s",
                   self.rank, len(self._buckets), len(params), self._buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
@@ -265,7 +266,6 @@ class Reducer:
         self._buckets = [Bucket(b, idx, self._params, control if b == 0 else 0)
                          for b, idx in enumerate(layout)]
         self._where = {i: (b, k) for b, idx in enumerate(layout) for k, i in enumerate(idx)}
-        self._register_buckets()
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for i, p in enumerate(self._params):
@@ -279,14 +279,25 @@ class Reducer:
         """Register the buckets with the group where its backend registers device memory
         (ringcomm's ``register_memory``: its kernel path then reduces each bucket where it
         lies, mapped once, instead of copying it every step); the last layout's first. Every
-        rank installs the same layout at the same point, as registering needs. The
+        rank installs the same layout at the same point, as registering needs (after the
+        layouts were checked alike). Where the group refuses (torch's expandable segments:
+        every rank alike), the buckets stay unregistered and a warning says why. The
         registrations end with the group, or at the next rebuild."""
         for registration in self._registrations:
             registration.deregister()
         self._registrations = []
         register = getattr(self.group, "register_memory", None)
-        if register is not None and self.device.type == "cuda":
-            self._registrations = [register(bucket.flat) for bucket in self._buckets]
+        if register is None or self.device.type != "cuda":
+            return
+        try:
+            for bucket in self._buckets:
+                self._registrations.append(register(bucket.flat))
+        except ValueError as refused:  # every rank is refused alike: reduce as before
+            log.warning("ddp: rank %d: the buckets stay unregistered (their allreduces copy "
+                        "them): %s", self.rank, refused)
+            for registration in self._registrations:
+                registration.deregister()
+            self._registrations = []
 
     def _rebuild(self, why: str) -> None:
         """Rank 0 lays the buckets out along its latest observed order; everyone follows."""
@@ -315,6 +326,7 @@ class Reducer:
                       "buckets; nothing to rebuild", self.rank, self._sync_steps, why)
             return
         self._install(layout)
+        self._register_buckets()
         log.debug("ddp: rank %d: rebuilt buckets after sync step %d (%s) from rank 0's "
                   "observed order: %s", self.rank, self._sync_steps, why, self._buckets)
 

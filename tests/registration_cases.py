@@ -256,3 +256,49 @@ def ddp_rank(rank: int, world: int, store: str, out: Any) -> None:
         out.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - sent back to the test
         out.put((rank, "err", traceback.format_exc()))
+
+
+def job_an_open_fails(rank: int, world: int, store: str, transport: str,
+                      **_: Any) -> dict[str, Any]:
+    """Ranks in processes on fake device 0 under MPS; rank 1 cannot open its peers'
+    allocations once. Every rank's registration raises (none is left holding mappings its
+    peers do not know of), leaving no device memory behind; the next registration works and
+    its allreduce runs in place."""
+    import ringcomm
+    from ringcomm.testing.fake_device import FakeDeviceArray
+
+    runtime, saved = _setup(rank, world, "fake")
+    out: dict[str, Any] = {"error": ""}
+    try:
+        comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
+                             transport=transport, device="fake")
+        try:
+            made = runtime.live_allocations()
+            x = FakeDeviceArray.from_host(np.full(64, rank + 1.0, np.float32))
+            real_open = runtime.open_memory
+
+            def refuse(handle: bytes) -> int:
+                runtime.open_memory = real_open  # once only
+                raise RuntimeError("cudaErrorMapBufferObjectFailed (as a test makes it)")
+
+            if rank == 1:
+                runtime.open_memory = refuse
+            try:
+                comm.register(x)
+            except Exception as err:  # noqa: BLE001 - what the test looks at
+                out["error"] = f"{type(err).__name__}: {err}"
+            runtime.open_memory = real_open
+            out["left_after_failure"] = runtime.live_allocations() - made - 1  # x itself
+            with comm.register(x) as registration:
+                comm.allreduce(x, algorithm="kernel-twoshot")
+                out["in_place"] = comm.wiring.lanes[CUDA_KERNEL].channel.in_place
+                out["value"] = float(x.to_host()[0])
+                out["registered"] = registration.in_place
+            del x
+        finally:
+            if rank == 0:
+                time.sleep(0.5)
+            comm.close()
+        return out
+    finally:
+        _restore(runtime, saved)

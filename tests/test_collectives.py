@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 NOT_COLLECTIVES = {"send", "recv", "split", "close", "adopt", "allreduce_algorithm",
                    "allreduce_now", "allreduce_now_on",  # allreduce's short way
                    "choose", "describe", "wrapped", "tracing", "keep_timeline",
-                   "start_faults", "abort"}
+                   "start_faults", "abort", "register"}
 
 
 def test_the_table_and_the_communicator_name_the_same_collectives():

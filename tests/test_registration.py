@@ -95,6 +95,19 @@ def test_a_registration_holds_the_array_until_every_peer_closed_its_mapping(clus
         assert r["left"] == 0
 
 
+def test_a_registration_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(
+        cluster):
+    """Rank 1 cannot open a peer's allocation: every rank raises, naming it, the peers that
+    had opened rank 1's allocation close it again (no rank is left holding mappings another
+    does not know of), and a registration after it works in place."""
+    res = cluster.run(3, "registration_cases.job_an_open_fails", timeout=60)
+    for r in res:
+        assert r["error"].startswith("ArgumentError") and "rank 1" in r["error"], r
+        assert "cudaErrorMapBufferObjectFailed" in r["error"], r
+        assert r["left_after_failure"] == 0, r
+        assert r["registered"] and r["in_place"] == 1 and r["value"] == 6.0, r
+
+
 def test_an_op_runs_in_place_only_where_every_rank_registered_its_buffer(fake_devices):
     """Rank 0's buffer is registered, rank 1's is not (it registered another array): both
     copy through their regions, agreed through the op's headers, and are right."""
@@ -137,7 +150,10 @@ def test_after_deregister_an_array_is_copied_again_and_its_mappings_are_gone(fak
             out = block(segment, 8 + comm.rank * 8, 8)  # its own block of the input
             comm.reduce_scatter(out, x)
             third = (channel.in_place, float(out.to_host()[0]), whole.in_place)
-        return first, second, third, channel.registry.exported
+        exported = channel.registry.exported
+        with comm.register(segment):
+            comm.close()  # ends the registration: its deregister afterwards does nothing
+        return first, second, third, exported
 
     for first, second, third, exported in run_group(2, fn, device="fake", gpus=[0, 1]):
         assert first == (1, 3.0)

@@ -33,6 +33,8 @@ assumed) and the kernel can: the two-shot allreduce (each rank reduces its slice
 rank's array and writes it into every rank's array), the reduce-scatter and the all-gather
 (their inputs read where they lie, the output written by its own rank only). The one-shot
 writes its result while peers still read the inputs, so it always copies its input first.
+An op that fails may leave a registered array half written by a peer's two-shot (as NCCL's
+buffers after an abort): its contents are undefined then.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +87,7 @@ class Registry:
         self._next = 0
         self._exports: dict[int, list[Any]] = {}  # allocation base -> [handle, registrations]
         self._maps: dict[tuple[int, bytes], list[int]] = {}  # (peer, handle) -> [ptr, uses]
+        self.closed = False  # the channel closed: every registration ended with it
         self.exported = 0  # allocations exported so far (one per allocation: the cache)
         self.opens = 0  # peers' allocations opened so far
 
@@ -92,7 +96,11 @@ class Registry:
                  refused: str = "") -> Registered:
         """Collective: this rank's ``nbytes`` at ``ptr`` (of the caller's array ``keep``)
         registered with every peer's. ``refused``: why this rank cannot (its peers hear it
-        and raise too). Raises ``ArgumentError`` naming the rank that refused."""
+        and raise too). Two rounds, so that the ranks end alike: every rank's record (its
+        handle, or why it refuses) is read before anything is opened; then each says whether
+        it opened every peer's, and if one did not, every rank closes what it opened, says
+        so, and lets its array go only once its peers said the same (never while a peer may
+        still map it). Raises ``ArgumentError`` naming the rank that refused or failed."""
         index = self._next
         self._next += 1
         record: dict[str, Any] = {"pid": os.getpid()}
@@ -100,49 +108,73 @@ class Registry:
         if not refused:
             try:
                 handle, base, _ = self._export(ptr)
-            except ValueError as err:
-                refused = str(err)
+            except Exception as err:  # noqa: BLE001 - told to the peers, raised below
+                refused = str(err) or type(err).__name__
             else:
                 record.update(handle=handle.hex(), base=base, offset=ptr - base,
                               nbytes=nbytes)
         if refused:
             record["refused"] = refused
-        self.exchange.publish(_KEY.format(index=index), json.dumps(record).encode())
+        key = _KEY.format(index=index)
+        self.exchange.publish(key, json.dumps(record).encode())
         if refused:
             self._drop_export(base)
             raise ArgumentError(f"cannot register this array: {refused}; leave it "
                                 "unregistered (ops on it copy it through the kernel path's "
                                 "region)", rank=self.rank)
-        views, sizes, opened = [], [], []
+        records: dict[int, dict[str, Any]] = {}
+        try:
+            for peer in range(self.world):
+                if peer != self.rank:
+                    records[peer] = json.loads(self.exchange.read(key, peer, deadline))
+        except BaseException:  # a peer lost or late: nothing was opened yet
+            self._drop_export(base)
+            raise
+        for peer, theirs in records.items():
+            if "refused" in theirs:
+                self._drop_export(base)
+                raise ArgumentError(f"rank {peer} could not register its array "
+                                    f"({theirs['refused']}), so no rank registers it",
+                                    rank=self.rank, peer=peer)
+        registered = Registered(index, ptr, nbytes, keep, base, (), (), [])
+        failed = self._open_all(registered, records)
+        self.exchange.publish(key + "/opened", failed.encode())
+        for peer in records:
+            said = self.exchange.read(key + "/opened", peer, deadline).decode()
+            if said and not failed:
+                failed = f"rank {peer} could not open a peer's array: {said}"
+        if failed:  # every rank undoes it alike
+            self._close_maps(registered.opened)
+            self._let_go([registered], _CLOSED_KEY.format(index=index),
+                         max(0.0, deadline - time.monotonic()))
+            raise ArgumentError(f"cannot register this array: {failed}", rank=self.rank)
+        with self._lock:
+            self._live[index] = registered
+        return registered
+
+    def _open_all(self, registered: Registered, records: dict[int, dict[str, Any]]) -> str:
+        """Fill in every rank's range as this process reaches it, opening the peers'
+        allocations of other processes; why one could not be opened ("" if all were)."""
+        views, sizes = [], []
         try:
             for peer in range(self.world):
                 if peer == self.rank:
-                    views.append(ptr)
-                    sizes.append(nbytes)
+                    views.append(registered.ptr)
+                    sizes.append(registered.nbytes)
                     continue
-                theirs = json.loads(self.exchange.read(_KEY.format(index=index), peer,
-                                                       deadline))
-                if "refused" in theirs:
-                    raise ArgumentError(f"rank {peer} could not register its array "
-                                        f"({theirs['refused']}), so no rank registers it",
-                                        rank=self.rank, peer=peer)
+                theirs = records[peer]
                 handle = bytes.fromhex(theirs["handle"])
                 if int(theirs["pid"]) == os.getpid():  # a peer of this process: its pointer
                     mapped = int(theirs["base"])
                 else:
                     mapped = self._open(peer, handle)
-                    opened.append((peer, handle))
+                    registered.opened.append((peer, handle))
                 views.append(mapped + int(theirs["offset"]))
                 sizes.append(int(theirs["nbytes"]))
-        except BaseException:
-            self._close_maps(opened)
-            self._drop_export(base)
-            raise
-        registered = Registered(index, ptr, nbytes, keep, base, tuple(views), tuple(sizes),
-                                opened)
-        with self._lock:
-            self._live[index] = registered
-        return registered
+        except Exception as err:  # noqa: BLE001 - agreed with the peers, then raised
+            return f"rank {self.rank}: {err}"
+        registered.views, registered.sizes = tuple(views), tuple(sizes)
+        return ""
 
     def _export(self, ptr: int) -> tuple[bytes, int, int]:
         handle, base, size = self.runtime.export_user_memory(ptr)
@@ -204,7 +236,9 @@ class Registry:
         mappings of the peers' arrays, says so, and lets its own array go once every peer
         has said the same (or is gone); else keeps it to the process's exit."""
         with self._lock:
-            registered = self._live.pop(index)
+            registered = self._live.pop(index, None)
+        if registered is None:  # ended with the channel meanwhile
+            return
         self._close_maps(registered.opened)
         self._let_go([registered], _CLOSED_KEY.format(index=index), wait_s)
 
@@ -214,6 +248,7 @@ class Registry:
         channel lets go (``let_go``) once every peer said the same."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
+            self.closed = True
         for registered in live:
             self._close_maps(registered.opened)
         return live
@@ -223,6 +258,7 @@ class Registry:
         every mapping of a peer's to the process's exit (closing one waits for the device)."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
+            self.closed = True
         LEFT_FOR_EXIT.append(list(self._maps.values()))
         self._maps = {}
         self.let_go(live, safe=False)

@@ -3,8 +3,9 @@ ops read it (and the two-shot writes it) where it lies (``ringcomm.engines.regis
 
 Registering is collective, as NCCL's and torch's symmetric memory's are: every rank registers
 its array at the same point of its program, in the same order (a DDP bucket, once, after it
-is made). Where the group has no kernel path (another engine, no MPS on a shared GPU, host
-memory only) a registration holds nothing, is not exchanged and says why: ops run as before.
+is made). Where the group has no kernel path (another engine, no MPS on a shared GPU) a
+registration holds nothing, is not exchanged and says why: ops run as before. Host memory is
+refused everywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from ..core.algorithms import CUDA_KERNEL
 from ..core.arrays import HOST, DeviceBuffer, as_buffer
 from ..core.device.kinds import export_problem
 from ..core.device.runtime import DeviceRuntime
-from ..engines.device import DeviceLane
+from ..engines.device import DeviceLane, on_device
 from ..engines.kernel import KernelChannel
+from ..engines.peer_memory import AFTER_FAILURE_S
 from ..errors import ArgumentError
 from ..plan.kernel_path import Verdict
 
@@ -75,7 +77,10 @@ def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
     lane = lanes.get(CUDA_KERNEL)
     problem, buffer = _problem(x, device, lane)
     if buffer is not None and lane is not None:
-        problem = export_problem(x)
+        try:
+            problem = export_problem(x)
+        except Exception as err:  # noqa: BLE001 - told to the peers as a refusal
+            problem = f"its allocator could not be asked about it: {err}"
     if lane is None or kernel is None or not kernel.ok:
         if problem.startswith(_HOST_MEMORY):  # wrong everywhere, kernel path or not
             raise ArgumentError(f"cannot register x: {problem}")
@@ -87,14 +92,33 @@ def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
     assert isinstance(channel, KernelChannel) and channel.registry is not None
     registry = channel.registry
     ptr, nbytes = (0, 0) if buffer is None else (buffer.pointer, buffer.nbytes)
-    registered = between_ops(lambda: registry.register(
-        ptr, nbytes, x, time.monotonic() + timeout, problem))
+
+    def on_lane(run: Callable[[], Any]) -> Any:
+        """``run`` between ops, with the lane's device current (IPC maps a peer's memory
+        into the current device's address space; the worker's may be another)."""
+        def there() -> Any:
+            with on_device(lane.runtime, lane.device):
+                return run()
+        return between_ops(there)
+
+    registered = on_lane(lambda: registry.register(
+        ptr, nbytes, _kept(x), time.monotonic() + timeout, problem))
 
     def end() -> None:
-        between_ops(lambda: registry.deregister(registered.index, timeout))
+        if registry.closed:  # ended with the communicator
+            return
+        wait_s = min(timeout, AFTER_FAILURE_S) if channel.ended else timeout
+        on_lane(lambda: registry.deregister(registered.index, wait_s))
 
     return Registration(nbytes, f"registration {registered.index} of the kernel path: "
                         "its ops run where it lies", end)
+
+
+def _kept(x: Any) -> Any:
+    """What holds ``x``'s memory: a torch tensor's storage too (``set_`` or ``resize_``
+    could give the tensor other memory and free the registered block)."""
+    storage = getattr(x, "untyped_storage", None)
+    return (x, storage()) if callable(storage) else x
 
 
 def _problem(x: Any, device: DeviceRuntime | None,
@@ -104,6 +128,8 @@ def _problem(x: Any, device: DeviceRuntime | None,
         buffer = as_buffer(x, name="x", reads=False)
     except ArgumentError as err:
         return err.detail, None
+    except Exception as err:  # noqa: BLE001 - a runtime that cannot be used here
+        return f"it cannot be read here ({type(err).__name__}: {err})", None
     if buffer.memory is HOST or not isinstance(buffer, DeviceBuffer):
         return (f"{_HOST_MEMORY}: only device memory registers (host arrays take the "
                 "shared board or the links as they are)"), None
