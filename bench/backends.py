@@ -34,7 +34,7 @@ changed in one record.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -406,6 +406,7 @@ class DeviceHandle:
     comm: Any
     runtime: Any
     rank: int
+    registered: list[Any] = field(default_factory=list)  # the kernel path's, this case's
 
 
 def _join_device_engine(engine: str) -> Callable[[RankContext], DeviceHandle]:
@@ -466,7 +467,25 @@ def _kernel_unavailable(world: int) -> str | None:
 
 
 def _kernel_unsupported(collective: str, dtype: str, op: str | None) -> str | None:
-    return None if collective == "allreduce" else "the kernel path runs allreduce only"
+    return None if collective in _KERNEL_COLLECTIVES else \
+        "the kernel path runs allreduce, reduce-scatter and all-gather only"
+
+
+_KERNEL_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+
+
+def _kernel_calls(handle: DeviceHandle, collective: str, bufs: Any, op: str | None,
+                  algorithm: str | None) -> Call:
+    """The kernel path's calls on an input registered with the group, as DDP's buckets are
+    (its ops then run where the buffers lie, one kernel, no copy): the last case's
+    registration ended first. Every rank makes a case's calls at the same point, as
+    registering needs."""
+    for registration in handle.registered:
+        registration.deregister()
+    handle.registered.clear()
+    if collective in _KERNEL_COLLECTIVES and bufs.inp.nbytes:
+        handle.registered.append(handle.comm.register(bufs.inp))
+    return _communicator_calls(handle.comm, collective, bufs, op, algorithm)
 
 
 def _close_device_engine(handle: DeviceHandle) -> None:
@@ -597,7 +616,7 @@ RUNNERS: dict[str, Runner] = {r.name: r for r in (
            leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False),
     Runner(device.KERNEL, owner="ringcomm", join=_join_kernel_path,
-           leave=_close_device_engine, calls=_device_calls, device=device.RUNTIME_ARRAYS,
+           leave=_close_device_engine, calls=_kernel_calls, device=device.RUNTIME_ARRAYS,
            sync=_device_sync, needs_device=("cuda", "fake"), on_simulated_hosts=False,
            unavailable=_kernel_unavailable, unsupported=_kernel_unsupported),
     Runner(device.STAGED, owner="ringcomm", join=_join_device_engine("staged"),

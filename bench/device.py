@@ -122,8 +122,9 @@ def one_gpu_bound(copy_rw_GBps: float, world: int) -> float:
 
 IPC = "ringcomm+cuda-ipc"
 STAGED = "ringcomm+staged"
-# the kernel path (one kernel per allreduce, flags in device memory): allreduce only, and
-# only where every rank's kernels run at once (under MPS, or a GPU per rank)
+# the kernel path (one kernel per op, flags in device memory) on inputs registered with
+# the group: allreduce, reduce-scatter and all-gather, only where every rank's kernels run
+# at once (under MPS, or a GPU per rank)
 KERNEL = "ringcomm+cuda-kernel"
 # ringcomm's nccl engine: NCCL's own call where it has one (by the cost model for an
 # allreduce; ``ringcomm+nccl:ring`` etc. force ringcomm's schedules as NCCL groups)
