@@ -172,7 +172,7 @@ def _ready(handle: Any, where: RankContext) -> None:
     """Joined is ready: nothing more to wait for."""
 
 
-def _runs_anywhere(world: int) -> str | None:
+def _runs_anywhere(world: int, device_name: str | None = None) -> str | None:
     return None
 
 
@@ -191,8 +191,8 @@ class Runner:
     backend has joined, ``leave`` when the rank is done. ``calls`` gives one call of a
     collective; a peer's (``launcher``: what starts its processes) run in those processes,
     which ``mpi_peer`` serves, and the sweep gives the peer turns instead. ``unavailable``
-    says why it cannot run ``world`` ranks here, ``unsupported`` why it sits out a
-    collective, dtype and reduction (None: it runs)."""
+    says why it cannot run ``world`` ranks here (given ``--device``'s runtime name),
+    ``unsupported`` why it sits out a collective, dtype and reduction (None: it runs)."""
 
     name: str
     owner: str
@@ -209,7 +209,7 @@ class Runner:
     process_group: bool = False  # a torch process group: rows say what torch calls it
     launcher: str | None = None
     on_simulated_hosts: bool = True
-    unavailable: Callable[[int], str | None] = _runs_anywhere
+    unavailable: Callable[[int, str | None], str | None] = _runs_anywhere
     unsupported: Callable[[str, str, str | None], str | None] = _runs_everything
 
     @property
@@ -360,7 +360,7 @@ def _cuda_sync(handle: Any) -> None:
     torch.cuda.synchronize()
 
 
-def _nccl_unavailable(world: int) -> str | None:
+def _nccl_unavailable(world: int, device_name: str | None = None) -> str | None:
     import torch
     import torch.distributed as dist
 
@@ -451,11 +451,11 @@ def _join_kernel_path(where: RankContext) -> DeviceHandle:
     return handle
 
 
-def _kernel_unavailable(world: int) -> str | None:
+def _kernel_unavailable(world: int, device_name: str | None = None) -> str | None:
     """Ranks of a GPU run share GPU 0: their kernels run at once only under MPS."""
     import importlib.util
 
-    if importlib.util.find_spec("cupy") is None:
+    if device_name != "cuda" or importlib.util.find_spec("cupy") is None:
         return None  # a fake run: its ranks' kernels run at once (``_join_kernel_path``)
     from ringcomm.core.device.mps import mps_state
 
@@ -549,7 +549,7 @@ def _nothing_at_all() -> None:
     """A call that does nothing (the copy on ranks other than 0)."""
 
 
-def _torch_cuda_unavailable(world: int) -> str | None:
+def _torch_cuda_unavailable(world: int, device_name: str | None = None) -> str | None:
     import torch
 
     return None if torch.cuda.is_available() else "this torch has no CUDA device"
@@ -590,7 +590,7 @@ def _stop_mpi(peer: mpi_peer.MpiPeer | None) -> None:
         peer.close()
 
 
-def _mpi_unavailable(world: int) -> str | None:
+def _mpi_unavailable(world: int, device_name: str | None = None) -> str | None:
     return mpi_peer.unavailable()
 
 

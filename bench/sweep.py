@@ -552,12 +552,13 @@ DEVICE_BACKENDS = {"fake": [device.IPC, device.KERNEL, device.STAGED,
                             device.TORCH_CUDA, "nccl"]}
 
 
-def _left_out(runner: Runner, on_hosts: bool, world: int) -> str | None:
+def _left_out(runner: Runner, on_hosts: bool, world: int,
+              device_name: str | None = None) -> str | None:
     """The note saying why ``runner`` cannot run ``world`` ranks here (``on_hosts``: on
-    simulated hosts), or None where it can."""
+    simulated hosts; ``device_name``: ``--device``'s runtime), or None where it can."""
     if on_hosts and not runner.on_simulated_hosts:
         return f"{runner.name} skipped: not run on simulated hosts (--hosts)"
-    if why := runner.unavailable(world):
+    if why := runner.unavailable(world, device_name):
         return f"{runner.name} skipped at world size {world}: {why}"
     return None
 
@@ -591,7 +592,8 @@ def run(s: Settings, worlds: list[int], console: Any = None,
         for world in worlds:
             left_out: set[str] = set()
             for name in dict.fromkeys(b.library for b in s.backends):
-                if (note := _left_out(RUNNERS[name], s.hosts is not None, world)) is not None:
+                if (note := _left_out(RUNNERS[name], s.hosts is not None, world,
+                                           s.device)) is not None:
                     left_out.add(name)
                     notes.append(note)
                     progress.console.print(f"[yellow]{note}[/]")
@@ -694,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                           "'ringcomm' rows use it instead of the automatic choice[/]")
     facts: dict = {}
     for name in s.peers:  # asked for by name: missing, it stops the run instead of a note
-        why = next((w for w in map(RUNNERS[name].unavailable, worlds) if w), None)
+        why = next((w for w in (RUNNERS[name].unavailable(world, s.device)
+                                for world in worlds) if w), None)
         if why is not None:
             print(f"ringcomm bench: {why}", file=sys.stderr)  # unwrapped: the command stays whole
             return 2

@@ -707,3 +707,28 @@ def test_the_algo_column_of_cuda_tensors_through_torch_names_the_device_engine()
     assert chosen is not None and chosen.split(":")[0] in ("cuda-ipc", "cuda-kernel", "staged",
                                                           "nccl")
     assert host[0] != chosen  # the host path's choice is not the device's
+
+
+def test_the_kernel_backend_is_left_out_for_shared_gpus_without_mps_only_on_a_gpu_run(
+        monkeypatch) -> None:
+    """On a machine with CuPy and a GPU but no MPS, ``--device cuda`` leaves the kernel
+    path out at world sizes over one (its kernels would take turns), while ``--device fake``
+    runs it (the fake's ranks run at once, whatever the machine has)."""
+    import importlib.util
+
+    from ringcomm.core.device import mps
+    from ringcomm_bench import backends, device
+
+    class _Gpu:
+        def available(self) -> bool:
+            return True
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "cupy" else real_find_spec(name, *a))
+    monkeypatch.setattr(device, "runtime_of", lambda name: _Gpu())
+    monkeypatch.setattr(mps, "mps_state", lambda: mps.MpsState(False, "no daemon"))
+    kernel = backends.RUNNERS[device.KERNEL]
+    assert kernel.unavailable(2, "fake") is None
+    assert kernel.unavailable(1, "cuda") is None
+    assert "without MPS" in kernel.unavailable(2, "cuda")
