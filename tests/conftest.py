@@ -76,6 +76,17 @@ def gpu_runtime():
 
 
 @pytest.fixture
+def fake_devices(monkeypatch):
+    """The fake runtime with four devices and MPS off, as a test may change them."""
+    from ringcomm.core import device
+
+    rt = device.runtime("fake")
+    monkeypatch.setattr(rt, "_devices", max(4, rt.device_count()))
+    monkeypatch.setattr(rt, "mps_on", False)
+    return rt
+
+
+@pytest.fixture
 def gpu_device(gpu_runtime):
     """``ringcomm.init(device=...)``'s name for the test runtime: "cuda" or "fake"."""
     return "cuda" if gpu_runtime.name == "cupy" else "fake"

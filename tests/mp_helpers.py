@@ -1072,3 +1072,29 @@ def job_allreduce_now(rank: int, world: int, store: str, transport: str, board: 
         comm.allreduce(y)
         return {"board": comm.transport.board is not None, "first": first, "jumped": jumped,
                 "after": y.tolist()}
+
+
+def spawned_ranks(target: Callable[..., None], world: int, wait_s: float = 200.0
+                  ) -> list[Any]:
+    """Run ``target(rank, world, store, out)`` in ``world`` fresh spawned processes (CUDA
+    does not survive ``fork``; ranks meet through a file store at ``store``); each puts
+    ``(rank, "ok", result)`` or ``(rank, "err", traceback)`` on ``out``. Every rank's result
+    in rank order; an assertion naming every rank that failed otherwise. Processes still
+    running at the end are killed."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=target, args=(r, world, store, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            got = [out.get(timeout=wait_s) for _ in range(world)]
+        finally:
+            for p in procs:
+                p.join(timeout=20)
+                if p.is_alive():
+                    p.kill()
+    errors = [f"rank {r}:\n{detail}" for r, status, detail in got if status != "ok"]
+    assert not errors, "\n".join(errors)
+    return [detail for _, _, detail in sorted(got, key=lambda g: g[0])]

@@ -129,6 +129,16 @@ def _setup(rank: int, world: int, device_name: str) -> tuple[Any, Any]:
     return runtime, saved
 
 
+def _close_last_on_rank_0(comm: Any, runtime: Any) -> int:
+    """Close ``comm``, rank 0 last (its peers then wait for it to unmap their memory before
+    they free it), collect what the job dropped, and return the device allocations live."""
+    if comm.rank == 0:
+        time.sleep(0.5)
+    comm.close()
+    gc.collect()
+    return int(runtime.live_allocations())
+
+
 def _restore(runtime: Any, saved: Any) -> None:
     if saved is not None:
         runtime._devices, runtime.mps_on, before = saved
@@ -151,11 +161,8 @@ def job_registered(rank: int, world: int, store: str, transport: str, count: int
             result = registered_everything(
                 count, None if device_name == "fake" else GPU_PAIRS)(comm)
         finally:
-            if rank == 0:
-                time.sleep(0.5)
-            comm.close()
-        gc.collect()
-        result["left"] = runtime.live_allocations() - before
+            live = _close_last_on_rank_0(comm, runtime)
+        result["left"] = live - before
         return result
     finally:
         _restore(runtime, saved)
@@ -198,11 +205,8 @@ def job_held_until_deregistered(rank: int, world: int, store: str, transport: st
         except Exception as err:  # noqa: BLE001 - what the test looks at
             out["error"] = f"{type(err).__name__}: {err}"
         finally:
-            if rank == 0:
-                time.sleep(0.5)
-            comm.close()
-        gc.collect()
-        out["left"] = runtime.live_allocations() - before
+            live = _close_last_on_rank_0(comm, runtime)
+        out["left"] = live - before
         return out
     finally:
         _restore(runtime, saved)
@@ -295,10 +299,8 @@ def job_an_open_fails(rank: int, world: int, store: str, transport: str,
                 out["value"] = float(x.to_host()[0])
                 out["registered"] = registration.in_place
             del x
-        finally:
-            if rank == 0:
-                time.sleep(0.5)
-            comm.close()
+        finally:  # the failed registration's traceback held x: freed here, not in the next
+            _close_last_on_rank_0(comm, runtime)  # job of this process (which counts them)
         return out
     finally:
         _restore(runtime, saved)

@@ -147,18 +147,6 @@ def _said(comm):
             comm.selector.group.kernel)
 
 
-@pytest.fixture
-def fake_devices(monkeypatch):
-    """The fake runtime with four devices and MPS off, as a test may change them."""
-    import ringcomm.testing  # noqa: F401 - registers the fake runtime
-    from ringcomm.core import device
-
-    rt = device.runtime("fake")
-    monkeypatch.setattr(rt, "_devices", max(4, rt.device_count()))
-    monkeypatch.setattr(rt, "mps_on", False)
-    return rt
-
-
 def test_the_fake_reports_shared_devices_without_mps_by_default(fake_devices):
     for lines, choice, kernel in run_group(2, _said, device="fake"):
         assert not kernel.ok

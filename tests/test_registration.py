@@ -19,18 +19,6 @@ from ringcomm.errors import ArgumentError
 from ringcomm.runtime.local import run_group
 
 
-@pytest.fixture
-def fake_devices(monkeypatch):
-    """The fake runtime with four devices and MPS off, as a test may change them."""
-    import ringcomm.testing  # noqa: F401 - registers the fake runtime
-    from ringcomm.core import device
-
-    rt = device.runtime("fake")
-    monkeypatch.setattr(rt, "_devices", max(4, rt.device_count()))
-    monkeypatch.setattr(rt, "mps_on", False)
-    return rt
-
-
 def _gathered_pairs() -> int:
     return len({name for name, _, _ in pairs()})
 
@@ -245,11 +233,8 @@ def test_our_ddp_registers_its_buckets_and_reduces_them_where_they_lie(gpu_runti
     """On a GPU under MPS (or a GPU per rank), through torch: our DDP registers its CUDA
     buckets with the ringcomm group, every bucket's allreduce runs where it lies, and the
     gradients equal the average of every rank's to float32 rounding."""
-    import multiprocessing
-    import os
-    import tempfile
-
     import torch
+    from mp_helpers import spawned_ranks
 
     world = 2
     if gpu_runtime.name != "cupy" or not torch.cuda.is_available():
@@ -257,24 +242,7 @@ def test_our_ddp_registers_its_buckets_and_reduces_them_where_they_lie(gpu_runti
     if gpu_runtime.device_count() < world and not gpu_runtime.mps().on:
         pytest.skip("the ranks would share a GPU without MPS: no kernel path "
                     "(bench/gpu_check.sh starts MPS)")
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=ddp_rank, args=(r, world, store, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            got = [out.get(timeout=200) for _ in range(world)]
-        finally:
-            for p in procs:
-                p.join(timeout=20)
-                if p.is_alive():
-                    p.kill()
-    errors = [detail for _, status, detail in got if status != "ok"]
-    assert not errors, "\n".join(errors)
-    for _, _, r in got:
+    for r in spawned_ranks(ddp_rank, world):
         assert r["registered"] and all(r["registered"]), r
         assert r["in_place"] >= 3 * len(r["registered"]), r
         assert r["worst"] < 1e-5, r

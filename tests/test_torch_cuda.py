@@ -13,15 +13,13 @@ issue, the figure goes to ``bench/results/gpu.json``).
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import tempfile
 import time
 import traceback
 from typing import Any
 
 import pytest
 import torch
+from mp_helpers import spawned_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -208,24 +206,7 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def results(request) -> list[dict[str, Any]]:
-    world = request.param
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            got = [out.get(timeout=200) for _ in range(world)]
-        finally:
-            for p in procs:
-                p.join(timeout=20)
-                if p.is_alive():
-                    p.kill()
-    errors = [f"rank {r}:\n{detail}" for r, status, detail in got if status != "ok"]
-    assert not errors, "\n".join(errors)
-    return [detail for _, _, detail in sorted(got, key=lambda g: g[0])]
+    return spawned_ranks(_rank, request.param)
 
 
 def test_every_collective_on_cuda_tensors_matches_the_cpu(results):
