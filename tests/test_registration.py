@@ -129,6 +129,7 @@ def test_after_deregister_an_array_is_copied_again_and_its_mappings_are_gone(fak
         fill(rt, x, np.full(16, comm.rank + 1.0, np.float32))
         comm.allreduce(x, algorithm="kernel-twoshot")
         first = (channel.in_place, float(x.to_host()[0]))
+        said = comm.describe()
         registration.deregister()
         registration.deregister()  # once only
         fill(rt, x, np.full(16, comm.rank + 1.0, np.float32))
@@ -141,9 +142,10 @@ def test_after_deregister_an_array_is_copied_again_and_its_mappings_are_gone(fak
         exported = channel.registry.exported
         with comm.register(segment):
             comm.close()  # ends the registration: its deregister afterwards does nothing
-        return first, second, third, exported
+        return first, second, third, exported, said
 
-    for first, second, third, exported in run_group(2, fn, device="fake", gpus=[0, 1]):
+    for first, second, third, exported, said in run_group(2, fn, device="fake", gpus=[0, 1]):
+        assert "1 arrays registered, 1 ops where they lie" in said
         assert first == (1, 3.0)
         assert second == (1, 3.0)
         assert third == (1, 6.0, True)

@@ -369,9 +369,11 @@ class KernelChannel:
             self.launcher = None
 
     def describe(self) -> str:
+        registered = 0 if self.registry is None else self.registry.live
         return (f"{self.name}: one kernel per allreduce, reduce-scatter or all-gather (per "
                 f"piece of {self.capacity} B) over {self.world} mapped regions, "
-                f"{self.op_number} launches so far")
+                f"{self.op_number} launches so far; {registered} arrays registered, "
+                f"{self.in_place} ops where they lie")
 
 
 #: the kernels that run on registered memory where it lies (``registered``)
