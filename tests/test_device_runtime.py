@@ -183,6 +183,28 @@ def test_pointer_arithmetic_inside_an_allocation(rt):
     rt.free(b)
 
 
+def test_memory_made_elsewhere_is_exported_as_its_allocations_base(rt):
+    """A pointer inside an allocation (a pool's block) is exported as the whole allocation:
+    its handle, its base and its size (``cuMemGetAddressRange``), never by its own pointer;
+    a host address is refused, saying so. On the fake, memory mapped as cuMemCreate maps
+    it has no handle."""
+    a = rt.malloc(4096)
+    handle, base, nbytes = rt.export_user_memory(a.ptr + 1000)
+    assert base == a.ptr and nbytes >= 4096 and handle
+    host = np.zeros(8)
+    with pytest.raises(ValueError):
+        rt.export_user_memory(host.ctypes.data)
+    if isinstance(rt, FakeRuntime):
+        assert handle == rt.export_memory(a)
+        mapped = rt.malloc_mapped(64)
+        with pytest.raises(ValueError, match="cuMemCreate"):
+            rt.export_user_memory(mapped.ptr + 8)
+        with pytest.raises(FakeDeviceFault, match="cuMemCreate"):
+            rt.export_memory(mapped)
+        rt.free(mapped)
+    rt.free(a)
+
+
 def test_current_stream_is_per_thread(rt):
     mine = rt.current_stream()
     assert rt.current_stream() is mine or rt.current_stream().handle == mine.handle

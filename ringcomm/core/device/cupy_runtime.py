@@ -253,6 +253,12 @@ class CupyRuntime(DeviceRuntime):
         return bytes(self._rt.ipcGetMemHandle(allocation.ptr))
 
     def export_user_memory(self, ptr: int) -> tuple[bytes, int, int]:
+        # a runtime call first: it binds the current device's context to this thread, which
+        # the driver's call below needs (a worker thread may have none yet)
+        kind = int(self._rt.pointerGetAttributes(ptr).type)
+        if kind != self._rt.memoryTypeDevice:
+            raise ValueError(f"{ptr:#x} is not plain device memory (cudaMemoryType {kind}: "
+                             "host, managed or unregistered memory has no CUDA IPC handle)")
         base, nbytes = _address_range(ptr)
         try:
             handle = bytes(self._rt.ipcGetMemHandle(base))
