@@ -33,6 +33,7 @@ changed in one record.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,8 @@ from typing import Any, Protocol
 from . import adapter, device, floors, mpi_peer
 from .buffers import Buffers
 from .common import timed
+
+log = logging.getLogger("ringcomm.bench")
 
 TORCH = "ringcomm/torch"  # ringcomm through torch.distributed: what users run
 CURVE = "ringcomm/curve"  # ringcomm with an auth token: its tcp links authenticate and encrypt
@@ -484,7 +487,12 @@ def _kernel_calls(handle: DeviceHandle, collective: str, bufs: Any, op: str | No
         registration.deregister()
     handle.registered.clear()
     if collective in _KERNEL_COLLECTIVES and bufs.inp.nbytes:
-        handle.registered.append(handle.comm.register(bufs.inp))
+        from ringcomm import ArgumentError
+
+        try:
+            handle.registered.append(handle.comm.register(bufs.inp))
+        except ArgumentError as refused:  # every rank alike: timed as it is, copied
+            log.warning("%s: the input stays unregistered: %s", device.KERNEL, refused)
     return _communicator_calls(handle.comm, collective, bufs, op, algorithm)
 
 

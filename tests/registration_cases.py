@@ -262,12 +262,31 @@ def ddp_rank(rank: int, world: int, store: str, out: Any) -> None:
         out.put((rank, "err", traceback.format_exc()))
 
 
-def job_an_open_fails(rank: int, world: int, store: str, transport: str,
+class _FailingReads:
+    """An exchange whose first read raises, as a lost store or a peer that never publishes
+    would make it (``job_an_open_fails``), then reads as ``exchange`` does."""
+
+    def __init__(self, exchange: Any, error: BaseException) -> None:
+        self.exchange, self.error = exchange, error
+
+    def publish(self, key: str, value: bytes) -> None:
+        self.exchange.publish(key, value)
+
+    def read(self, key: str, rank: int, deadline: float) -> bytes:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.exchange.read(key, rank, deadline)
+
+
+def job_an_open_fails(rank: int, world: int, store: str, transport: str, how: str = "open",
                       **_: Any) -> dict[str, Any]:
     """Ranks in processes on fake device 0 under MPS; rank 1 cannot open its peers'
-    allocations once. Every rank's registration raises (none is left holding mappings its
-    peers do not know of), leaving no device memory behind; the next registration works and
-    its allreduce runs in place."""
+    allocations once (``how="open"``), or its first read of its peers' records fails after
+    its own went out (``how="read"``: the peers that read it may have opened its memory).
+    Every rank's registration raises (none is left holding mappings its peers do not know
+    of) well within the group's timeout, leaving no device memory behind; the next
+    registration works and its allreduce runs in place."""
     import ringcomm
     from ringcomm.testing.fake_device import FakeDeviceArray
 
@@ -285,13 +304,20 @@ def job_an_open_fails(rank: int, world: int, store: str, transport: str,
                 runtime.open_memory = real_open  # once only
                 raise RuntimeError("cudaErrorMapBufferObjectFailed (as a test makes it)")
 
-            if rank == 1:
+            registry = comm.wiring.lanes[CUDA_KERNEL].channel.registry
+            real_exchange = registry.exchange
+            if rank == 1 and how == "open":
                 runtime.open_memory = refuse
+            elif rank == 1:
+                registry.exchange = _FailingReads(real_exchange, TimeoutError("lost"))
+            started = time.monotonic()
             try:
                 comm.register(x)
             except Exception as err:  # noqa: BLE001 - what the test looks at
                 out["error"] = f"{type(err).__name__}: {err}"
+            out["seconds"] = time.monotonic() - started
             runtime.open_memory = real_open
+            registry.exchange = real_exchange
             out["left_after_failure"] = runtime.live_allocations() - made - 1  # x itself
             with comm.register(x) as registration:
                 comm.allreduce(x, algorithm="kernel-twoshot")

@@ -130,7 +130,8 @@ class KernelChannel:
             runtime.synchronize(stream)
             self.pads = self._map_peers(deadline)
             self.data = tuple(pad + geometry.PAD_BYTES for pad in self.pads)
-            self.registry = Registry(runtime, exchange, rank, world, self._pids)
+            self.registry = Registry(runtime, exchange, rank, world, self._pids,
+                                     runtime.current_device())
             self.launcher = runtime.kernel_launcher()
         except BaseException:
             self._give_back()

@@ -39,6 +39,7 @@ buffers after an abort): its contents are undefined then.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -49,8 +50,9 @@ from typing import Any
 
 from ..core.device.runtime import DeviceRuntime
 from ..errors import ArgumentError
+from .device import on_device
 from .device_channel import Exchange
-from .peer_memory import LEFT_FOR_EXIT, close_in_order
+from .peer_memory import AFTER_FAILURE_S, LEFT_FOR_EXIT, close_in_order
 
 log = logging.getLogger("ringcomm")
 
@@ -77,8 +79,9 @@ class Registry:
     """The user memory registered with one kernel channel (module docstring)."""
 
     def __init__(self, runtime: DeviceRuntime, exchange: Exchange, rank: int, world: int,
-                 pids: dict[int, int]) -> None:
+                 pids: dict[int, int], device: int) -> None:
         self.runtime = runtime
+        self.device = device  # the channel's: current while mappings are opened or closed
         self.exchange = exchange
         self.rank, self.world = rank, world
         self._pids = pids  # the peers, by rank: their processes
@@ -92,65 +95,104 @@ class Registry:
         self.opens = 0  # peers' allocations opened so far
 
     # ------------------------------------------------------------------ register
-    def register(self, ptr: int, nbytes: int, keep: Any, deadline: float,
+    def register(self, ptr: int, nbytes: int, keep: Any, timeout: float,
                  refused: str = "") -> Registered:
         """Collective: this rank's ``nbytes`` at ``ptr`` (of the caller's array ``keep``)
-        registered with every peer's. ``refused``: why this rank cannot (its peers hear it
-        and raise too). Two rounds, so that the ranks end alike: every rank's record (its
-        handle, or why it refuses) is read before anything is opened; then each says whether
-        it opened every peer's, and if one did not, every rank closes what it opened, says
-        so, and lets its array go only once its peers said the same (never while a peer may
-        still map it). Raises ``ArgumentError`` naming the rank that refused or failed."""
+        registered with every peer's, within ``timeout`` seconds. ``refused``: why this rank
+        cannot (its peers hear it and raise too). Two rounds, so that the ranks end alike:
+        every rank's record (its handle, or why it refuses) is read before anything is
+        opened; then each says whether it opened every peer's. If one did not, or a rank
+        fails or times out after its record went out, every rank that gets that far closes
+        what it opened, says so, and lets its array go only once its peers said the same
+        (else keeps it to the process's exit: a peer may still map it). Every call uses the
+        next index, whatever happens, so the ranks' indices never drift apart. Raises
+        ``ArgumentError`` naming the rank that refused or failed."""
         index = self._next
         self._next += 1
+        deadline = time.monotonic() + timeout
+        key = _KEY.format(index=index)
+        with contextlib.ExitStack() as on_lane:
+            try:  # IPC maps into the current device's address space
+                on_lane.enter_context(on_device(self.runtime, self.device))
+            except Exception as err:  # noqa: BLE001 - told to the peers, raised below
+                refused = refused or f"device {self.device} could not be made current: {err}"
+            base, refused = self._publish(key, ptr, nbytes, refused)
+            if refused:
+                raise ArgumentError(f"cannot register this array: {refused}; leave it "
+                                    "unregistered (ops on it copy it through the kernel "
+                                    "path's region)", rank=self.rank)
+            registered = Registered(index, ptr, nbytes, keep, base, (), (), [])
+            try:
+                records = {peer: json.loads(self.exchange.read(key, peer, deadline))
+                           for peer in range(self.world) if peer != self.rank}
+            except BaseException as err:  # a peer lost or late: peers may have opened ours
+                self._undo(registered, key, f"rank {self.rank}: {type(err).__name__}")
+                raise
+            for peer, theirs in records.items():
+                if "refused" in theirs:  # every rank sees it before anything is opened
+                    self._drop_export(base)
+                    raise ArgumentError(f"rank {peer} could not register its array "
+                                        f"({theirs['refused']}), so no rank registers it",
+                                        rank=self.rank, peer=peer)
+            failed = self._open_all(registered, records)
+            told = False
+            try:
+                self.exchange.publish(key + "/opened", failed.encode())
+                told = True
+                for peer in records:
+                    said = self.exchange.read(key + "/opened", peer, deadline).decode()
+                    if said and not failed:
+                        failed = f"rank {peer} could not open a peer's array: {said}"
+            except BaseException as err:
+                self._undo(registered, None if told else key,
+                           f"rank {self.rank}: {type(err).__name__}")
+                raise
+            if failed:  # every rank undoes it alike
+                self._undo(registered, None, failed)
+                raise ArgumentError(f"cannot register this array: {failed}", rank=self.rank)
+            with self._lock:
+                self._live[index] = registered
+            return registered
+
+    def _publish(self, key: str, ptr: int, nbytes: int, refused: str) -> tuple[int, str]:
+        """This rank's record of a registration: its allocation's handle, base and the
+        array's place in it, or why it refuses (an export that fails is a refusal).
+        Returns the base exported (0 if none) and the refusal ("" if none)."""
         record: dict[str, Any] = {"pid": os.getpid()}
         base = 0
         if not refused:
             try:
                 handle, base, _ = self._export(ptr)
-            except Exception as err:  # noqa: BLE001 - told to the peers, raised below
+            except Exception as err:  # noqa: BLE001 - told to the peers, raised after
                 refused = str(err) or type(err).__name__
             else:
                 record.update(handle=handle.hex(), base=base, offset=ptr - base,
                               nbytes=nbytes)
         if refused:
             record["refused"] = refused
-        key = _KEY.format(index=index)
+            self._drop_export(base)
+            base = 0
         self.exchange.publish(key, json.dumps(record).encode())
-        if refused:
-            self._drop_export(base)
-            raise ArgumentError(f"cannot register this array: {refused}; leave it "
-                                "unregistered (ops on it copy it through the kernel path's "
-                                "region)", rank=self.rank)
-        records: dict[int, dict[str, Any]] = {}
+        return base, refused
+
+    def _undo(self, registered: Registered, key: str | None, why: str) -> None:
+        """A registration that failed after this rank's record went out: say so to the peers
+        where it was not said yet (``key``'s second round), close what this rank opened, and
+        let its array go once the peers said they closed theirs, waiting a little only (a
+        peer that does not say so may still map it: then it is kept to the process's
+        exit). Never raises: the failure is the caller's to raise."""
         try:
-            for peer in range(self.world):
-                if peer != self.rank:
-                    records[peer] = json.loads(self.exchange.read(key, peer, deadline))
-        except BaseException:  # a peer lost or late: nothing was opened yet
-            self._drop_export(base)
-            raise
-        for peer, theirs in records.items():
-            if "refused" in theirs:
-                self._drop_export(base)
-                raise ArgumentError(f"rank {peer} could not register its array "
-                                    f"({theirs['refused']}), so no rank registers it",
-                                    rank=self.rank, peer=peer)
-        registered = Registered(index, ptr, nbytes, keep, base, (), (), [])
-        failed = self._open_all(registered, records)
-        self.exchange.publish(key + "/opened", failed.encode())
-        for peer in records:
-            said = self.exchange.read(key + "/opened", peer, deadline).decode()
-            if said and not failed:
-                failed = f"rank {peer} could not open a peer's array: {said}"
-        if failed:  # every rank undoes it alike
+            if key is not None:
+                self.exchange.publish(key + "/opened", why.encode())
             self._close_maps(registered.opened)
-            self._let_go([registered], _CLOSED_KEY.format(index=index),
-                         max(0.0, deadline - time.monotonic()))
-            raise ArgumentError(f"cannot register this array: {failed}", rank=self.rank)
-        with self._lock:
-            self._live[index] = registered
-        return registered
+            self._let_go([registered], _CLOSED_KEY.format(index=registered.index),
+                         AFTER_FAILURE_S)
+        except Exception as err:  # noqa: BLE001 - the store or the device is in trouble
+            log.warning("rank %d could not undo registration %d cleanly (%s): its array is "
+                        "kept to the process's exit", self.rank, registered.index, err)
+            if registered.keep is not None:
+                LEFT_FOR_EXIT.append(registered.keep)
+                registered.keep = None
 
     def _open_all(self, registered: Registered, records: dict[int, dict[str, Any]]) -> str:
         """Fill in every rank's range as this process reaches it, opening the peers'
@@ -239,7 +281,8 @@ class Registry:
             registered = self._live.pop(index, None)
         if registered is None:  # ended with the channel meanwhile
             return
-        self._close_maps(registered.opened)
+        with on_device(self.runtime, self.device):
+            self._close_maps(registered.opened)
         self._let_go([registered], _CLOSED_KEY.format(index=index), wait_s)
 
     def close_all(self) -> list[Registered]:

@@ -10,7 +10,6 @@ refused everywhere.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..core.algorithms import CUDA_KERNEL
 from ..core.arrays import HOST, DeviceBuffer, as_buffer
 from ..core.device.kinds import export_problem
 from ..core.device.runtime import DeviceRuntime
-from ..engines.device import DeviceLane, on_device
+from ..engines.device import DeviceLane
 from ..engines.kernel import KernelChannel
 from ..engines.peer_memory import AFTER_FAILURE_S
 from ..errors import ArgumentError
@@ -92,23 +91,17 @@ def register(x: Any, *, lanes: Mapping[str, DeviceLane], kernel: Verdict | None,
     assert isinstance(channel, KernelChannel) and channel.registry is not None
     registry = channel.registry
     ptr, nbytes = (0, 0) if buffer is None else (buffer.pointer, buffer.nbytes)
-
-    def on_lane(run: Callable[[], Any]) -> Any:
-        """``run`` between ops, with the lane's device current (IPC maps a peer's memory
-        into the current device's address space; the worker's may be another)."""
-        def there() -> Any:
-            with on_device(lane.runtime, lane.device):
-                return run()
-        return between_ops(there)
-
-    registered = on_lane(lambda: registry.register(
-        ptr, nbytes, _kept(x), time.monotonic() + timeout, problem))
+    try:
+        keep = _kept(x)
+    except Exception as err:  # noqa: BLE001 - told to the peers as a refusal
+        keep, problem = x, problem or f"its memory could not be held ({err})"
+    registered = between_ops(lambda: registry.register(ptr, nbytes, keep, timeout, problem))
 
     def end() -> None:
         if registry.closed:  # ended with the communicator
             return
         wait_s = min(timeout, AFTER_FAILURE_S) if channel.ended else timeout
-        on_lane(lambda: registry.deregister(registered.index, wait_s))
+        between_ops(lambda: registry.deregister(registered.index, wait_s))
 
     return Registration(nbytes, f"registration {registered.index} of the kernel path: "
                         "its ops run where it lies", end)
