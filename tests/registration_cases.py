@@ -147,9 +147,10 @@ def _restore(runtime: Any, saved: Any) -> None:
 
 def job_registered(rank: int, world: int, store: str, transport: str, count: int = 37,
                    device_name: str = "fake", **_: Any) -> dict[str, Any]:
-    """A rank of real processes: ``registered_everything`` (every pair on the fake,
-    ``GPU_PAIRS`` on a GPU), then the device memory left after ``close()``, which rank 0
-    calls last."""
+    """A rank of real processes: ``registered_everything`` of ``GPU_PAIRS`` (the dtypes and
+    ops training uses, one integer and one bitwise: what across processes adds is the
+    mapping, which every pair exercises alike; the in-process test runs every pair), then
+    the device memory left after ``close()``, which rank 0 calls last."""
     import ringcomm
 
     runtime, saved = _setup(rank, world, device_name)
@@ -158,8 +159,7 @@ def job_registered(rank: int, world: int, store: str, transport: str, count: int
         comm = ringcomm.init(rank=rank, world_size=world, store=store, timeout=30.0,
                              transport=transport, device=device_name)
         try:
-            result = registered_everything(
-                count, None if device_name == "fake" else GPU_PAIRS)(comm)
+            result = registered_everything(count, GPU_PAIRS)(comm)
         finally:
             live = _close_last_on_rank_0(comm, runtime)
         result["left"] = live - before

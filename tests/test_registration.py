@@ -10,7 +10,7 @@ import gc
 
 import numpy as np
 import pytest
-from kernel_cases import pairs
+from kernel_cases import GPU_PAIRS, pairs
 from registration_cases import block, ddp_rank, fill, registered_everything
 
 from ringcomm.core.algorithms import CUDA_KERNEL
@@ -53,17 +53,16 @@ def test_registered_ops_at_other_world_sizes(fake_devices, world):
 
 
 def test_ranks_in_processes_map_each_allocation_once(cluster):
-    """Real processes sharing fake device 0 under MPS: every pair in place and right, every
-    rank's segment exported once and opened once by each peer although three blocks of it
-    are registered, and close leaves no device memory."""
+    """Real processes sharing fake device 0 under MPS: the training dtypes and ops in place
+    and right, every rank's segment exported once and opened once by each peer although
+    three blocks of it are registered, and close leaves no device memory."""
     world = 3
     res = cluster.run(world, "registration_cases.job_registered", timeout=120)
-    every = len(list(pairs()))
     assert len({r["digest"] for r in res}) == 1
     for r in res:
         assert r["wrong"] == [] and r["in_place"] == r["ops"] and r["untouched"]
-        assert r["exported"] == every
-        assert r["opens"] == every * (world - 1)
+        assert r["exported"] == len(GPU_PAIRS)
+        assert r["opens"] == len(GPU_PAIRS) * (world - 1)
         assert r["left"] == 0
 
 
