@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
+from ringcomm.core.algorithms import KERNEL_COLLECTIVES
+
 from . import adapter, device, floors, mpi_peer
 from .buffers import Buffers
 from .common import timed
@@ -474,7 +476,7 @@ def _kernel_unsupported(collective: str, dtype: str, op: str | None) -> str | No
         "the kernel path runs allreduce, reduce-scatter and all-gather only"
 
 
-_KERNEL_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+_KERNEL_COLLECTIVES = ("allreduce", *sorted(KERNEL_COLLECTIVES))
 
 
 def _kernel_calls(handle: DeviceHandle, collective: str, bufs: Any, op: str | None,

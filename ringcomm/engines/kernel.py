@@ -216,27 +216,14 @@ class KernelChannel:
             if not one_shot:
                 runtime.copy(at, mine, n * size, stream)
 
-    def in_place_allreduce(self, data: tuple[int, ...], count: int, dtype: np.dtype,
-                           op: ReduceOp, stream: Stream) -> None:
-        """Queue on ``stream`` the two-shot over every rank's registered memory where it
-        lies (``data``, as this process reaches it): one launch, whatever the size."""
+    def launch_where_they_lie(self, kernel: str, data: tuple[int, ...], count: int,
+                              dtype: np.dtype, op: ReduceOp | None, out: int | None,
+                              stream: Stream, stride: int = 0) -> None:
+        """Queue on ``stream`` one launch of ``kernel`` over every rank's registered memory
+        where it lies (``data``, as this process reaches it), whatever the size: the
+        two-shot in place, or the reduce-scatter or all-gather into ``out``."""
         self.in_place += 1
-        self._launch(stream, "two_shot", count, dtype, op, None, data=data)
-
-    def in_place_reduce_scatter(self, data: tuple[int, ...], dst: int, count: int,
-                                dtype: np.dtype, op: ReduceOp, stream: Stream) -> None:
-        """Queue on ``stream`` one reduce-scatter launch reading every rank's registered
-        input where it lies, writing this rank's block to ``dst``."""
-        self.in_place += 1
-        self._launch(stream, "reduce_scatter", count, dtype, op, dst, data=data)
-
-    def in_place_all_gather(self, data: tuple[int, ...], dst: int, nbytes: int,
-                            stream: Stream) -> None:
-        """Queue on ``stream`` one all-gather launch reading every rank's registered input
-        where it lies into ``dst``."""
-        self.in_place += 1
-        self._launch(stream, "all_gather", nbytes, np.dtype(np.uint8), None, dst,
-                     stride=nbytes, data=data)
+        self._launch(stream, kernel, count, dtype, op, out, stride, data=data)
 
     def reduce_scatter(self, src: int, dst: int, count: int, dtype: np.dtype, op: ReduceOp,
                        stream: Stream) -> None:
@@ -377,10 +364,12 @@ class KernelChannel:
                 f"{self.in_place} ops where they lie")
 
 
-#: the kernels that run on registered memory where it lies (``registered``)
-_IN_PLACE = frozenset({"two_shot", "reduce_scatter", "all_gather"})
+#: the kernels that run on registered memory where it lies (``registered``), and the
+#: buffer of each that the peers read (its place is what the ranks agree on)
+_READS = {"two_shot": "data", "reduce_scatter": "input", "all_gather": "input"}
 #: what each rank adds to the op's header: its registration and offset, or (-1, 0)
-_NOTE_BYTES = 16
+_NOT_REGISTERED = np.array((-1, 0), np.int64)
+_NOTE_BYTES = _NOT_REGISTERED.nbytes
 
 #: the kernel each op launches, by allreduce algorithm or other collective
 _KERNEL_OF = {"kernel-oneshot": "one_shot", "kernel-twoshot": "two_shot",
@@ -423,7 +412,7 @@ class KernelEngine(Engine):
             channel.prepare(kernel, ctx.dtype, None if kernel == "all_gather" else ctx.reduce)
         spot = self._registered(kernel, buffers)
         tell_headers(self.transport, self._peers, ctx,
-                     np.array(spot if spot is not None else (-1, 0), np.int64))
+                     _NOT_REGISTERED if spot is None else np.array(spot, np.int64))
         notes = hear_headers(self.transport, self._peers, ctx, _NOTE_BYTES)
         try:
             data = None if spot is None else self._where_they_lie(kernel, spot, notes, buffers)
@@ -432,6 +421,24 @@ class KernelEngine(Engine):
             channel.abort(f"{type(err).__name__} on rank {self.rank} during {ctx.name}")
             raise
 
+    def _launch_where_they_lie(self, collective: str, data: tuple[int, ...],
+                               buffers: Mapping[str, Buffer], pointers: Mapping[str, int],
+                               ctx: OpContext) -> None:
+        """The op's one launch over the ranks' registered memory (``data``)."""
+        stream = self.lane.stream
+        if collective == "allreduce":
+            self.channel.launch_where_they_lie("two_shot", data, buffers["data"].count,
+                                               ctx.dtype, ctx.reduce, None, stream)
+        elif collective == "reduce_scatter":
+            self.channel.launch_where_they_lie("reduce_scatter", data,
+                                               buffers["output"].count, ctx.dtype,
+                                               ctx.reduce, pointers["output"], stream)
+        else:  # bytes, whatever the dtype
+            nbytes = buffers["input"].nbytes
+            self.channel.launch_where_they_lie("all_gather", data, nbytes,
+                                               np.dtype(np.uint8), None, pointers["output"],
+                                               stream, stride=nbytes)
+
     def _registered(self, kernel: str, buffers: Mapping[str, Buffer]) -> tuple[int, int] | None:
         """Where the buffer the peers read lies in this rank's registered memory (the
         registration and the offset in it), for a kernel that can run there: the two-shot
@@ -439,9 +446,9 @@ class KernelEngine(Engine):
         rank's, never read by a peer) must not overlap it. None: the op copies through the
         region."""
         registry = self.channel.registry
-        if kernel not in _IN_PLACE or registry is None or not registry.live:
+        if kernel not in _READS or registry is None or not registry.live:
             return None
-        read = buffers["data" if kernel == "two_shot" else "input"]
+        read = buffers[_READS[kernel]]
         if not (isinstance(read, DeviceBuffer) and read.memory == self.runtime.memory
                 and read.device == self.lane.device):
             return None
@@ -458,13 +465,14 @@ class KernelEngine(Engine):
         None."""
         registry = self.channel.registry
         assert registry is not None
-        spots = dict(zip(self._peers, (tuple(int(v) for v in np.frombuffer(note, np.int64))
-                                       for note in notes), strict=True))
-        spots[self.rank] = spot
-        if any(index < 0 for index, _ in spots.values()):
+        said = dict(zip(self._peers,
+                        np.frombuffer(b"".join(notes), np.int64).reshape(-1, 2).tolist(),
+                        strict=True))
+        said[self.rank] = list(spot)
+        if any(index < 0 for index, _ in said.values()):
             return None
-        nbytes = buffers["data" if kernel == "two_shot" else "input"].nbytes
-        return tuple(registry.view(spots[q][0], q, spots[q][1], nbytes)
+        nbytes = buffers[_READS[kernel]].nbytes
+        return tuple(registry.view(said[q][0], q, said[q][1], nbytes)
                      for q in range(self.world_size))
 
     def _launched(self, collective: str, algorithm: str, buffers: Mapping[str, Buffer],
@@ -476,29 +484,18 @@ class KernelEngine(Engine):
         with held(self.lane) as (device, lifted):
             pointers = stage_in(self.lane, buffers, self.name, device, lifted)
             stream = self.lane.stream
-            if collective == "allreduce":
+            if data is not None:
+                self._launch_where_they_lie(collective, data, buffers, pointers, ctx)
+                written = "data" if collective == "allreduce" else "output"
+            elif collective == "allreduce":
                 assert ctx.reduce is not None
-                if data is not None:
-                    channel.in_place_allreduce(data, buffers["data"].count, ctx.dtype,
-                                               ctx.reduce, stream)
-                else:
-                    channel.allreduce(algorithm, pointers["data"], buffers["data"].count,
-                                      ctx.dtype, ctx.reduce, stream)
+                channel.allreduce(algorithm, pointers["data"], buffers["data"].count,
+                                  ctx.dtype, ctx.reduce, stream)
                 written = "data"
             elif collective == "reduce_scatter":
                 assert ctx.reduce is not None
-                if data is not None:
-                    channel.in_place_reduce_scatter(data, pointers["output"],
-                                                    buffers["output"].count, ctx.dtype,
-                                                    ctx.reduce, stream)
-                else:
-                    channel.reduce_scatter(pointers["input"], pointers["output"],
-                                           buffers["output"].count, ctx.dtype, ctx.reduce,
-                                           stream)
-                written = "output"
-            elif data is not None:
-                channel.in_place_all_gather(data, pointers["output"], buffers["input"].nbytes,
-                                            stream)
+                channel.reduce_scatter(pointers["input"], pointers["output"],
+                                       buffers["output"].count, ctx.dtype, ctx.reduce, stream)
                 written = "output"
             else:
                 channel.all_gather(pointers["input"], pointers["output"],

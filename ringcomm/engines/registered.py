@@ -185,7 +185,7 @@ class Registry:
             if key is not None:
                 self.exchange.publish(key + "/opened", why.encode())
             self._close_maps(registered.opened)
-            self._let_go([registered], _CLOSED_KEY.format(index=registered.index),
+            self._let_go(registered, _CLOSED_KEY.format(index=registered.index),
                          AFTER_FAILURE_S)
         except Exception as err:  # noqa: BLE001 - the store or the device is in trouble
             log.warning("rank %d could not undo registration %d cleanly (%s): its array is "
@@ -283,7 +283,7 @@ class Registry:
             return
         with on_device(self.runtime, self.device):
             self._close_maps(registered.opened)
-        self._let_go([registered], _CLOSED_KEY.format(index=index), wait_s)
+        self._let_go(registered, _CLOSED_KEY.format(index=index), wait_s)
 
     def close_all(self) -> list[Registered]:
         """At the channel's close, before it says its mappings are closed: close every
@@ -315,10 +315,12 @@ class Registry:
                 LEFT_FOR_EXIT.append(registered.keep)
             registered.keep = None
 
-    def _let_go(self, registrations: list[Registered], key: str, wait_s: float) -> None:
+    def _let_go(self, registered: Registered, key: str, wait_s: float) -> None:
+        """Say this rank closed its mappings of registration ``registered`` (``key``), then
+        let its array go once every peer said the same, within ``wait_s``."""
         safe = close_in_order(self.exchange, key, self.rank, self._pids, wait_s,
                               "registered memory")
-        self.let_go(registrations, safe)
+        self.let_go([registered], safe)
 
     @property
     def live(self) -> int:
