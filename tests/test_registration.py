@@ -118,6 +118,40 @@ def test_an_op_runs_in_place_only_where_every_rank_registered_its_buffer(fake_de
         assert got == (np.arange(40) * 3.0).tolist() and in_place == 0
 
 
+def test_each_rank_reads_its_peers_buffers_where_their_headers_say(fake_devices):
+    """Ranks whose buffers lie at different offsets of their registrations (and in
+    registrations of different numbers): each reads and writes every peer's at the place
+    that peer's header named, so the two-shot, the reduce-scatter and the all-gather are
+    right in place."""
+
+    def fn(comm):
+        from ringcomm.testing.fake_device import FakeDeviceArray
+
+        rank, world, rt = comm.rank, comm.world_size, comm.device
+        first = FakeDeviceArray.from_host(np.zeros(64, np.float32))
+        second = FakeDeviceArray.from_host(np.zeros(256, np.float32))
+        with comm.register(first), comm.register(second):
+            x = block(first if rank % 2 else second, 4 * rank + 1, 24)
+            fill(rt, x, np.arange(24, dtype=np.float32) * (rank + 1))
+            comm.allreduce(x, algorithm="kernel-twoshot")
+            out = FakeDeviceArray.from_host(np.zeros(8, np.float32))
+            comm.reduce_scatter(out, x)
+            gathered = FakeDeviceArray.from_host(np.zeros(24 * world, np.float32))
+            comm.allgather(gathered, x)
+            channel = comm.wiring.lanes[CUDA_KERNEL].channel
+            return (x.to_host().tolist(), out.to_host().tolist(),
+                    gathered.to_host().tolist(), channel.in_place)
+
+    world = 3
+    total = np.arange(24, dtype=np.float32) * 6
+    for rank, (reduced, scattered, gathered, in_place) in enumerate(
+            run_group(world, fn, device="fake", gpus=[0, 1, 2])):
+        assert reduced == total.tolist()
+        assert scattered == (total[8 * rank:8 * rank + 8] * world).tolist()
+        assert gathered == np.tile(total, world).tolist()
+        assert in_place == 3
+
+
 def test_after_deregister_an_array_is_copied_again_and_its_mappings_are_gone(fake_devices):
     """Deregistered, a block is an ordinary buffer again: ops on it copy through the region
     (nothing reads the closed mapping), a later registration of the same segment exports it
