@@ -20,12 +20,13 @@ same order (a DDP bucket, once), which
   says so, and only then is the array let go; a peer that never says so leaves it to the
   process's exit (``peer_memory.close_in_order``).
 
-What it costs: once per registration, one export (where the allocation is new), one record
-through the group's store and one read of every peer's, and one IPC open per peer allocation
-not yet open (CUDA maps it: about a millisecond); per op nothing but a lookup of the
-pointer. What is refused, saying why: host memory, another device's, memory without a CUDA
-IPC handle (``cuMemCreate``/``cuMemMap``, as torch's expandable segments map it; a
-stream-ordered pool). A rank that refuses tells its peers, so every rank raises.
+What it costs: once per registration, one export (where the allocation is new), two
+rounds through the group's store (each rank's record, then whether it opened every peer's),
+and one IPC open per peer allocation not yet open (unmeasured on a GPU; about 6 ms a
+registration through the fake runtime's store between three processes here); per op nothing
+but a lookup of the pointer. What is refused, saying why: host memory, another device's,
+memory without a CUDA IPC handle (``cuMemCreate``/``cuMemMap``, as torch's expandable
+segments map it; a stream-ordered pool). A rank that refuses tells its peers, so every rank raises.
 
 An op runs in place when every rank's buffer lies in a registration (each rank says which,
 and where, in the header it swaps with its peers before any kernel starts: agreed, never

@@ -410,7 +410,7 @@ class Communicator:
         registers its array at the same point, in the same order. The registration holds
         ``x`` (its memory is neither freed nor handed out again) until its ``deregister``,
         which every rank also calls at the same point, or ``close``. Costs one CUDA IPC
-        export of the allocation holding ``x`` (once per allocation), one record through the
+        export of the allocation holding ``x`` (once per allocation), two rounds through the
         store and one open of each peer's allocation (once per allocation); refused, with the
         reason, for host memory, another device's, or memory without an IPC handle (torch's
         expandable segments). Where the group has no kernel path it holds nothing and says
