@@ -41,6 +41,7 @@ from ringcomm.core.device.kinds import (
     TorchCUDAKind,
 )
 from ringcomm.core.dtypes import REDUCE_OPS
+from ringcomm.core.tensors import HostViews
 from ringcomm.runtime.local import run_group
 from ringcomm.testing import FakeDeviceArray, FakeRuntime
 from ringcomm.testing.fake_arrays import FakeArrayKind
@@ -358,6 +359,14 @@ def test_inputs_no_kind_takes_are_refused_with_what_to_pass():
         as_buffer(torch.empty(3, device="meta"), name="y")
     with pytest.raises(ArgumentError, match="x: dtype uint16 is not supported"):
         as_buffer(FakeDeviceArray.empty(3, np.uint16))
+    not_dense = [torch.ones(3).to_sparse()]  # no memory of their own, each said as such
+    if torch.backends.mkldnn.is_available():
+        not_dense.append(torch.ones(2, 2).to_mkldnn())  # on the CPU, "contiguous"
+    for t in not_dense:
+        with pytest.raises(ArgumentError, match=rf"x is a {t.layout} tensor; Communicator "
+                           r"takes dense tensors: pass x.to_dense\(\)"):
+            as_buffer(t)
+        assert HostViews().tensor(t) is None  # the short way leaves it to the long one
     read_only = np.zeros(3)
     read_only.flags.writeable = False
     with pytest.raises(ArgumentError, match="out is read-only but the op writes"):

@@ -169,18 +169,33 @@ def test_sizes_that_differ_by_a_little_fail_in_the_call_itself_on_every_rank(ran
             assert "failed and aborted the group: DesyncError" in r["msg"]
 
 
+def _row_then_column(world: int) -> list[torch.Tensor]:
+    """Every rank's 4 x 4 matrix (rank r's: 0..15 times r + 1) after a sum of elements 1-4
+    and then of column 1, whose first element is element 1."""
+    ms = [torch.arange(16.0).reshape(4, 4) * (r + 1) for r in range(world)]
+    row = sum(m.view(-1)[1:5] for m in ms)
+    for m in ms:
+        m.view(-1)[1:5] = row
+    column = sum(m[:, 1] for m in ms)
+    for m in ms:
+        m[:, 1] = column
+    return ms
+
+
 @slow
 @pytest.mark.timeout(60)
 def test_the_short_way_reduces_the_tensor_it_is_given(ranks):
     """The blocking all_reduce of a contiguous CPU tensor reuses a view per address, size
     and dtype: a tensor that shares an address with an earlier one but is another part of
-    the storage, another dtype or a negated view is still reduced as itself."""
+    the storage, another dtype, a negated view or a strided column of the same address and
+    size is still reduced as itself."""
     for rank, got in enumerate(ranks.run("job_short_way", 2)):
         total = got["total"]
         assert got["parts"] == [i * total for i in range(8)] + [
             i * (rank + 1.0) for i in range(8, 12)]  # the rest of the storage untouched
         assert got["other dtype"] == [2 * ONE_BITS + 1] * 4  # added as int32
         assert got["negated"] == ([-1.0] * 3, [1.0] * 3)  # max of -(r + 1) is -1
+        assert got["column"] == _row_then_column(2)[rank].tolist()
         assert got["fresh 1.0"] == [float(total)] * 16
         assert got["fresh 2.0"] == [2.0 * total] * 16
         assert not got["kept alive"], "a reduced tensor stays alive after its last reference"

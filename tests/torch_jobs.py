@@ -840,8 +840,9 @@ ONE_BITS = 0x3F800000  # 1.0 as a float32's bits
 def job_short_way(rank: int, world: int, port: int, file: str, **_: Any) -> dict:
     """``dist.all_reduce(t)`` on tensors that share an address with one reduced before (the
     short way keeps a view per address, size and dtype): other parts of one storage, the
-    same memory as another dtype, a negated view (whose MAX is not the memory's), a tensor
-    made where a freed one was; and the views keep no tensor alive."""
+    same memory as another dtype, a negated view (whose MAX is not the memory's), a column
+    whose address and size are those of a row reduced before, a tensor made where a freed
+    one was; and the views keep no tensor alive."""
     import gc
     import weakref
 
@@ -864,6 +865,11 @@ def job_short_way(rank: int, world: int, port: int, file: str, **_: Any) -> dict
         negated = torch._neg_view(t)
         dist.all_reduce(negated, op=dist.ReduceOp.MAX)
         got["negated"] = (negated.tolist(), t.tolist())
+        m = torch.arange(16.0).reshape(4, 4) * (rank + 1)
+        dist.all_reduce(m.view(-1)[1:5])  # elements 1-4, by the address of element 1
+        column = m[:, 1]  # elements 1, 5, 9 and 13: that address and size, strided
+        dist.all_reduce(column)
+        got["column"] = m.tolist()
         for value in (1.0, 2.0):
             fresh = torch.full((16,), value * (rank + 1))
             dist.all_reduce(fresh)

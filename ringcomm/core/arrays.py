@@ -455,6 +455,9 @@ class TorchCPUKind(HostKind):
                 f"{name} is on {t.device}; Communicator takes host memory and CUDA tensors: "
                 f"copy it with {name}.cpu() (and back after the op), or use the torch backend "
                 "(dist.init_process_group('ringcomm')), which copies other tensors itself")
+        if t.layout is not torch.strided:  # sparse, MKL-DNN: no memory of its own to view
+            raise ArgumentError(f"{name} is a {t.layout} tensor; Communicator takes dense "
+                                f"tensors: pass {name}.to_dense()")
         if not t.is_contiguous():
             raise ArgumentError(
                 f"{name} is not contiguous; pass {name}.contiguous() and copy results back")

@@ -55,10 +55,11 @@ def core_dtypes() -> frozenset[Any]:
 
 
 def viewable(t: Any, core_dtypes: frozenset[Any]) -> bool:
-    """Whether the host can work on ``t``'s memory as it is: a contiguous CPU tensor of a
-    dtype the core knows, not a conjugate or negated view."""
-    return (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and t.dtype in core_dtypes)
+    """Whether the host can work on ``t``'s memory as it is: a dense, contiguous CPU tensor
+    of a dtype the core knows, not a conjugate or negated view (an MKL-DNN tensor is on the
+    CPU and says it is contiguous, but has no memory of its own to view)."""
+    return (t.layout is _torch().strided and t.is_cpu and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() and t.dtype in core_dtypes)
 
 
 class HostViews:
@@ -82,11 +83,21 @@ class HostViews:
 
     def tensor(self, x: Any) -> HostBuffer | None:
         """``x``'s view (``of``) where ``x`` is a torch tensor the host works on as it is
-        (``viewable``); None for anything else (the caller takes the general way)."""
+        (``viewable``); None for anything else (the caller takes the general way). The
+        checks of ``viewable`` run on every call, since the same memory may be viewed
+        strided or conjugated, all but the dtype's: a view is only ever made of a dtype the
+        core knows. The entry of the smallest calls, so spelled out here."""
         torch = sys.modules.get("torch")
-        if torch is None or not isinstance(x, torch.Tensor) or not viewable(x, core_dtypes()):
+        if torch is None or not isinstance(x, torch.Tensor) or x.layout is not torch.strided \
+                or not x.is_cpu or not x.is_contiguous() or x.is_conj() or x.is_neg():
             return None
-        return self.of(x)
+        key = (x.data_ptr(), x.numel(), x.dtype)
+        view = self._views.get(key)
+        if view is None:
+            if key[2] not in core_dtypes():
+                return None
+            view = self._make(key)
+        return view
 
     def _make(self, key: tuple[int, int, Any]) -> HostBuffer:
         address, count, dtype = key

@@ -263,18 +263,20 @@ class OpRunner:
                 self._op_done(caller=True)
             return True
         engine, planned = plan
-        name = f"allreduce #{seq}"
         try:
             if type(data) is not HostBuffer:
                 data = data.staged_for(engine.moves)
-            engine.allreduce_now(planned, data, seq, time.monotonic() + self.timeout, name)
+            engine.allreduce_now(planned, data, seq, time.monotonic() + self.timeout,
+                                 f"allreduce #{seq}")
             self._completed = seq + 1
         except CommError as err:
             self._fail(err)
             self.p2p.fail_all(err)
             raise
         finally:
-            self._op_done(caller=True)
+            with self._count_lock:  # ``_op_done(caller=True)``, without its call
+                self._outstanding -= 1
+                self._callers -= 1
         return True
 
     def _plan(self, data: Buffer, op: str) -> Any:

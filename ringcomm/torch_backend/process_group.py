@@ -35,7 +35,7 @@ from ..errors import ArgumentError, CommError, CommTimeout
 from ..runtime.communicator import Communicator
 from ..runtime.registration import Registration
 from ..runtime.work import Work as CommWork
-from .tensors import CallBuffers, check, in_place, movable, one, reduce_op, same
+from .tensors import CallBuffers, check, movable, one, reduce_op, same
 from .work import FinishedWork, RingcommWork, torch_style
 
 BACKEND_NAME = "ringcomm"
@@ -158,10 +158,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
             self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = reduce_op(opts)
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
-            t = tensors[0]  # dist.all_reduce(t): the commonest call, taken the short way
-            if in_place(t):  # a view of its memory: the op runs here, start to end, or not
+            # dist.all_reduce(t), the commonest call, taken the short way: a view of its
+            # memory, and the op runs here from start to end, or not at all
+            view = self._views.tensor(tensors[0])
+            if view is not None:
                 try:
-                    if self.comm.allreduce_now_on(self._views.of(t), op):
+                    if self.comm.allreduce_now_on(view, op):
                         return self._ran_here
                 except ArgumentError:
                     raise

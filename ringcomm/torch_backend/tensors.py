@@ -34,7 +34,6 @@ _OPS = {
 }
 _OPS_BY_CODE = {kind.value: name for kind, name in _OPS.items()}  # hashing torch's enum is slow
 _SUM = ReduceOp.SUM
-_STRIDED = torch.strided
 
 
 def reduce_op(opts: Any) -> str:
@@ -62,13 +61,6 @@ def check(t: Any, what: str, *, reduce: bool = False) -> None:
         supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in CORE_DTYPES))
         raise ArgumentError(f"{what} has dtype {t.dtype}, which ringcomm cannot reduce; "
                             f"use one of: {supported}")
-
-
-def in_place(t: Any) -> bool:
-    """Whether the communicator can work on ``t``'s memory as it is (the short way)."""
-    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and t.dtype in CORE_DTYPES)
 
 
 def movable(dtype: torch.dtype) -> int:

@@ -183,6 +183,7 @@ class Board:
         else:
             hooks._posted()
         raw, world_size = self._raw, self.world_size
+        ufunc = None if reduce is None or reduce.divides else reduce.ufunc  # needs no finish
         for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - read on failure
             line = peer * _RANK_BYTES
             if unpack_from(mem, line)[0] < number:
@@ -190,7 +191,10 @@ class Board:
             at = line + _LINE + parity * _SLOT
             if raw[at: at + HEADER_SIZE] != header:
                 hooks._disagrees(peer, header, op)
-            fold_whole(data, views[peer], reduces, final, reduce, world_size)
+            if reduces and ufunc is not None:  # ``fold_whole``'s commonest, without its call
+                ufunc(data, views[peer], data)
+            else:
+                fold_whole(data, views[peer], reduces, final, reduce, world_size)
 
     def withdraw(self) -> None:
         """Withdraw this rank's latest post (its op failed): its header becomes an abort's,

@@ -168,14 +168,17 @@ def sweep(folder: str = SHM_DIR) -> list[str]:
 
 
 _fence_lock = threading.Lock()
+_take, _give = _fence_lock.acquire, _fence_lock.release
 
 
 def fence() -> None:
     """A full memory barrier: taking a lock is an atomic read-modify-write instruction. Put
     between a store and a load that another process orders the other way round (each side
-    raises a flag, then reads the other's), so that one of the two always sees the other."""
-    with _fence_lock:
-        pass
+    raises a flag, then reads the other's), so that one of the two always sees the other.
+    (Taken and given back by its bound methods: a ``with`` costs twice as much, on every
+    post of the smallest calls.)"""
+    _take()
+    _give()
 
 
 def stores_in_order() -> bool:
