@@ -14,6 +14,7 @@ test runs fake device arrays over real processes.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import ml_dtypes
@@ -41,7 +42,7 @@ from ringcomm.core.device.kinds import (
     TorchCUDAKind,
 )
 from ringcomm.core.dtypes import REDUCE_OPS
-from ringcomm.core.tensors import HostViews
+from ringcomm.core.tensors import HostViews, core_dtypes, viewable
 from ringcomm.runtime.local import run_group
 from ringcomm.testing import FakeDeviceArray, FakeRuntime
 from ringcomm.testing.fake_arrays import FakeArrayKind
@@ -359,14 +360,39 @@ def test_inputs_no_kind_takes_are_refused_with_what_to_pass():
         as_buffer(torch.empty(3, device="meta"), name="y")
     with pytest.raises(ArgumentError, match="x: dtype uint16 is not supported"):
         as_buffer(FakeDeviceArray.empty(3, np.uint16))
-    not_dense = [torch.ones(3).to_sparse()]  # no memory of their own, each said as such
+    # no memory of their own to view, each said as such, by the direct API too
+    not_dense = [torch.ones(3).to_sparse(), torch.ones(2, 2).to_sparse_csr()]
     if torch.backends.mkldnn.is_available():
         not_dense.append(torch.ones(2, 2).to_mkldnn())  # on the CPU, "contiguous"
+    said = r"x is a (\S+) tensor; Communicator takes dense tensors: pass x.to_dense\(\)"
     for t in not_dense:
-        with pytest.raises(ArgumentError, match=rf"x is a {t.layout} tensor; Communicator "
-                           r"takes dense tensors: pass x.to_dense\(\)"):
+        with pytest.raises(ArgumentError, match=said.replace(r"(\S+)", str(t.layout))):
             as_buffer(t)
         assert HostViews().tensor(t) is None  # the short way leaves it to the long one
+
+    def direct(comm):
+        refused = []
+        for t in not_dense:
+            with pytest.raises(ArgumentError, match=said) as err:
+                comm.allreduce(t)
+            refused.append(re.search(said, str(err.value)).group(1))
+        return refused
+
+    assert run_group(1, direct, timeout=30)[0] == [str(t.layout) for t in not_dense]
+
+    class NoStorage(torch.Tensor):  # a wrapper subclass: dense and contiguous, no memory
+        @staticmethod
+        def __new__(cls, shape: tuple[int, ...]) -> Any:
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            raise NotImplementedError(str(func))
+
+    wrapper = NoStorage((3,))  # its address is 0: never viewed, by either way
+    assert HostViews().tensor(wrapper) is None
+    assert not viewable(wrapper, core_dtypes())
     read_only = np.zeros(3)
     read_only.flags.writeable = False
     with pytest.raises(ArgumentError, match="out is read-only but the op writes"):

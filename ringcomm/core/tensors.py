@@ -59,7 +59,18 @@ def viewable(t: Any, core_dtypes: frozenset[Any]) -> bool:
     of a dtype the core knows, not a conjugate or negated view (an MKL-DNN tensor is on the
     CPU and says it is contiguous, but has no memory of its own to view)."""
     return (t.layout is _torch().strided and t.is_cpu and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg() and t.dtype in core_dtypes)
+            and not t.is_conj() and not t.is_neg() and t.dtype in core_dtypes
+            and _has_memory(t))
+
+
+def _has_memory(t: Any) -> bool:
+    """Whether ``t`` has memory of its own to view: a subclass that wraps other tensors (as
+    DTensor does), or a fake tensor, says it is a dense CPU tensor but lies at address 0
+    (or torch refuses to say where)."""
+    try:
+        return t.data_ptr() != 0 or t.numel() == 0
+    except RuntimeError:
+        return False
 
 
 class HostViews:
@@ -91,11 +102,14 @@ class HostViews:
         if torch is None or not isinstance(x, torch.Tensor) or x.layout is not torch.strided \
                 or not x.is_cpu or not x.is_contiguous() or x.is_conj() or x.is_neg():
             return None
-        key = (x.data_ptr(), x.numel(), x.dtype)
+        try:
+            key = (x.data_ptr(), x.numel(), x.dtype)
+        except RuntimeError:  # no memory of its own (``_has_memory``)
+            return None
         view = self._views.get(key)
         if view is None:
-            if key[2] not in core_dtypes():
-                return None
+            if key[2] not in core_dtypes() or (key[0] == 0 and key[1]):
+                return None  # a dtype the core does not know, or no memory (``_has_memory``)
             view = self._make(key)
         return view
 
