@@ -68,9 +68,14 @@ def _has_memory(t: Any) -> bool:
     DTensor does), or a fake tensor, says it is a dense CPU tensor but lies at address 0
     (or torch refuses to say where)."""
     try:
-        return t.data_ptr() != 0 or t.numel() == 0
+        return _addressed(t.data_ptr(), t.numel())
     except RuntimeError:
         return False
+
+
+def _addressed(address: int, count: int) -> bool:
+    """Whether ``count`` elements at ``address`` are memory to view (none lie at 0)."""
+    return address != 0 or count == 0
 
 
 class HostViews:
@@ -108,8 +113,8 @@ class HostViews:
             return None
         view = self._views.get(key)
         if view is None:
-            if key[2] not in core_dtypes() or (key[0] == 0 and key[1]):
-                return None  # a dtype the core does not know, or no memory (``_has_memory``)
+            if key[2] not in core_dtypes() or not _addressed(key[0], key[1]):
+                return None  # a dtype the core does not know, or no memory at an address
             view = self._make(key)
         return view
 
