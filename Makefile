@@ -17,7 +17,7 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt ringcomm/transport/_board_round.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
@@ -97,4 +97,4 @@ gpu-check:
 	PYTHON=$(GPU_PYTHON) bench/gpu_check.sh $(if $(FAKE),--fake) $(if $(QUICK),--quick)
 
 clean:
-	rm -rf $(VENV) $(NVRTC_VENV) build *.egg-info
+	rm -rf $(VENV) $(NVRTC_VENV) build *.egg-info ringcomm/transport/*.so

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -681,6 +682,18 @@ def test_versions_times_each_way_ringcomm_was_timed_apart():
                                   ("ringcomm", "ring", 30.0), ("gloo", None, 100.0))]
     assert versions.times(rows) == {("allreduce", "ringcomm", 2, 8): 7.0,
                                     ("allreduce", "ringcomm/torch", 2, 8): 9.0}
+
+
+@pytest.mark.timeout(60)
+def test_versions_builds_a_versions_compiled_round_as_its_install_would(tmp_path):
+    """A worktree holds sources only: without its round built, a version would be timed on
+    its Python round, slower than it runs installed."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("pyproject.toml", "README.md", "LICENSE", "ringcomm/transport/_board_round.c"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / name, tmp_path / name)
+    versions.build_compiled(tmp_path)
+    assert list((tmp_path / "ringcomm" / "transport").glob("_board_round.*.so"))
 
 
 def test_the_help_names_the_device_backends_that_run_by_default() -> None:

@@ -96,7 +96,8 @@ def imports(path: Path) -> set[str]:
     """The ringcomm modules ``path`` imports."""
     def is_module(name: str) -> bool:
         where = PACKAGE.parent / name.replace(".", "/")
-        return where.with_suffix(".py").exists() or where.is_dir()
+        return (where.with_suffix(".py").exists() or where.is_dir()
+                or where.with_suffix(".pyi").exists())  # a module compiled from C: its stub
 
     return imported(path, module_name(path), {"ringcomm"}, is_module)
 

@@ -110,6 +110,17 @@ def test_the_wheel_and_the_sdist_carry_the_kernel_sources(built):
 
 
 @pytest.mark.timeout(90)
+def test_the_board_round_is_compiled_into_the_wheel_from_the_sdists_source(built):
+    """The sdist carries the C source and the stub; the wheel, built from the sdist where
+    a C compiler is found (as here), carries the compiled round beside them."""
+    assert {"ringcomm/transport/_board_round.c",
+            "ringcomm/transport/_board_round.pyi"} <= set(built.sdist)
+    assert "ringcomm/transport/_board_round.pyi" in built.wheel
+    assert [n for n in built.wheel if n.startswith("ringcomm/transport/_board_round.")
+            and n.endswith(".so")], "no compiled board round in the wheel"
+
+
+@pytest.mark.timeout(90)
 def test_the_wheel_is_typed_and_licensed(built):
     assert "ringcomm/py.typed" in built.wheel  # type checkers read the annotations (PEP 561)
     meta = built.metadata()

@@ -228,6 +228,11 @@ SETTINGS: tuple[Setting, ...] = (
             "0 declines the shared board (allreduces of every size, small broadcasts, "
             "all-gathers and barriers among ranks of one host); a group uses it only where "
             "every rank offers it (x86 only)", True, _flag),
+    Setting("board_compiled", Scope.LOCAL, "RINGCOMM_BOARD_COMPILED", None,
+            "0 runs the board's one-shot round (a blocking allreduce that fits one post, "
+            "on the caller's thread) in Python instead of in its compiled C, which the "
+            "install builds where it finds a C compiler (without one the round is "
+            "Python's); ranks may differ", True, _flag),
     Setting("mailbox", Scope.LOCAL, "RINGCOMM_MAILBOX", None,
             "1 lets small messages from local peers arrive through a shared-memory mailbox "
             "instead of the pipe (x86 only); either end may differ", False, _flag),

@@ -38,6 +38,11 @@ the ranks disagree; the board only says who has posted and who sleeps.
 Layout: per rank a 64-byte line (``posted``, ``sleeping``), then two slots, each a 64-byte
 line holding the header and ``SLOT_BYTES`` of payload: about 2 MiB a rank, reserved when
 the board is made (so that a full ``/dev/shm`` shows at set-up, not as a fault mid-op).
+
+The one-shot round of the smallest allreduces (``Board.round_whole``) has its fast case in
+C as well (``_board_round.c``, built at install where there is a C compiler;
+``RINGCOMM_BOARD_COMPILED=0`` turns it off): it is the one place where interpreting each
+step costs more than the step, about a quarter of a small allreduce through torch.
 """
 
 from __future__ import annotations
@@ -60,6 +65,15 @@ _RANK_BYTES = _LINE + 2 * _SLOT
 _WORD = struct.Struct("<Q")
 
 
+try:
+    from . import _board_round as _compiled
+except ImportError:  # installed where no C compiler was found: the round is Python's alone
+    _compiled = None  # type: ignore[assignment]
+if _compiled is not None and (_compiled.LINE, _compiled.SLOT_BYTES, _compiled.HEADER_SIZE) \
+        != (_LINE, SLOT_BYTES, HEADER_SIZE):
+    raise ImportError(f"{_compiled.__file__} was built for another board layout than "
+                      "board.py's: rebuild it (pip install -e . in ringcomm's checkout)")
+
 # a take of a whole post (``Board.round_whole``): (peer, reduce it in (else copy it), whether
 # that completes the reduction)
 WholeTake = tuple[int, bool, bool]
@@ -70,6 +84,7 @@ class RoundHooks(Protocol):
     a post, explain a header that differs, wake sleeping peers."""
 
     wakes_by_flag: bool  # a sleeper raises its flag (``doze``); else wake after every post
+    quick_turns: int  # how often a wait yields the core before it is the channel's to do
 
     def _wait(self, peer: int, number: int, op: str, deadline: float, header: bytes) -> None: ...
 
@@ -120,6 +135,9 @@ class Board:
         self._mine = rank * _RANK_BYTES
         self._peers = [peer for peer in range(world_size) if peer != rank]
         self._typed: dict[tuple[np.dtype, int, int], tuple[list[np.ndarray], ...]] = {}
+        # the round's fast case in C (``round_whole``), unless not built or turned off
+        self._compiled = _compiled.round_whole if _compiled is not None \
+            and config.value("board_compiled") else None
 
     def posted(self, peer: int) -> int:
         """How many posts ``peer`` has made."""
@@ -159,32 +177,55 @@ class Board:
         their time, the board read straight from memory. ``hooks`` (the channel) is called
         only for a post not there yet, a header that differs (``_disagrees`` raises, or
         returns to take the post after all) and peers that sleep. The local ``step`` says
-        where a failure left the round: 0 the post, ``k`` the ``k``-th take."""
+        where a failure left the round: 0 the post, ``k`` the ``k``-th take.
+
+        Its fast case runs in C where that is built (``_board_round.c``): the same post,
+        quick waits (``hooks.quick_turns`` yields of the core), header checks and folds of
+        the commonest dtypes and ops, a few hundred nanoseconds where this takes a few
+        microseconds. It stops at the first step that needs more (a peer still behind, a
+        header that differs, a fold it does not do, a sleeping peer to wake) and says
+        which: the rest is done here, as it is without C."""
         mem, unpack_from, peers = self._mem, _WORD.unpack_from, self._peers
         step, number = 0, self.number
-        for peer in peers:  # every peer has taken this rank's last post (``behind``)
-            if unpack_from(mem, peer * _RANK_BYTES)[0] < number:
-                hooks._wait(peer, number, op, deadline, header)
-        number += 1
-        parity = number % 2
-        start = self._mine + _LINE + parity * _SLOT
-        mem[start: start + HEADER_SIZE] = header
-        key = (data.dtype, data.size, 0)
-        views = (self._typed.get(key) or self._views(data.dtype, data.size))[parity]
-        views[self.rank][...] = data
-        _WORD.pack_into(mem, self._mine, number)  # last: x86 keeps the store order
-        self.number = number
-        if hooks.wakes_by_flag:
-            fence()  # the count is stored before any flag is read
-            for peer in peers:
-                if unpack_from(mem, peer * _RANK_BYTES + 8)[0]:
-                    hooks._posted()
-                    break
+        compiled = self._compiled
+        done = -1 if compiled is None else compiled(
+            self._bytes, self.rank, self.world_size, number, header, data, takes,
+            -1 if reduce is None else reduce.code, hooks.quick_turns, hooks.wakes_by_flag)
+        if done >= 0:  # posted in C (number + 1), and the takes before ``first`` done
+            number = self.number = number + 1
+            first = done >> 1
+            if done & 1:
+                hooks._posted()
+            if first == len(takes):
+                return
+            parity = number % 2
+            key = (data.dtype, data.size, 0)
+            views = (self._typed.get(key) or self._views(data.dtype, data.size))[parity]
         else:
-            hooks._posted()
+            first = 0
+            for peer in peers:  # every peer has taken this rank's last post (``behind``)
+                if unpack_from(mem, peer * _RANK_BYTES)[0] < number:
+                    hooks._wait(peer, number, op, deadline, header)
+            number += 1
+            parity = number % 2
+            start = self._mine + _LINE + parity * _SLOT
+            mem[start: start + HEADER_SIZE] = header
+            key = (data.dtype, data.size, 0)
+            views = (self._typed.get(key) or self._views(data.dtype, data.size))[parity]
+            views[self.rank][...] = data
+            _WORD.pack_into(mem, self._mine, number)  # last: x86 keeps the store order
+            self.number = number
+            if hooks.wakes_by_flag:
+                fence()  # the count is stored before any flag is read
+                for peer in peers:
+                    if unpack_from(mem, peer * _RANK_BYTES + 8)[0]:
+                        hooks._posted()
+                        break
+            else:
+                hooks._posted()
         raw, world_size = self._raw, self.world_size
         ufunc = None if reduce is None or reduce.divides else reduce.ufunc  # needs no finish
-        for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - read on failure
+        for step, (peer, reduces, final) in enumerate(takes[first:], first + 1):  # noqa: B007
             line = peer * _RANK_BYTES
             if unpack_from(mem, line)[0] < number:
                 hooks._wait(peer, number, op, deadline, header)
@@ -192,7 +233,7 @@ class Board:
             if raw[at: at + HEADER_SIZE] != header:
                 hooks._disagrees(peer, header, op)
             if reduces and ufunc is not None:  # ``fold_whole``'s commonest, without its call
-                ufunc(data, views[peer], data)
+                ufunc(data, views[peer], out=data)
             else:
                 fold_whole(data, views[peer], reduces, final, reduce, world_size)
 

@@ -67,6 +67,7 @@ class BoardChannel(abc.ABC):
     kind = "board"
     wakes_by_flag = False  # a sleeping peer says so on the board (else: wake after each post)
     _fused = False  # ``round_whole`` reads the board itself (the channels that own one)
+    quick_turns = 0  # how often ``round_whole`` yields the core for a post before ``_wait``
 
     def __init__(self, board: Board, transport: Screening) -> None:
         self.board = board
@@ -210,6 +211,7 @@ class ShmBoardChannel(BoardChannel):
         super().__init__(board, transport)
         self.control = control
         self.spin_s = spin_s
+        self.quick_turns = _WATCH_EVERY if spin_s else 0  # as ``_wait`` starts
         self._bell = bell
         self._bells = bells
         self._pipe_peer = {link.pipe_in.fd: link.peer for link in links}
