@@ -21,7 +21,7 @@ from ringcomm.transport.board import SLOT_BYTES
 REDUCE_DTYPES = {
     "sum": [np.float32, np.float64, np.int32, ml_dtypes.bfloat16, np.complex64],
     "avg": [np.float32, np.float16],
-    "prod": [np.float64, np.int64],
+    "prod": [np.float64, np.int64, np.complex64],  # numpy's complex product: a*b != b*a
     "min": [np.float32, np.int8],
     "max": [np.float64, np.int16],
     "band": [np.int32], "bor": [np.uint8], "bxor": [np.int64],
@@ -29,11 +29,14 @@ REDUCE_DTYPES = {
 
 
 def _inputs(world: int, count: int, dtype) -> list[np.ndarray]:
-    """Values whose sum depends on the order it is taken in (floats of mixed magnitudes)."""
+    """Values whose sum depends on the order it is taken in (floats of mixed magnitudes),
+    and whose product does too where they are complex."""
     rng = np.random.default_rng(world * 1000 + count)
     raw = [rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count) for _ in range(world)]
     if np.issubdtype(np.dtype(dtype), np.integer):
         raw = [(r * 7).astype(np.int64) % 5 + 1 for r in raw]
+    if np.issubdtype(np.dtype(dtype), np.complexfloating):  # numpy's product: a*b != b*a
+        raw = [r + 1j * r[::-1] for r in raw]
     return [np.asarray(r).astype(dtype) for r in raw]
 
 

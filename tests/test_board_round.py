@@ -1,7 +1,8 @@
 """The board's one-shot round in C (``_board_round.c``) against the same round in Python.
 
 What users rely on: the compiled round gives every rank the same bits as the Python round
-and as the reference, for every op and dtype (the ones it folds itself and the ones it
+and as the reference (the parts folded in rank order, whatever rank folds them), for every
+op and dtype (the ones it folds itself and the ones it
 leaves to Python), and wherever it stops (a peer behind, a header that differs, a sleeping
 peer) the round goes on in Python exactly as it would have: the same waits, the same
 errors, no post made twice and none skipped. Ranks may run either; they agree.
@@ -20,7 +21,7 @@ from ringcomm.engines.board import board_program
 from ringcomm.plan.collectives import COLLECTIVES
 from ringcomm.schedules.board import allreduce
 from ringcomm.transport import board as board_module
-from ringcomm.transport.board import Board, size
+from ringcomm.transport.board import FOLD, Board, size
 from ringcomm.transport.header import Header, OpKind
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64, np.bool_,
@@ -44,13 +45,14 @@ def test_the_setting_turns_the_compiled_round_off(monkeypatch):
     assert Board(bytearray(size(2)), 0, 2)._compiled is None
 
 
-def _values(world: int, count: int, dtype, seed: int) -> list[np.ndarray]:
+def _values(world: int, count: int, dtype, seed: int, nans: bool = True) -> list[np.ndarray]:
     """Each rank's part: mixed signs and magnitudes, and the edges a fold can get wrong
-    (integers that wrap, infinities, signed zeros, NaNs, subnormals)."""
+    (integers that wrap, infinities, signed zeros, subnormals, NaNs of either sign unless
+    ``nans`` is False: a float fold whose first part holds one is left to numpy)."""
     rng = np.random.default_rng(seed)
     dt = np.dtype(dtype)
     out = []
-    for _ in range(world):
+    for rank in range(world):
         if dt.kind in "iu":
             info = np.iinfo(dt)
             x = rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
@@ -62,7 +64,9 @@ def _values(world: int, count: int, dtype, seed: int) -> list[np.ndarray]:
             raw = rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)
             x = raw.astype(dt) if dt.kind != "c" else (raw + 1j * raw[::-1]).astype(dt)
             if dt.kind == "f":
-                x[:5] = [np.inf, -np.inf, -0.0, np.nan, np.finfo(dt).smallest_subnormal]
+                x[:6] = [np.inf, -np.inf, -0.0, 1.0, np.finfo(dt).smallest_subnormal, 2.0]
+                if nans:
+                    x[3], x[5] = np.nan, np.nan if rank % 2 else -np.nan  # which NaN it keeps
         out.append(x)
     return out
 
@@ -123,19 +127,20 @@ def _round(rank: int, parts: list[np.ndarray], op: str, compiled: bool, *,
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("count", [37, 6000])  # folded in C, and by numpy above 16 KiB
+@pytest.mark.parametrize("count", [37, 6000])  # folded in C, and by numpy above 8 KiB
+@pytest.mark.parametrize("nans", [False, True])
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-def test_compiled_and_python_rounds_give_the_reference_bits(world, count):
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_compiled_and_python_rounds_give_the_reference_bits(world, count, nans):
     for i, (op, dtype) in enumerate(CASES):
-        parts = _values(world, count, dtype, seed=world * 100 + i)
+        parts = _values(world, count, dtype, seed=world * 100 + i, nans=nans)
         want = COLLECTIVES["allreduce"].reference(parts, op)[0]
         for rank in range(world):
             python, _ = _round(rank, parts, op, False)
             got, hooks = _round(rank, parts, op, True)
             assert got.tobytes() == python.tobytes(), (op, np.dtype(dtype), rank)
             assert hooks.waits == [] and hooks.rang == 0
-            if (op, np.dtype(dtype).kind) != ("prod", "c"):
-                assert got.tobytes() == want.tobytes(), (op, np.dtype(dtype), rank)
+            assert got.tobytes() == want.tobytes(), (op, np.dtype(dtype), rank)
 
 
 def test_the_compiled_round_folds_like_numpy_where_the_same_nans_meet():
@@ -184,7 +189,7 @@ def test_a_peer_behind_on_the_last_post_is_waited_for_before_posting(compiled):
         boards[1].post(_header(2), np.full(2, 5.0, np.float32))  # and its post 2
 
     hooks._wait = wait  # type: ignore[method-assign]
-    boards[0].round_whole(_header(2), data, ((1, True, True),), REDUCE_OPS["sum"],
+    boards[0].round_whole(_header(2), data, ((1, FOLD, True),), REDUCE_OPS["sum"],
                           time.monotonic() + 10, "op", hooks)
     assert hooks.waits == [(1, 1)]
     assert data.tolist() == [7.0, 7.0]
@@ -230,7 +235,7 @@ def test_a_stale_post_in_the_slot_is_not_taken_before_its_count_shows_the_new_on
     if not compiled:
         boards[0]._compiled = None
     data = np.full(2, 2.0, np.float32)
-    boards[0].round_whole(_header(1), data, ((1, True, True),), REDUCE_OPS["sum"],
+    boards[0].round_whole(_header(1), data, ((1, FOLD, True),), REDUCE_OPS["sum"],
                           time.monotonic() + 10, "op", hooks)
     assert hooks.waits == [(1, 3)]
     assert data.tolist() == [7.0, 7.0]
@@ -264,7 +269,7 @@ def test_a_post_too_large_for_the_board_is_refused_as_before():
     boards = [Board(memory, r, 2) for r in range(2)]
     data = np.zeros(board_module.SLOT_BYTES // 4 + 1, np.float32)
     with pytest.raises(ValueError, match="a board post holds at most"):
-        boards[0].round_whole(_header(), data, ((1, True, True),), REDUCE_OPS["sum"],
+        boards[0].round_whole(_header(), data, ((1, FOLD, True),), REDUCE_OPS["sum"],
                               time.monotonic() + 10, "op", Hooks(boards, _header()))
     assert boards[0].number == 0 and boards[0].posted(0) == 0
 

@@ -36,14 +36,19 @@ from ..core.arrays import Buffer, HostBuffer
 from ..core.dtypes import ReduceOp
 from ..errors import CommError, CommTimeout
 from ..schedules.schedule import Kind, Region, Schedule
-from ..transport.board import Board, WholeTake
+from ..transport.board import COPY, FOLD, FOLD_BEFORE, Board, WholeTake
 from ..transport.board_channel import BoardChannel
 from ..transport.header import OpDescriptor
 from .base import Engine
 from .context import OpContext, StepObserver
 from .progress import OpProgress, frame_local, in_order, waited_for
 
-_COPY, _REDUCE, _CHECK = "copy", "reduce", "check"  # what a take does with a peer's post
+# What a take does with a peer's post: copy it, fold it in after this rank's data or before
+# it (``_REDUCE_BEFORE``: the peer's rank comes before every rank the data holds so far, as
+# for rank 1's first fold, of rank 0's post: the parts are folded in rank order on every
+# rank, which gives every rank the same bits), or only check its header.
+_COPY, _REDUCE, _REDUCE_BEFORE, _CHECK = "copy", "reduce", "reduce before", "check"
+_WHOLE = {_COPY: COPY, _REDUCE: FOLD, _REDUCE_BEFORE: FOLD_BEFORE}
 _INDEX = slice(32, 36)  # the header's ``index`` field, packed
 _U32 = struct.Struct("<I")
 
@@ -64,6 +69,7 @@ class BoardProgram:
         regions = [r for s in steps for r in (s.src, s.dst) if r is not None]
         self.schedule = schedule
         rounds: list[tuple[Region | None, int, tuple[Take, ...]]] = []
+        taken: set[Region] = set()  # regions a take has written: they hold a peer's part
         for step in steps:
             if step.kind is Kind.POST:
                 assert step.src is not None
@@ -72,6 +78,10 @@ class BoardProgram:
             dst = step.dst
             does = _CHECK if dst is None or not dst.count else \
                 _REDUCE if step.kind is Kind.TAKE_REDUCE else _COPY
+            if does is _REDUCE and step.peer < schedule.rank and dst not in taken:
+                does = _REDUCE_BEFORE  # the data holds this rank's part alone
+            if dst is not None and does is not _CHECK:
+                taken.add(dst)
             take = (step.peer, does, step.final, dst.buf if dst is not None else "",
                     dst.offset if dst is not None else 0, dst.count if dst is not None else 0,
                     step.at)
@@ -86,8 +96,7 @@ class BoardProgram:
         if len(rounds) == 1 and post is not None and not post.offset and not place and all(
                 does is not _CHECK and (role, offset, count, at) == (post.buf, 0, post.count, 0)
                 for _, does, _, role, offset, count, at in takes):
-            self.whole = tuple((peer, does is _REDUCE, final)
-                               for peer, does, final, *_ in takes)
+            self.whole = tuple((peer, _WHOLE[does], final) for peer, does, final, *_ in takes)
 
     def run(self, channel: BoardChannel, buffers: Mapping[str, Buffer], header: bytes,
             ctx: OpContext) -> None:
@@ -113,6 +122,10 @@ class BoardProgram:
                     if does is _REDUCE:
                         assert ctx.reduce is not None
                         target.reduce_into(into, into, payload, ctx.reduce,
+                                           channel.world_size if final else 1)
+                    elif does is _REDUCE_BEFORE:
+                        assert ctx.reduce is not None
+                        target.reduce_into(into, payload, into, ctx.reduce,
                                            channel.world_size if final else 1)
                     else:
                         target.copy(into, payload)

@@ -15,7 +15,8 @@
  *   number      the posts this rank has made (``Board.number``)
  *   header      the post's header (bytes of HEADER_SIZE)
  *   data        the op's 1-d contiguous array, posted, then reduced into or copied over
- *   takes       ((peer, reduces, final), ...): ``WholeTake``s, as board.py's
+ *   takes       ((peer, does, final), ...): ``WholeTake``s, as board.py's (``does``: 0 copy,
+ *               1 fold the post in after the data, 2 before it)
  *   op          ``ReduceOp.code`` of the reduction, or -1 for none
  *   turns       how many times to yield the core while waiting for a post before giving
  *               the wait back (0: give it back at once)
@@ -44,9 +45,9 @@
 /* The largest take this file folds itself: above it numpy's vectorised loops (AVX, chosen
  * at run time) fold faster than this file's, built for the baseline x86-64 (SSE2), and the
  * call's fixed cost no longer matters. Measured, a round of two ranks' float32 sum in one
- * process: 8 KiB 2.8 us here against 5.6 us in Python, 16 KiB 4.7 against 6.7, 32 KiB
- * 6.7 against 7.9, but 256 KiB 57 against 31. */
-#define FOLD_MAX_BYTES (16 << 10)
+ * process: 8 B 1.2 us here against 4.2 us in Python, 8 KiB 4.1 against 5.5, but 16 KiB
+ * folded here 7.7 against 6.8, and 256 KiB 57 against 31. */
+#define FOLD_MAX_BYTES (8 << 10)
 
 enum { OP_SUM = 0, OP_PROD = 1, OP_MIN = 2, OP_MAX = 3, OP_AVG = 4, OP_BAND = 5,
        OP_BOR = 6, OP_BXOR = 7 };
@@ -73,13 +74,22 @@ static int posted_by(const char *mem, long peer, uint64_t number, int turns)
     return seen;
 }
 
-/* Elementwise ``a = a (op) b`` as numpy's ufunc would give it, bit for bit: integers wrap
- * (done on their unsigned twins, where C defines the wrap), floats only sum and multiply
- * (numpy's min and max choose among NaNs in ways not worth copying). */
-#define FOLD_SUM_PROD(T, n, a, b, op)                                                      \
+/* Elementwise ``a = a (op) b``, or ``a = b (op) a`` (``FOLD_BEFORE``): the same, as
+ * numpy's ufunc would give them, bit for bit. Integers wrap (done on their unsigned twins,
+ * where C defines the wrap), and their folds are symmetric in their bits. Floats only sum
+ * and multiply (numpy's min and max choose among NaNs in ways not worth copying), and a
+ * float fold's bits depend on the order of its operands only where both are NaNs (x86
+ * keeps the first one's, as numpy does, but the compiler may swap a sum's operands): where
+ * ``a`` holds no NaN (a first pass looks) no element holds two, and where it does the fold
+ * is left to numpy. */
+#define FOLD_FLOAT(T, n, a, b, op)                                                         \
     do {                                                                                   \
         T *x = (T *)(a);                                                                   \
         const T *y = (const T *)(b);                                                       \
+        int nan = 0;                                                                       \
+        for (Py_ssize_t i = 0; i < (n); i++) nan |= x[i] != x[i];                         \
+        if (nan)                                                                           \
+            return 0;                                                                      \
         if ((op) == OP_SUM)                                                                \
             for (Py_ssize_t i = 0; i < (n); i++) x[i] = x[i] + y[i];                      \
         else                                                                               \
@@ -106,9 +116,9 @@ static int posted_by(const char *mem, long peer, uint64_t number, int turns)
         }                                                                                  \
     } while (0)
 
-/* Fold ``b`` into ``a`` (``n`` items of the buffer format ``format``) by ``op``; 0 when
- * this file does not do that fold (Python does it). ``avg`` sums, except in the take that
- * completes it, which also divides. */
+/* Fold ``b`` into ``a`` (``n`` items of the buffer format ``format``) by ``op``, in
+ * either order (``FOLD_FLOAT``); 0 when this file does not do that fold (Python does it).
+ * ``avg`` sums, except in the take that completes it, which also divides. */
 static int fold(const char *format, int op, int final, char *a, const char *b, Py_ssize_t n)
 {
     if (op == OP_AVG) {
@@ -121,11 +131,11 @@ static int fold(const char *format, int op, int final, char *a, const char *b, P
     switch (format[0]) {
     case 'f':
         if (op != OP_SUM && op != OP_PROD) return 0;
-        FOLD_SUM_PROD(float, n, a, b, op);
+        FOLD_FLOAT(float, n, a, b, op);
         return 1;
     case 'd':
         if (op != OP_SUM && op != OP_PROD) return 0;
-        FOLD_SUM_PROD(double, n, a, b, op);
+        FOLD_FLOAT(double, n, a, b, op);
         return 1;
     case 'b': FOLD_INT(int8_t, uint8_t, n, a, b, op); return 1;
     case 'B': FOLD_INT(uint8_t, uint8_t, n, a, b, op); return 1;
@@ -144,9 +154,11 @@ static int fold(const char *format, int op, int final, char *a, const char *b, P
     }
 }
 
+enum { TAKE_COPY = 0, TAKE_FOLD = 1, TAKE_FOLD_BEFORE = 2 };  /* board.py's COPY, FOLD... */
+
 typedef struct {
     long peer;
-    int reduces;
+    long does;
     int final;
 } Take;
 
@@ -164,13 +176,14 @@ static Py_ssize_t read_takes(PyObject *takes, long world_size, Take *out)
         if (!PyTuple_Check(take) || PyTuple_GET_SIZE(take) != 3)
             return -1;
         long peer = PyLong_AsLong(PyTuple_GET_ITEM(take, 0));
-        int reduces = PyObject_IsTrue(PyTuple_GET_ITEM(take, 1));
+        long does = PyLong_AsLong(PyTuple_GET_ITEM(take, 1));
         int final = PyObject_IsTrue(PyTuple_GET_ITEM(take, 2));
-        if (peer < 0 || peer >= world_size || reduces < 0 || final < 0) {
+        if (PyErr_Occurred() || peer < 0 || peer >= world_size || does < TAKE_COPY
+                || does > TAKE_FOLD_BEFORE || final < 0) {
             PyErr_Clear();
             return -1;
         }
-        out[k] = (Take){peer, reduces, final};
+        out[k] = (Take){peer, does, final};
     }
     return count;
 }
@@ -241,7 +254,7 @@ static PyObject *round_whole(PyObject *module, PyObject *const *args, Py_ssize_t
             if (!posted_by(mem, take.peer, next, (int)turns)
                     || memcmp(theirs, PyBytes_AS_STRING(header), HEADER_SIZE) != 0)
                 break;
-            if (!take.reduces)
+            if (take.does == TAKE_COPY)
                 memcpy(data.buf, theirs + LINE, (size_t)data.len);
             else if (data.len > FOLD_MAX_BYTES
                      || !fold(data.format, (int)op, take.final, data.buf, theirs + LINE, n))

@@ -7,5 +7,5 @@ SLOT_BYTES: int
 HEADER_SIZE: int
 
 def round_whole(board: Any, rank: int, world_size: int, number: int, header: bytes,
-                data: Any, takes: tuple[tuple[int, bool, bool], ...], op: int, turns: int,
+                data: Any, takes: tuple[tuple[int, int, bool], ...], op: int, turns: int,
                 wakes_by_flag: bool) -> int: ...

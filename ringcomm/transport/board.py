@@ -74,9 +74,15 @@ if _compiled is not None and (_compiled.LINE, _compiled.SLOT_BYTES, _compiled.HE
     raise ImportError(f"{_compiled.__file__} was built for another board layout than "
                       "board.py's: rebuild it (pip install -e . in ringcomm's checkout)")
 
-# a take of a whole post (``Board.round_whole``): (peer, reduce it in (else copy it), whether
-# that completes the reduction)
-WholeTake = tuple[int, bool, bool]
+# What a take of a whole post does with it (``WholeTake``): copy it over this rank's data,
+# fold it in after the data's part (``data (op) post``), or before it (``post (op) data``:
+# the post's rank comes before every rank the data holds so far). Every rank folds the parts
+# in rank order so that all get the same bits: a fold is not always symmetric in its bits
+# (numpy's complex product; which NaN a sum keeps).
+COPY, FOLD, FOLD_BEFORE = 0, 1, 2
+# a take of a whole post (``Board.round_whole``): (peer, ``COPY``, ``FOLD`` or
+# ``FOLD_BEFORE``, whether that completes the reduction)
+WholeTake = tuple[int, int, bool]
 
 
 class RoundHooks(Protocol):
@@ -93,13 +99,17 @@ class RoundHooks(Protocol):
     def _posted(self) -> None: ...
 
 
-def fold_whole(data: np.ndarray, post: np.ndarray, reduces: bool, final: bool,
+def fold_whole(data: np.ndarray, post: np.ndarray, does: int, final: bool,
                reduce: ReduceOp | None, world_size: int) -> None:
-    """What a whole take (``WholeTake``) does with ``post``: reduce it into ``data`` (the
-    reduction's last finishing it: ``avg`` divides), or copy it over ``data``."""
-    if reduces:
+    """What a whole take (``WholeTake``) does with ``post``: reduce it into ``data``, after
+    or before the data's part (the reduction's last finishing it: ``avg`` divides), or copy
+    it over ``data``."""
+    if does:
         assert reduce is not None
-        reduce.ufunc(data, post, out=data)
+        if does == FOLD_BEFORE:
+            reduce.ufunc(post, data, out=data)
+        else:
+            reduce.ufunc(data, post, out=data)
         if final and reduce.divides:
             finish_reduction(data, reduce, world_size)
     else:
@@ -225,17 +235,17 @@ class Board:
                 hooks._posted()
         raw, world_size = self._raw, self.world_size
         ufunc = None if reduce is None or reduce.divides else reduce.ufunc  # needs no finish
-        for step, (peer, reduces, final) in enumerate(takes[first:], first + 1):  # noqa: B007
+        for step, (peer, does, final) in enumerate(takes[first:], first + 1):  # noqa: B007
             line = peer * _RANK_BYTES
             if unpack_from(mem, line)[0] < number:
                 hooks._wait(peer, number, op, deadline, header)
             at = line + _LINE + parity * _SLOT
             if raw[at: at + HEADER_SIZE] != header:
                 hooks._disagrees(peer, header, op)
-            if reduces and ufunc is not None:  # ``fold_whole``'s commonest, without its call
+            if does == FOLD and ufunc is not None:  # ``fold_whole``'s commonest, without a call
                 ufunc(data, views[peer], out=data)
             else:
-                fold_whole(data, views[peer], reduces, final, reduce, world_size)
+                fold_whole(data, views[peer], does, final, reduce, world_size)
 
     def withdraw(self) -> None:
         """Withdraw this rank's latest post (its op failed): its header becomes an abort's,

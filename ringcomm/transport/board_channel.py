@@ -106,7 +106,7 @@ class BoardChannel(abc.ABC):
     def round_whole(self, header: bytes, data: np.ndarray, takes: tuple[WholeTake, ...],
                     reduce: ReduceOp | None, deadline: float, op: str) -> None:
         """A ``post`` of all of ``data`` (1-d), then a ``take`` of each peer's whole post in
-        ``takes`` (peer, reduce it in else copy it, whether that completes the reduction):
+        ``takes`` (peer, copy it or fold it in after or before, whether that completes it):
         the one-shot allreduce of the smallest calls. A channel of its own board does it in
         one go (``Board.round_whole``, with this channel's waits and checks); a wrapper
         (``_fused`` False) through its ``post`` and ``take``, which it may override. The
@@ -116,9 +116,9 @@ class BoardChannel(abc.ABC):
             return
         step = 0
         self.post(header, data, deadline, op)
-        for step, (peer, reduces, final) in enumerate(takes, 1):  # noqa: B007 - see above
+        for step, (peer, does, final) in enumerate(takes, 1):  # noqa: B007 - see above
             fold_whole(data, self.take(peer, header, data.dtype, data.size, deadline, op),
-                       reduces, final, reduce, self.world_size)
+                       does, final, reduce, self.world_size)
 
     def _disagrees(self, peer: int, header: bytes, op: str) -> None:
         """``peer``'s post does not carry ``header``: raise what the difference means (a
