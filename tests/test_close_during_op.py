@@ -99,3 +99,72 @@ def test_close_aborts_the_op_even_with_another_threads_op_queued():
     results = close_during_op(2, {"RINGCOMM_BOARD": "0"}, "post-recv")
     check(results, "links")
     assert results[0]["recv"]["type"] == "CommAborted", results[0]
+
+
+@pytest.mark.timeout(30)
+def test_the_control_plane_is_read_by_one_thread_at_a_time_and_never_blocks_a_waiter():
+    """Two threads that wait (an op on the caller's thread, another on the worker) watch the
+    same control socket: both may see a notice ready, and only one takes it. The other
+    returns instead of blocking on a socket that holds nothing more (it hung there, and
+    a thread could take part of another's notice); no notice is taken in part."""
+    import logging
+
+    import zmq
+
+    from ringcomm.transport.header import Header, OpKind
+    from ringcomm.transport.link import Wait
+    from ringcomm.transport.zmq_control import WAKE_ENDPOINT, ZmqControl
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pushes: list[zmq.Socket] = []
+
+    def connect(endpoint: str, peer: int | None = None) -> zmq.Socket:
+        push = context.socket(zmq.PUSH)
+        push.connect(endpoint)
+        pushes.append(push)
+        return push
+
+    control = ZmqControl(0, pull, {1: "inproc://rank-1"}, connect)
+    peer = connect(WAKE_ENDPOINT)
+    wait = Wait("allreduce #9", 1e18, Header.control(OpKind.ALLREDUCE, 9, 1))
+    dropped: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: dropped.append(record.getMessage())  # type: ignore
+    logging.getLogger("ringcomm").addHandler(handler)
+    try:
+        def probe(seq: int) -> None:  # rank 1 asks about one of its ops
+            asked = Header.control(OpKind.ALLREDUCE, seq, 0)
+            peer.send_multipart((Header.control(OpKind.PROBE, seq, 1).pack(),
+                                 asked.pack() + b"allreduce"))
+
+        probe(3)
+        assert pull.poll(2000)
+        control.handle(wait)  # the thread that took it
+        done = threading.Event()
+        other = threading.Thread(target=lambda: (control.handle(wait), done.set()),
+                                 daemon=True)
+        other.start()  # the thread whose poll saw the same notice
+        assert done.wait(5), "a waiter blocked on a control socket that held nothing"
+
+        def read(n: int) -> None:
+            for _ in range(n):
+                if pull.poll(1):
+                    control.handle(wait)
+
+        readers = [threading.Thread(target=read, args=(400,)) for _ in range(4)]
+        for r in readers:
+            r.start()
+        for seq in range(10, 810):
+            probe(seq)
+        for r in readers:
+            r.join(20)
+        read(1000)
+        assert not pull.poll(0)
+        assert not [m for m in dropped if "dropped" in m], dropped[:3]
+    finally:
+        logging.getLogger("ringcomm").removeHandler(handler)
+        control.close()
+        for s in (*pushes, pull):
+            s.close(linger=0)
+        context.term()

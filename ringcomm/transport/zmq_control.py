@@ -104,6 +104,10 @@ class ZmqControl(ControlPlane):
         self.refusals = RateLimitedLog(log, per_second=1.0, burst=10)
         self._wake: zmq.Socket | None = None  # used by whichever thread aborts, one at a time
         self._wake_lock = threading.Lock()
+        # the socket is read by whichever thread waits (an op on the caller's thread, another
+        # on the worker): one at a time, as a ZeroMQ socket is not safe to share, so that
+        # no thread takes part of another's notice
+        self._reading = threading.Lock()
         self._grace_ms = _ABORT_GRACE_MS  # how long a lost peer waits for an abort to explain it
 
     def _to(self, peer: int) -> zmq.Socket:
@@ -136,8 +140,13 @@ class ZmqControl(ControlPlane):
         """Read one notice. An abort raises RemoteError; a probe from a rank that waits in
         the same op as this one (same sequence number) but sees it differently raises
         DesyncError; other probes are fine and dropped, and so is anything that is not a
-        notice from a peer (logged with the reason)."""
-        frames = self.socket.recv_multipart()
+        notice from a peer (logged with the reason). Nothing, where another thread has
+        taken the notice that the caller's poll saw."""
+        with self._reading:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
         try:
             header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
         except ValueError as err:
@@ -176,30 +185,31 @@ class ZmqControl(ControlPlane):
         if not sock.poll(0, zmq.POLLIN):
             return
         back: list[list[bytes]] = []
-        try:
-            for _ in range(_CHECKED_AT_ONCE):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                try:
-                    header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
-                except ValueError as err:
-                    self.refusals.warning("a notice dropped", "rank %d's control plane "
-                                          "dropped a message: %s", self.rank, err)
-                    continue
-                if probed is None and header.sender != self.rank and header.seq <= seq:
-                    raise remote_error(header, payload, self.rank, op)
-                if probed is not None and probed.seq <= seq:
-                    continue  # a peer asked about an op this rank is done with
-                back.append(frames)
-        finally:
-            for frames in back:
-                try:
-                    self._send_own(frames, zmq.NOBLOCK)
-                except zmq.Again:  # the socket's queue is full (of a stranger's notices)
-                    self.refusals.warning("a notice dropped", "rank %d's control plane "
-                                          "dropped a notice: its queue is full", self.rank)
+        with self._reading:
+            try:
+                for _ in range(_CHECKED_AT_ONCE):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        return
+                    try:
+                        header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
+                    except ValueError as err:
+                        self.refusals.warning("a notice dropped", "rank %d's control plane "
+                                              "dropped a message: %s", self.rank, err)
+                        continue
+                    if probed is None and header.sender != self.rank and header.seq <= seq:
+                        raise remote_error(header, payload, self.rank, op)
+                    if probed is not None and probed.seq <= seq:
+                        continue  # a peer asked about an op this rank is done with
+                    back.append(frames)
+            finally:
+                for frames in back:
+                    try:
+                        self._send_own(frames, zmq.NOBLOCK)
+                    except zmq.Again:  # the socket's queue is full (of a stranger's notices)
+                        self.refusals.warning("a notice dropped", "rank %d's control plane "
+                                              "dropped a notice: its queue is full", self.rank)
 
     def _send_own(self, frames: list[bytes], flags: int = 0) -> None:
         """Put a notice on this rank's own control socket (through ``WAKE_ENDPOINT``)."""
