@@ -143,16 +143,10 @@ class ZmqControl(ControlPlane):
         notice from a peer (logged with the reason). Nothing, where another thread has
         taken the notice that the caller's poll saw."""
         with self._reading:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-        try:
-            header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
-        except ValueError as err:
-            self.refusals.warning("a notice dropped", "rank %d's control plane dropped a "
-                                  "message: %s", self.rank, err)
+            notice = self._next_notice(self.socket)
+        if notice is None:
             return
+        frames, (header, payload, probed) = notice
         if probed is None:
             raise remote_error(header, payload, self.rank, wait.op)
         mine = wait.expected
@@ -188,16 +182,12 @@ class ZmqControl(ControlPlane):
         with self._reading:
             try:
                 for _ in range(_CHECKED_AT_ONCE):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    if not sock.poll(0, zmq.POLLIN):
                         return
-                    try:
-                        header, payload, probed = decode_notice(frames, self.rank, self.endpoints)
-                    except ValueError as err:
-                        self.refusals.warning("a notice dropped", "rank %d's control plane "
-                                              "dropped a message: %s", self.rank, err)
+                    notice = self._next_notice(sock)
+                    if notice is None:
                         continue
+                    frames, (header, payload, probed) = notice
                     if probed is None and header.sender != self.rank and header.seq <= seq:
                         raise remote_error(header, payload, self.rank, op)
                     if probed is not None and probed.seq <= seq:
@@ -210,6 +200,22 @@ class ZmqControl(ControlPlane):
                     except zmq.Again:  # the socket's queue is full (of a stranger's notices)
                         self.refusals.warning("a notice dropped", "rank %d's control plane "
                                               "dropped a notice: its queue is full", self.rank)
+
+    def _next_notice(self, sock: zmq.Socket
+                     ) -> tuple[list[bytes], tuple[Header, bytes, Header | None]] | None:
+        """The next message on the control socket and what it says (``decode_notice``),
+        taken whole by the caller, which holds ``_reading``; None where there is none (or
+        not any more: another thread took it) or it is not a notice (logged why)."""
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        try:
+            return frames, decode_notice(frames, self.rank, self.endpoints)
+        except ValueError as err:
+            self.refusals.warning("a notice dropped", "rank %d's control plane dropped a "
+                                  "message: %s", self.rank, err)
+            return None
 
     def _send_own(self, frames: list[bytes], flags: int = 0) -> None:
         """Put a notice on this rank's own control socket (through ``WAKE_ENDPOINT``)."""
