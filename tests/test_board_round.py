@@ -282,3 +282,93 @@ def test_ranks_with_and_without_the_compiled_round_agree(cluster):
     res = cluster.run(3, "job_board", transport="ipc", env=env)
     assert all(x["board"] for x in res)
     assert all(x["wrong"] == [] for x in res), [x["wrong"] for x in res]
+
+
+def _direct(world: int, data: np.ndarray, *, op: str = "sum", rank: int = 0,
+            posted: tuple[int, ...] | None = None, headers: dict[int, bytes] | None = None,
+            sleeping: tuple[int, ...] = (), turns: int = 0, theirs: float = 1.0,
+            late: tuple[float, int] | None = None) -> tuple[int, np.ndarray, list[Board]]:
+    """The compiled round called as ``Board.round_whole`` calls it, on a fresh board whose
+    ``posted`` peers (default: all) have made post 1 of ``theirs`` (``headers``: a peer's
+    own header); ``late`` = (seconds, peer): that peer posts from another thread meanwhile.
+    Its return value, the data, the boards."""
+    import threading
+
+    memory = bytearray(size(world))
+    boards = [Board(memory, r, world) for r in range(world)]
+    ones = np.full_like(data, theirs)
+    for peer in range(world):
+        if peer != rank and (posted is None or peer in posted):
+            boards[peer].post((headers or {}).get(peer, _header()), ones)
+    for peer in sleeping:
+        boards[peer].doze(True)
+    poster = None
+    if late is not None:
+        seconds, peer = late
+        poster = threading.Timer(seconds, boards[peer].post, (_header(), ones))
+        poster.start()
+    takes = board_program(allreduce(rank, world, data.size)).whole
+    compiled = boards[rank]._compiled
+    assert compiled is not None
+    done = compiled(boards[rank]._bytes, rank, world, 0, _header(), data, takes,
+                    REDUCE_OPS[op].code, turns, True)
+    if poster is not None:
+        poster.join()
+    return done, data, boards
+
+
+def test_the_compiled_round_does_what_it_can_and_says_where_it_stopped():
+    """Its answer is ``(first take left << 1) | must wake``, or -1 for nothing done: each
+    reason to stop, at the take it stopped at, the data folded up to there and no further."""
+    whole = 3 << 1  # world 4, rank 0: three takes, all done
+    done, data, boards = _direct(4, np.full(5, 2.0, np.float32))
+    assert (done, data.tolist()) == (whole, [5.0] * 5) and boards[0].posted(0) == 1
+    done, data, _ = _direct(4, np.full(5, 2.0, np.float32), headers={2: _header(9)})
+    assert (done, data.tolist()) == (1 << 1, [3.0] * 5)  # stopped at take 1 (rank 2's)
+    done, data, _ = _direct(4, np.full(5, 2.0, np.float32), posted=(1, 3))
+    assert (done, data.tolist()) == (1 << 1, [3.0] * 5)  # rank 2 has not posted: its turn
+    done, data, _ = _direct(4, np.full(5, 2.0, np.float32), sleeping=(3,))
+    assert (done, data.tolist()) == (1, [2.0] * 5)  # posted; wake rank 3 before any take
+    big = float(np.finfo(np.float32).max)
+    for data, theirs in ((np.full(5, 2.0, np.float16), 1.0),
+                         (np.full(5, 2.0, np.float32)[::2], 1.0),
+                         (np.frombuffer(bytearray(41), np.float64, 5, 1), 1.0),  # unaligned
+                         (np.full(2049, 2.0, np.float32), 1.0),  # 8 KiB and one element
+                         (np.array([2.0, np.nan], np.float64), 1.0),
+                         (np.array([2.0, big], np.float32), big)):  # overflows
+        before = data.copy()
+        done, after, boards = _direct(4, data, theirs=theirs)
+        if not data.flags.c_contiguous:  # not a buffer it reads: nothing done at all
+            assert done == -1 and boards[0].posted(0) == 0
+            continue
+        assert done == 0, data.dtype  # posted, the first fold left to numpy
+        assert after.tobytes() == before.tobytes()  # untouched by a fold given back
+    done, data, _ = _direct(4, np.full(2048, 2.0, np.float32))  # 8 KiB: folded here
+    assert done == whole and data.min() == data.max() == 5.0
+    done, data, _ = _direct(4, np.full(5, 2.0, np.float32), rank=1, posted=(0, 2))
+    assert (done, data.tolist()) == (2 << 1, [4.0] * 5)  # rank 0's folded before its own,
+    # rank 2's after; rank 3's not there
+    memory = bytearray(size(2))
+    boards = [Board(memory, r, 2) for r in range(2)]
+    boards[0].post(_header(), np.ones(2, np.float32))  # rank 0 at post 1, rank 1 at none
+    assert boards[0]._compiled(boards[0]._bytes, 0, 2, 1, _header(), np.ones(2, np.float32),
+                               ((1, FOLD, True),), 0, 0, True) == -1  # rank 1 is behind
+    assert boards[0].posted(0) == 1  # nothing posted
+
+
+def test_the_compiled_round_waits_with_the_gil_let_go():
+    """Its quick wait yields the core, and the interpreter: a peer that posts from another
+    thread of this process meanwhile is taken within the wait."""
+    done, data, _ = _direct(2, np.full(3, 2.0, np.float64), posted=(), turns=1 << 24,
+                            late=(0.02, 1))
+    assert (done, data.tolist()) == (1 << 1, [3.0] * 3)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_fold_that_overflows_warns_or_raises_as_numpy_says(compiled):
+    parts = [np.array([3e38, 1.0], np.float32), np.array([3e38, 2.0], np.float32)]
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        got, _ = _round(0, parts, "sum", compiled)
+    assert got.tolist() == [np.inf, 3.0]
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        _round(0, parts, "sum", compiled)

@@ -78,7 +78,10 @@ class BoardProgram:
             dst = step.dst
             does = _CHECK if dst is None or not dst.count else \
                 _REDUCE if step.kind is Kind.TAKE_REDUCE else _COPY
-            if does is _REDUCE and step.peer < schedule.rank and dst not in taken:
+            if does is _REDUCE and dst is not None and step.peer < schedule.rank \
+                    and dst not in taken:
+                assert not any(_overlap(dst, region) for region in taken), \
+                    "a fold into part of a region a take wrote: which rank's part comes first?"
                 does = _REDUCE_BEFORE  # the data holds this rank's part alone
             if dst is not None and does is not _CHECK:
                 taken.add(dst)
@@ -137,6 +140,11 @@ class BoardProgram:
         now = time.perf_counter()
         observe(index, self.schedule.steps[index], started, now)
         return now
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    """Whether regions ``a`` and ``b`` share an element."""
+    return a.buf == b.buf and a.offset < b.offset + b.count and b.offset < a.offset + a.count
 
 
 def board_header(desc: OpDescriptor, itemsize: int) -> bytes:

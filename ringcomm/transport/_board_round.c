@@ -28,12 +28,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <fenv.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
 #if !PY_LITTLE_ENDIAN
 #error "the board's counts are little-endian words (board.py's struct '<Q')"
+#endif
+#if defined(__FAST_MATH__) || (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
+#error "the folds must keep IEEE arithmetic (NaN checks, numpy's bits): build without fast-math"
 #endif
 
 #define LINE 64
@@ -81,19 +85,32 @@ static int posted_by(const char *mem, long peer, uint64_t number, int turns)
  * float fold's bits depend on the order of its operands only where both are NaNs (x86
  * keeps the first one's, as numpy does, but the compiler may swap a sum's operands): where
  * ``a`` holds no NaN (a first pass looks) no element holds two, and where it does the fold
- * is left to numpy. */
+ * is left to numpy. So is a fold that raises a floating-point exception (an overflow, an
+ * invalid operation...): the data is put back as it was, and numpy does the fold and
+ * warns, raises or ignores as its error state says, as it would without this file. */
+#define FOLD_EXCEPTIONS (FE_OVERFLOW | FE_INVALID | FE_DIVBYZERO | FE_UNDERFLOW)
 #define FOLD_FLOAT(T, n, a, b, op)                                                         \
     do {                                                                                   \
         T *x = (T *)(a);                                                                   \
         const T *y = (const T *)(b);                                                       \
+        T kept[FOLD_MAX_BYTES / sizeof(T)];                                                \
         int nan = 0;                                                                       \
         for (Py_ssize_t i = 0; i < (n); i++) nan |= x[i] != x[i];                         \
         if (nan)                                                                           \
             return 0;                                                                      \
+        memcpy(kept, x, (size_t)(n) * sizeof(T));                                          \
+        fenv_t outer;                                                                      \
+        feholdexcept(&outer);  /* the caller's flags kept aside, ours cleared */          \
         if ((op) == OP_SUM)                                                                \
             for (Py_ssize_t i = 0; i < (n); i++) x[i] = x[i] + y[i];                      \
         else                                                                               \
             for (Py_ssize_t i = 0; i < (n); i++) x[i] = x[i] * y[i];                      \
+        const int raised = fetestexcept(FOLD_EXCEPTIONS);                                  \
+        fesetenv(&outer);                                                                  \
+        if (raised) {                                                                      \
+            memcpy(x, kept, (size_t)(n) * sizeof(T));                                      \
+            return 0;                                                                      \
+        }                                                                                  \
     } while (0)
 
 #define FOLD_INT(S, U, n, a, b, op)                                                        \
@@ -104,7 +121,9 @@ static int posted_by(const char *mem, long peer, uint64_t number, int turns)
         const S *sy = (const S *)(b);                                                      \
         switch (op) {                                                                      \
         case OP_SUM: for (Py_ssize_t i = 0; i < (n); i++) x[i] = (U)(x[i] + y[i]); break;  \
-        case OP_PROD: for (Py_ssize_t i = 0; i < (n); i++) x[i] = (U)(x[i] * y[i]); break; \
+        case OP_PROD: /* widened first: a narrow type's product would overflow int */     \
+            for (Py_ssize_t i = 0; i < (n); i++) x[i] = (U)((uint64_t)x[i] * y[i]);        \
+            break;                                                                         \
         case OP_MIN: for (Py_ssize_t i = 0; i < (n); i++) if (sy[i] < sx[i]) sx[i] = sy[i]; \
             break;                                                                         \
         case OP_MAX: for (Py_ssize_t i = 0; i < (n); i++) if (sy[i] > sx[i]) sx[i] = sy[i]; \
@@ -201,6 +220,7 @@ static PyObject *round_whole(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *header = args[4];
     long op = PyLong_AsLong(args[7]);
     long turns = PyLong_AsLong(args[8]);
+    turns = turns < 0 ? 0 : turns > (1L << 24) ? (1L << 24) : turns;
     int wakes_by_flag = PyObject_IsTrue(args[9]);
     if (PyErr_Occurred())
         return NULL;
@@ -277,6 +297,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_board_round",
     "The shared board's one-shot round in C (ringcomm.transport.board).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__board_round(void)
