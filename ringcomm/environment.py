@@ -64,9 +64,26 @@ def report() -> str:
               + (f"available, {free} MiB free" if shm else "unavailable: local pairs use sockets"),
               f"  named pipes and ipc sockets under: {ipc_base()}",
               "  between hosts: ZeroMQ tcp (address: init(host=), RINGCOMM_IFADDR, "
-              "RINGCOMM_SOCKET_IFNAME, else the route to the store)"]
+              "RINGCOMM_SOCKET_IFNAME, else the route to the store)",
+              f"  the shared board's one-shot round: {_board_round()}"]
     lines += device_report()
     return "\n".join(lines)
+
+
+def _board_round() -> str:
+    """Whether the board's smallest allreduces run their compiled round here, and why not."""
+    from .core import config
+    from .transport import board
+
+    if board._compiled is None:
+        return ("in Python: not compiled (the install found no C compiler; with one, "
+                "`pip install -e .` in ringcomm's checkout builds it)")
+    reading = config.read("board_compiled")
+    if reading.problem is not None:
+        return "compiled, but RINGCOMM_BOARD_COMPILED's value is refused (! above)"
+    if not reading.value:
+        return "in Python (RINGCOMM_BOARD_COMPILED=0)"
+    return f"compiled ({board._compiled.__file__})"
 
 
 def _settings_lines() -> list[str]:

@@ -68,6 +68,18 @@ def test_env_reports_versions_settings_and_their_class():
     assert "RINGCOMM_SPIN_US = '0'  [local]" in out
     assert f"this process may use {len(os.sched_getaffinity(0))}" in out
     assert "shared memory (/dev/shm)" in out and "cost profile" in out
+    assert "the shared board's one-shot round: compiled (" in out
+    off = run([RINGCOMM, "env"], env={"RINGCOMM_BOARD_COMPILED": "0"}).stdout
+    assert "the shared board's one-shot round: in Python (RINGCOMM_BOARD_COMPILED=0)" in off
+
+
+def test_env_says_how_to_build_the_board_round_where_it_was_not_built(monkeypatch):
+    from ringcomm import environment
+    from ringcomm.transport import board
+
+    monkeypatch.setattr(board, "_compiled", None)  # as installed without a C compiler
+    assert "the shared board's one-shot round: in Python: not compiled (the install found " \
+           "no C compiler; with one, `pip install -e .`" in environment.report()
 
 
 # --------------------------------------------------------------------------- the debug switch
