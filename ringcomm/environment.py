@@ -75,7 +75,8 @@ def _board_round() -> str:
     from .core import config
     from .transport import board
 
-    if board._compiled is None:
+    built = board.compiled_round()
+    if built is None:
         return ("in Python: not compiled (the install found no C compiler; with one, "
                 "`pip install -e .` in ringcomm's checkout builds it)")
     reading = config.read("board_compiled")
@@ -83,7 +84,7 @@ def _board_round() -> str:
         return "compiled, but RINGCOMM_BOARD_COMPILED's value is refused (! above)"
     if not reading.value:
         return "in Python (RINGCOMM_BOARD_COMPILED=0)"
-    return f"compiled ({board._compiled.__file__})"
+    return f"compiled ({built})"
 
 
 def _settings_lines() -> list[str]:

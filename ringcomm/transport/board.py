@@ -74,6 +74,12 @@ if _compiled is not None and (_compiled.LINE, _compiled.SLOT_BYTES, _compiled.HE
     raise ImportError(f"{_compiled.__file__} was built for another board layout than "
                       "board.py's: rebuild it (pip install -e . in ringcomm's checkout)")
 
+def compiled_round() -> str | None:
+    """The file of the round's compiled fast case (``_board_round.c``), None where the
+    install built none."""
+    return None if _compiled is None else _compiled.__file__
+
+
 # What a take of a whole post does with it (``WholeTake``): copy it over this rank's data,
 # fold it in after the data's part (``data (op) post``), or before it (``post (op) data``:
 # the post's rank comes before every rank the data holds so far). Every rank folds the parts

@@ -226,7 +226,7 @@ class ShmBoardChannel(BoardChannel):
         a poster rings this rank's doorbell; look at the links and the control plane every
         few turns meanwhile, and ask the peer which op it is in after ``STALL_PROBE_S``."""
         posted, control = self.board.posted, self.control
-        for _ in range(_WATCH_EVERY if self.spin_s else 0):  # the commonest wait: a moment
+        for _ in range(self.quick_turns):  # the commonest wait: a moment
             os.sched_yield()
             if posted(peer) >= number:
                 return
